@@ -1,0 +1,40 @@
+"""The sequence (context-parallel) handle that the attention module talks to.
+
+Model code never touches process groups: it asks a ``SequenceContext`` for the pieces of the
+sequence held by other ranks. ``LocalContext`` is the single-rank identity; the
+torch.distributed implementation lives beside it in this package.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class SequenceContext:
+    """Contiguous sequence sharding: rank ``rank`` of ``size`` holds tokens [rank*S, (rank+1)*S)."""
+
+    rank: int = 0
+    size: int = 1
+
+    def gather_sequence(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Concatenate every rank's shard of ``x`` along ``dim`` in rank order (autograd-aware)."""
+        raise NotImplementedError
+
+    def previous_tail(self, x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+        """The last ``n`` entries of the previous rank's ``x`` along ``dim`` (autograd-aware).
+
+        Rank 0 gets zeros; callers mask them through the metadata (they belong to no document).
+        """
+        raise NotImplementedError
+
+
+class LocalContext(SequenceContext):
+    """No context parallelism: the local shard is the whole sequence."""
+
+    def gather_sequence(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return x
+
+    def previous_tail(self, x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+        shape = list(x.shape)
+        shape[dim] = n
+        return x.new_zeros(shape)
