@@ -38,3 +38,12 @@ class LocalContext(SequenceContext):
         shape = list(x.shape)
         shape[dim] = n
         return x.new_zeros(shape)
+
+
+def sequence_context_for(cp_group=None) -> SequenceContext:
+    """The context for a torch.distributed context-parallel group (``None`` = no CP)."""
+    if cp_group is None:
+        return LocalContext()
+    from nemo_dsa.distributed.process_group import ProcessGroupContext
+
+    return ProcessGroupContext(cp_group)

@@ -1,0 +1,96 @@
+"""Configuration of the DeepSeek-V4-style causal LM with DSA attention.
+
+A plain dataclass (no transformers dependency): Hydra builds it from YAML, and the
+nemo-automodel integration wraps it in a ``PretrainedConfig``. Field names follow the
+DeepSeek-V4 config where one exists (``q_lora_rank``, ``compress_ratios``, ``index_topk`` ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+SCORINGS = ("v4", "v41")
+
+
+@dataclass
+class DSAModelConfig:
+    vocab_size: int = 259
+    hidden_size: int = 128
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    head_dim: int = 32
+    qk_rope_head_dim: int = 16
+    q_lora_rank: int = 64
+    intermediate_size: int = 256
+    # One entry per layer: 0 = sliding window only; R > 0 adds compressed KV of ratio R.
+    # Ratio-4 layers carry an indexer that selects index_topk groups; other ratios attend to
+    # every visible group.
+    compress_ratios: tuple[int, ...] = (0, 4, 16, 4)
+    sliding_window: int = 16
+    scoring: str = "v4"
+    index_n_heads: int = 4
+    index_head_dim: int = 32
+    index_topk: int = 8
+    # V4 only: weight of the KL loss that distils the main attention into the indexer (0 = off).
+    indexer_kl_coef: float = 0.0
+    # V4.1 layer roles (indices into the layers); None = every indexer layer owns its keys.
+    kv_source_layer_ids: tuple[int, ...] | None = None
+    index_source_layer_ids: tuple[int, ...] | None = None
+    candidate_source_layer_id: int = -1
+    candidate_topk_blocks: int = 2048
+    candidate_block_size: int = 8
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    initializer_range: float = 0.02
+    tie_word_embeddings: bool = False
+    # Kernel choice for the indexer: "auto" (TileLang on CUDA, torch on CPU) | "tilelang" | "torch".
+    backend: str = "auto"
+    fused_topk: bool = True
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.compress_ratios = tuple(int(r) for r in self.compress_ratios)
+        for name in ("kv_source_layer_ids", "index_source_layer_ids"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, tuple(int(i) for i in value))
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the offending key."""
+        if self.scoring not in SCORINGS:
+            raise ValueError(f"scoring must be one of {SCORINGS}, got {self.scoring!r}")
+        if len(self.compress_ratios) != self.num_hidden_layers:
+            raise ValueError(
+                f"compress_ratios must have num_hidden_layers={self.num_hidden_layers} entries, "
+                f"got {len(self.compress_ratios)}"
+            )
+        if any(r < 0 for r in self.compress_ratios):
+            raise ValueError(f"compress_ratios must be >= 0 (0 = window only), got {self.compress_ratios}")
+        if self.index_topk < 1:
+            raise ValueError(f"index_topk must be >= 1, got {self.index_topk}")
+        if self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if self.index_head_dim % 16:
+            raise ValueError(f"index_head_dim must be a multiple of 16, got {self.index_head_dim}")
+        if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim > min(self.head_dim, self.index_head_dim):
+            raise ValueError(
+                f"qk_rope_head_dim must be even and <= head_dim and index_head_dim, got {self.qk_rope_head_dim}"
+            )
+        if self.scoring == "v41":
+            h = self.index_n_heads
+            if h < 1 or h > 128 or h & (h - 1):
+                raise ValueError(f"index_n_heads must be a power of two <= 128 for scoring v41, got {h}")
+            if self.index_head_dim % 32:
+                raise ValueError(f"index_head_dim must be a multiple of 32 for MXFP4 (v41), got {self.index_head_dim}")
+        if self.backend not in ("auto", "tilelang", "torch"):
+            raise ValueError(f"backend must be 'auto', 'tilelang' or 'torch', got {self.backend!r}")
+        for name in ("kv_source_layer_ids", "index_source_layer_ids"):
+            ids = getattr(self, name) or ()
+            bad = [i for i in ids if not 0 <= i < self.num_hidden_layers]
+            if bad:
+                raise ValueError(f"{name} must index layers 0..{self.num_hidden_layers - 1}, got {bad}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
