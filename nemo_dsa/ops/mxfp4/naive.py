@@ -1,0 +1,73 @@
+"""MXFP4 quantize-dequantize (E2M1 values, power-of-two block scale) with a straight-through gradient.
+
+DSA-SPEC "Scoring", V4.1 mode: per block of 32 consecutive channels, scale = the smallest power of
+two >= max|x| / 6 (max clamped to at least 6 * 2^-126), taken from the fp32 bit pattern rather
+than a logarithm; x / scale is clamped to [-6, 6] and rounded to the nearest of
++-{0, 0.5, 1, 1.5, 2, 3, 4, 6}, a tie going to the level whose E2M1 mantissa bit is 0; the result
+times scale is returned in the input dtype. The backward is the identity.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nemo_dsa._checks import check_tensor
+
+BLOCK = 32
+E2M1_MAX = 6.0
+# The non-negative E2M1 levels; the mantissa bit of level n is n % 2, so "ties to even mantissa"
+# means "ties to the even position" in this table.
+E2M1_LEVELS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def power_of_two_ceil(values: torch.Tensor) -> torch.Tensor:
+    """Smallest power of two >= each positive, normal fp32 value, read off the fp32 bits.
+
+    A value with a zero mantissa is already a power of two; otherwise bump the exponent by one.
+    """
+    bits = values.view(torch.int32)
+    exponent = (bits >> 23) & 0xFF
+    exponent = exponent + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    return (exponent << 23).view(torch.float32)
+
+
+def _round_to_e2m1(magnitude: torch.Tensor) -> torch.Tensor:
+    """Round |x/scale| in [0, 6] to the nearest E2M1 level, ties to the even table position."""
+    levels = magnitude.new_tensor(E2M1_LEVELS)
+    midpoints = (levels[1:] + levels[:-1]) / 2  # 0.25, 0.75, ..., 5 (exact in fp32)
+    position = (magnitude.unsqueeze(-1) > midpoints).sum(-1)  # strictly above = the upper level
+    at_tie = (magnitude.unsqueeze(-1) == midpoints).any(-1)
+    # On a tie `position` is the lower neighbour; move up when that neighbour is odd.
+    position = position + (at_tie & (position % 2 == 1)).to(position.dtype)
+    return levels[position]
+
+
+def _quant_dequant(x: torch.Tensor) -> torch.Tensor:
+    blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+    amax = blocks.abs().amax(-1, keepdim=True).clamp_min(E2M1_MAX * 2.0**-126)
+    # Correctly rounded fp32 division never lands on a power of two from above: the nearest fp32
+    # above 6 * 2^k is 6 * 2^k + 2^(k-21), whose quotient exceeds 2^k by more than half an ulp.
+    # So this is the exact ceiling of the real amax / 6 (a reciprocal multiply would not be).
+    scale = power_of_two_ceil(amax / E2M1_MAX)
+    normalized = (blocks / scale).clamp(-E2M1_MAX, E2M1_MAX)  # exact: scale is a power of two
+    rounded = torch.copysign(_round_to_e2m1(normalized.abs()), normalized)
+    return (rounded * scale).reshape(x.shape).to(x.dtype)
+
+
+class _MXFP4QuantDequant(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return _quant_dequant(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad  # straight-through estimator
+
+
+def mxfp4_quant_dequant(x: torch.Tensor) -> torch.Tensor:
+    """MXFP4 quantize-dequantize ``x [..., C]`` (C a multiple of 32) in its own dtype; identity gradient."""
+    check_tensor("x", x, dtypes=FLOAT_DTYPES)
+    if x.ndim < 1 or x.shape[-1] % BLOCK:
+        raise ValueError(f"x must have a last dimension that is a multiple of {BLOCK}, got shape {tuple(x.shape)}")
+    return _MXFP4QuantDequant.apply(x)

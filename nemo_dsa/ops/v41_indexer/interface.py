@@ -1,0 +1,80 @@
+"""V4.1 indexer seed API: frozen scores with the released BF16 rounding boundaries.
+
+Backend dispatch lives in :func:`_scores` only: the torch path is the reference in ``naive.py``;
+the TileLang path imports ``.kernels`` lazily and calls ``kernels.indexer_scores_tilelang`` with
+the same signature as :func:`_scores_torch`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nemo_dsa._checks import check_tensor
+from nemo_dsa.ops._dispatch import resolve_backend
+from nemo_dsa.ops._visibility import check_ks_ke
+from nemo_dsa.ops.v41_indexer.naive import v41_scores
+
+
+def _scores_torch(queries, keys, weights, allowed, ks, ke):
+    """Reference: exactly one of ``allowed`` (dense bool, honoured elementwise) or (ks, ke)."""
+    if allowed is None:
+        return v41_scores(queries, keys, weights, ks, ke)
+    batch, sequence = queries.shape[:2]
+    everything = torch.full((batch, sequence), keys.shape[1], dtype=torch.int32, device=queries.device)
+    scores = v41_scores(queries, keys, weights, torch.zeros_like(everything), everything)
+    return scores.masked_fill_(~allowed, float("-inf"))
+
+
+def _scores(backend, *args):
+    if backend == "tilelang":
+        from nemo_dsa.ops.v41_indexer import kernels
+
+        return kernels.indexer_scores_tilelang(*args)
+    return _scores_torch(*args)
+
+
+def _validate(queries, keys, weights, allowed, ks, ke) -> None:
+    check_tensor("queries", queries, ndim=4, dtypes=(torch.bfloat16,))
+    batch, sequence, heads, dim = queries.shape
+    device = queries.device
+    check_tensor("keys", keys, ndim=3, dtypes=(torch.bfloat16,), shape=(batch, None, dim), device=device)
+    check_tensor("weights", weights, ndim=3, dtypes=(torch.bfloat16,), shape=(batch, sequence, heads), device=device)
+    if heads < 1 or heads > 128 or heads & (heads - 1):
+        raise ValueError(f"queries must have a power-of-two number of heads <= 128, got {heads}")
+    if dim % 16:
+        raise ValueError(f"queries must have an index dim divisible by 16, got {dim}")
+    width = keys.shape[1]
+    if allowed is not None:
+        if ks is not None or ke is not None:
+            raise ValueError("give either allowed or (ks, ke), not both")
+        check_tensor("allowed", allowed, ndim=3, dtypes=(torch.bool,), shape=(batch, sequence, width), device=device)
+    elif ks is None and ke is None:
+        raise ValueError("one of allowed or (ks, ke) is required to say which keys each query sees")
+    else:
+        check_ks_ke(ks, ke, batch=batch, queries=sequence, num_keys=width, device=device)
+
+
+@torch.no_grad()
+def indexer_scores(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    weights: torch.Tensor,
+    allowed: torch.Tensor | None = None,
+    *,
+    ks: torch.Tensor | None = None,
+    ke: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Frozen V4.1 indexer scores, bf16 ``[B, S, K]``, -inf where a key is not visible; no autograd graph.
+
+    Args:
+        queries: [B, S, H, D] bf16 (H a power of two <= 128, D divisible by 16), MXFP4 + RoPE applied.
+        keys: [B, K, D] bf16 compressed index keys (global compressed axis).
+        weights: [B, S, H] bf16 per-head weights, released scaling folded in.
+        allowed: dense bool [B, S, K] visibility, honoured elementwise; or instead
+        ks, ke: int32 [B, S] visible ranges [ks, ke). Exactly one of the two forms.
+        backend: "auto" | "tilelang" | "torch".
+    """
+    _validate(queries, keys, weights, allowed, ks, ke)
+    backend = resolve_backend(backend, *(t for t in (queries, keys, weights, allowed, ks, ke) if t is not None))
+    return _scores(backend, queries, keys, weights, allowed, ks, ke)
