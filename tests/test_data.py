@@ -1,0 +1,160 @@
+"""The offline corpus, byte tokenizer and packing (nemo_dsa.data)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from nemo_dsa.data import (
+    BOS_ID,
+    EOS_ID,
+    IGNORE_INDEX,
+    PAD_ID,
+    SEQ_LENS_PAD,
+    VOCAB_SIZE,
+    ByteTokenizer,
+    PackedBatches,
+    build_streams,
+    split_documents,
+    stdlib_documents,
+)
+
+SMALL_CORPUS = ("json", "textwrap", "heapq")
+
+
+def _random_docs(seed: int, n: int, max_len: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    docs = []
+    for _ in range(n):
+        body = [rng.randrange(256) for _ in range(rng.randrange(0, max_len))]
+        docs.append([BOS_ID, *body, EOS_ID])
+    return docs
+
+
+def check_row_invariants(batch: dict[str, torch.Tensor], seq_len: int, min_piece: int) -> list[list[int]]:
+    """Assert the packing contract on every row; return the pieces (token lists) in order."""
+    pieces = []
+    b = batch["input_ids"].shape[0]
+    for key in ("input_ids", "labels", "position_ids", "packed_seq_ids", "attention_mask"):
+        assert batch[key].shape == (b, seq_len), key
+    for r in range(b):
+        ids, labels = batch["input_ids"][r], batch["labels"][r]
+        pos, doc, mask = batch["position_ids"][r], batch["packed_seq_ids"][r], batch["attention_mask"][r]
+        lens = [int(x) for x in batch["seq_lens"][r] if x > 0]
+        padded = [int(x) for x in batch["seq_lens_padded"][r] if x != SEQ_LENS_PAD]
+        assert all(x == SEQ_LENS_PAD for x in batch["seq_lens"][r][len(lens):].tolist())
+        assert lens, "every row starts with a document piece"
+        assert sum(padded) == seq_len and padded[:-1] == lens[:-1] and padded[-1] >= lens[-1]
+        t = 0
+        for d, n in enumerate(lens, start=1):
+            seg = slice(t, t + n)
+            assert (doc[seg] == d).all() and (mask[seg] == 1).all()
+            assert torch.equal(pos[seg], torch.arange(n))
+            assert torch.equal(labels[t : t + n - 1], ids[t + 1 : t + n])  # next token, same piece
+            assert labels[t + n - 1] == IGNORE_INDEX  # piece end: the next token is another document
+            pieces.append(ids[seg].tolist())
+            t += n
+        pad = seq_len - t
+        assert pad < min_piece  # padding only when the room left is too small for a new piece
+        tail = slice(t, seq_len)
+        assert (ids[tail] == PAD_ID).all() and (labels[tail] == IGNORE_INDEX).all()
+        assert (doc[tail] == 0).all() and (mask[tail] == 0).all() and (pos[tail] == 0).all()
+    return pieces
+
+
+def test_tokenizer_roundtrip_and_vocab():
+    tok = ByteTokenizer()
+    text = "naïve — ∑ café\nline two"
+    ids = tok.encode(text)
+    assert ids[0] == BOS_ID and ids[-1] == EOS_ID and max(ids) < VOCAB_SIZE == 259
+    assert tok.decode(ids) == text
+    assert tok.encode(text, add_special=False) == list(text.encode("utf-8"))
+
+
+def test_corpus_is_real_deterministic_text():
+    docs = stdlib_documents(SMALL_CORPUS)
+    again = stdlib_documents(SMALL_CORPUS)
+    assert docs == again and len(docs) > 10
+    titles = [d.title for d in docs]
+    assert "json.dumps" in titles and len(set(titles)) == len(titles)
+    dumps = docs[titles.index("json.dumps")].text
+    assert dumps.startswith("json.dumps(") and "JSON" in dumps
+
+
+def test_split_is_deterministic_and_disjoint():
+    docs = stdlib_documents()
+    train, val = split_documents(docs, val_percent=5)
+    assert len(train) + len(val) == len(docs) and val and train
+    assert not {d.title for d in train} & {d.title for d in val}
+    assert split_documents(docs, 5) == (train, val)
+    with pytest.raises(ValueError, match="val_percent"):
+        split_documents(docs, 100)
+
+
+@pytest.mark.parametrize("seq_len,batch_size,min_piece", [(37, 3, 5), (64, 2, 8), (16, 5, 2)])
+def test_packing_invariants_and_no_token_lost(seq_len, batch_size, min_piece):
+    docs = _random_docs(seq_len, n=23, max_len=3 * seq_len)  # some documents span several rows
+    stream = PackedBatches(docs, seq_len=seq_len, batch_size=batch_size, shuffle=False, min_piece=min_piece)
+    pieces = []
+    for _ in range(12):
+        pieces += check_row_invariants(next(stream), seq_len, min_piece)
+    # Concatenated pieces reproduce the documents in order (wrapping around epochs).
+    flat = [t for p in pieces for t in p]
+    stream_tokens = [t for _ in range(len(flat) // sum(map(len, docs)) + 1) for d in docs for t in d]
+    assert flat == stream_tokens[: len(flat)]
+
+
+def test_real_corpus_batches_and_metadata_agree():
+    train, val = build_streams(seq_len=96, batch_size=3, seed=3, val_batches=2, modules=SMALL_CORPUS, val_percent=20)
+    batch = next(train)
+    check_row_invariants(batch, 96, 8)
+    assert len(val) == 2
+    for v in val:
+        check_row_invariants(v, 96, 8)
+    # The THD fields and the per-token ids describe the same documents to the model's metadata.
+    from nemo_dsa.metadata import build_attention_metadata
+
+    a = build_attention_metadata(compress_ratio=4, position_ids=batch["position_ids"], seq_lens=batch["seq_lens"],
+                                 seq_lens_padded=batch["seq_lens_padded"])
+    b = build_attention_metadata(compress_ratio=4, packed_seq_ids=batch["packed_seq_ids"],
+                                 attention_mask=batch["attention_mask"])
+    assert torch.equal(a.token_valid, batch["attention_mask"].bool())
+    assert torch.equal(a.ks, b.ks) and torch.equal(a.ke, b.ke)
+    assert torch.equal(a.local_positions[a.token_valid], batch["position_ids"][a.token_valid])
+
+
+def test_stream_seeded_and_resumable_across_epochs():
+    docs = _random_docs(0, n=9, max_len=40)
+    make = lambda seed: PackedBatches(docs, seq_len=32, batch_size=2, seed=seed)  # noqa: E731
+    a, b, c = make(1), make(1), make(2)
+    first_a = [next(a) for _ in range(5)]
+    first_b = [next(b) for _ in range(5)]
+    assert all(torch.equal(x["input_ids"], y["input_ids"]) for x, y in zip(first_a, first_b))
+    assert any(not torch.equal(x["input_ids"], next(c)["input_ids"]) for x in first_a)
+    state = a.state_dict()
+    later = [next(a) for _ in range(8)]  # 9 short documents: this crosses epoch boundaries
+    assert a.epoch >= 2
+    resumed = make(1)
+    resumed.load_state_dict(state)
+    for x in later:
+        y = next(resumed)
+        assert all(torch.equal(x[k], y[k]) for k in x)
+    with pytest.raises(ValueError, match="seed"):
+        make(5).load_state_dict(state)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(seq_len=1, batch_size=2), "seq_len"),
+        (dict(seq_len=8, batch_size=0), "batch_size"),
+        (dict(seq_len=8, batch_size=1, min_piece=9), "min_piece"),
+    ],
+)
+def test_stream_rejects_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PackedBatches(_random_docs(0, 3, 10), **kwargs)
+    with pytest.raises(ValueError, match="documents"):
+        PackedBatches([], seq_len=8, batch_size=1)
