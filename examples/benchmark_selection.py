@@ -1,0 +1,162 @@
+"""Top-k selection at long context on the H200: streaming (no [B, S, K] matrix) vs materialising.
+
+    python examples/benchmark_selection.py --out selection.json
+    python examples/benchmark_selection.py --sizes 32768 --reps 5 --check
+
+Shapes: H=64 index heads, D=128, R=4, T=512, causal, B=1, K = S/4. Rows per S:
+- ``nemo_dsa stream v4`` / ``v41``: ``v4_select_topk`` / ``v41_select_topk`` (TileLang scorers,
+  chunked so that the selection transients fit ``--chunk-mib``);
+- ``nemo_dsa materialise v4`` / ``v41``: the full-matrix kernel, then ``select_topk``;
+- ``built-in v4`` / ``v41`` (nemo-automodel 0.7.0, imported here only): ``batched_indexer_fwd``
+  logits / ``indexer_scores`` with a dense allowed mask, then ``torch.topk`` (no tie rule).
+Times are medians of CUDA-event timings after one warm-up call (compiles). "extra" memory is the
+peak allocation during the call beyond what was allocated before it (inputs, the built-in's dense
+mask) and the call's outputs. Rows that do not fit report OOM. JSON to --out, table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+HEADS, DIM, RATIO, TOPK = 64, 128, 4, 512
+
+
+def _inputs(seq: int, w_dtype: torch.dtype, seed: int = 0):
+    from nemo_dsa.ops._visibility import causal_ks_ke
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    num_keys = seq // RATIO
+    q = torch.randn(1, seq, HEADS, DIM, device="cuda", generator=g).bfloat16()
+    k = torch.randn(1, num_keys, DIM, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(1, seq, HEADS, device="cuda", generator=g) * (DIM**-0.5 * HEADS**-0.5)).to(w_dtype)
+    ks, ke = causal_ks_ke(1, seq, num_keys, RATIO, q.device)
+    return q, k, w, ks, ke
+
+
+def _rows(chunk_bytes: int):
+    """name -> (w dtype, needs dense mask, fn(q, k, w, ks, ke, allowed) -> outputs)."""
+    from nemo_dsa.ops.topk.naive import select_topk
+    from nemo_dsa.ops.topk.streaming import v4_select_topk, v41_select_topk
+    from nemo_dsa.ops.v4_indexer.interface import pytorch_extract_topk_scores
+
+    def stream_v4(q, k, w, ks, ke, allowed):
+        return v4_select_topk(q, k, w, ks, ke, TOPK, backend="tilelang", chunk_bytes=chunk_bytes)
+
+    def stream_v41(q, k, w, ks, ke, allowed):
+        return v41_select_topk(q, k, w, ks, ke, TOPK, backend="tilelang", chunk_bytes=chunk_bytes)
+
+    def full_v4(q, k, w, ks, ke, allowed):
+        from nemo_dsa.ops.v4_indexer.kernels import v4_logits_tilelang
+
+        logits = v4_logits_tilelang(q, k, w, ks, ke)
+        index = select_topk(logits, TOPK)
+        return pytorch_extract_topk_scores(logits, index), index
+
+    def full_v41(q, k, w, ks, ke, allowed):
+        from nemo_dsa.ops.v41_indexer.kernels import v41_scores_tilelang
+
+        return select_topk(v41_scores_tilelang(q, k, w, ks, ke), TOPK, order="index")
+
+    def builtin_v4(q, k, w, ks, ke, allowed):
+        from nemo_automodel.components.models.deepseek_v4.kernels.tilelang_indexer_fwd import batched_indexer_fwd
+
+        logits = batched_indexer_fwd(q.transpose(0, 1), k.transpose(0, 1), w.transpose(0, 1).contiguous(), ks[0], ke[0])
+        return torch.topk(logits, min(TOPK, k.shape[1]), dim=-1)
+
+    def builtin_v41(q, k, w, ks, ke, allowed):
+        from nemo_automodel.components.models.deepseek_v41.indexer import indexer_scores
+
+        scores = indexer_scores(q, k, w, allowed)
+        return torch.topk(scores, min(TOPK, k.shape[1]), dim=-1).indices.sort(dim=-1).values
+
+    return {
+        "nemo_dsa stream v4": (torch.float32, False, stream_v4),
+        "nemo_dsa stream v41": (torch.bfloat16, False, stream_v41),
+        "nemo_dsa materialise v4": (torch.float32, False, full_v4),
+        "nemo_dsa materialise v41": (torch.bfloat16, False, full_v41),
+        "built-in v4 + torch.topk": (torch.float32, False, builtin_v4),
+        "built-in v41 + torch.topk": (torch.bfloat16, True, builtin_v41),
+    }
+
+
+def _nbytes(result) -> int:
+    tensors = result if isinstance(result, tuple) else (result,)
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def _measure(fn, args, reps: int) -> dict:
+    fn(*args)  # warm-up: TileLang compiles on first use
+    torch.cuda.synchronize()
+    times, extra = [], 0
+    for _ in range(reps):
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        result = fn(*args)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+        extra = max(extra, torch.cuda.max_memory_allocated() - before - _nbytes(result))
+        del result
+    return {"ms": statistics.median(times), "extra_mib": extra / 2**20}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[32768, 65536, 131072])
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--chunk-mib", type=int, default=512)
+    parser.add_argument("--check", action="store_true", help="streaming indices == materialising indices")
+    parser.add_argument("--out", default="selection_benchmark.json")
+    args = parser.parse_args()
+    rows = _rows(args.chunk_mib * 2**20)
+    results = []
+    for seq in args.sizes:
+        for dtype in (torch.float32, torch.bfloat16):
+            q, k, w, ks, ke = _inputs(seq, dtype)
+            allowed = None
+            for name, (w_dtype, dense, fn) in rows.items():
+                if w_dtype != dtype:
+                    continue
+                entry = {"S": seq, "K": seq // RATIO, "row": name}
+                try:
+                    if dense and allowed is None:  # the built-in V4.1 API's input, not counted as extra
+                        keys = torch.arange(k.shape[1], device="cuda")
+                        allowed = (keys >= ks[..., None]) & (keys < ke[..., None])
+                    entry.update(_measure(fn, (q, k, w, ks, ke, allowed), args.reps))
+                except torch.OutOfMemoryError:
+                    entry.update({"ms": None, "extra_mib": None, "note": "OOM"})
+                torch.cuda.empty_cache()
+                results.append(entry)
+                print(json.dumps(entry), flush=True)
+            if args.check:
+                stream = rows[f"nemo_dsa stream {'v4' if dtype == torch.float32 else 'v41'}"][2]
+                full = rows[f"nemo_dsa materialise {'v4' if dtype == torch.float32 else 'v41'}"][2]
+                a, b = stream(q, k, w, ks, ke, None), full(q, k, w, ks, ke, None)
+                same = all(torch.equal(x, y) for x, y in zip(a, b)) if isinstance(a, tuple) else torch.equal(a, b)
+                results.append({"S": seq, "row": f"check {dtype}", "streaming_equals_materialising": same})
+                print(json.dumps(results[-1]), flush=True)
+                del a, b
+            del q, k, w, ks, ke, allowed
+            torch.cuda.empty_cache()
+    with open(args.out, "w") as handle:
+        json.dump({"heads": HEADS, "dim": DIM, "ratio": RATIO, "topk": TOPK, "chunk_mib": args.chunk_mib,
+                   "device": torch.cuda.get_device_name(), "results": results}, handle, indent=1)
+    print(f"\n| S | K | row | median ms | extra MiB |\n|---|---|---|---|---|")
+    for r in results:
+        if "ms" in r:
+            ms = "OOM" if r["ms"] is None else f"{r['ms']:.2f}"
+            mib = "-" if r["extra_mib"] is None else f"{r['extra_mib']:.0f}"
+            print(f"| {r['S']} | {r['K']} | {r['row']} | {ms} | {mib} |")
+        else:
+            print(f"| {r['S']} | | {r['row']} | equal: {r['streaming_equals_materialising']} | |")
+
+
+if __name__ == "__main__":
+    main()

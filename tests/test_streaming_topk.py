@@ -1,0 +1,315 @@
+"""Streaming top-k (nemo_dsa.ops.topk.streaming) on CPU: exact equality with full-matrix selection.
+
+End-to-end comparisons use quantised inputs (q, k in {-1, 0, 1}, w in quarter steps): every
+product and sum is exact in fp32, so any scorer and any chunking give bitwise the same scores,
+with many ties, and equality tests the windowing and the tie rule. The selection on arbitrary
+float scores is tested separately with the scorer replaced by slices of a fixed random matrix
+(CPU BLAS picks kernels by matrix shape, so the torch scorer itself is only 1-ulp stable).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from causal_layouts import packed_ks_ke, random_ks_ke
+from nemo_dsa.ops._visibility import causal_ks_ke, visible_mask
+from nemo_dsa.ops.topk import streaming
+from nemo_dsa.ops.topk.naive import blocks_to_mask, candidate_blocks, orderable_int32, select_topk
+from nemo_dsa.ops.topk.streaming import (
+    plan_query_chunks,
+    select_window,
+    v4_row_bytes,
+    v4_select_topk,
+    v41_row_bytes,
+    v41_select_topk,
+)
+from nemo_dsa.ops.v4_indexer.interface import pytorch_extract_topk_scores
+from nemo_dsa.ops.v4_indexer.naive import v4_logits
+from nemo_dsa.ops.v41_indexer.naive import v41_scores
+
+INF = float("inf")
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs and layouts
+# ----------------------------------------------------------------------------------------------
+
+
+def _quantised(batch, queries, heads, dim, num_keys, seed, w_dtype):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-1, 2, (batch, queries, heads, dim), generator=g).bfloat16()
+    k = torch.randint(-1, 2, (batch, num_keys, dim), generator=g).bfloat16()
+    w = (torch.randint(-2, 3, (batch, queries, heads), generator=g) / 4).to(w_dtype)
+    return q, k, w
+
+
+def _layout(name, batch, queries, ratio, seed):
+    """(ks, ke, K) for a layout; the CP layout returns rank 1 of 3 (queries a slice, global keys)."""
+    g = torch.Generator().manual_seed(seed)
+    if name == "causal":
+        num_keys = queries // ratio
+        ks, ke = causal_ks_ke(batch, queries, num_keys, ratio, torch.device("cpu"))
+    elif name == "packed":  # document lengths off multiples of R, trailing padding
+        docs = [[37, 101, 5, queries - 37 - 101 - 5 - 9], [queries - 50, 43]][:batch]
+        docs += [[queries]] * (batch - len(docs))
+        num_keys = queries // ratio
+        ks, ke = packed_ks_ke(docs, queries, ratio)
+    elif name == "cp":
+        ranks, rank = 3, 1
+        total = queries * ranks
+        docs = [[total // 2 + 3, total - total // 2 - 3]] * batch
+        ks, ke = packed_ks_ke(docs, total, ratio)
+        ks, ke = ks[:, rank * queries : (rank + 1) * queries], ke[:, rank * queries : (rank + 1) * queries]
+        num_keys = total // ratio
+    else:  # arbitrary ranges, some empty
+        num_keys = queries // ratio
+        ks, ke = random_ks_ke(batch, queries, num_keys, g)
+    return ks.contiguous(), ke.contiguous(), num_keys
+
+
+def _v4_reference(q, k, w, ks, ke, topk):
+    logits = v4_logits(q, k, w, ks, ke)
+    index = select_topk(logits, topk, order="score")
+    return pytorch_extract_topk_scores(logits, index), index
+
+
+# ----------------------------------------------------------------------------------------------
+# The integer images and window selection
+# ----------------------------------------------------------------------------------------------
+
+
+def _same_order(reference: torch.Tensor, image: torch.Tensor) -> bool:
+    """True if ``image`` orders (and ties) the elements exactly as ``reference`` does."""
+    order = torch.argsort(reference, stable=True)
+    monotone = bool((image[order][1:] >= image[order][:-1]).all())
+    return monotone and torch.unique(reference).numel() == torch.unique(image).numel()
+
+
+def test_bf16_image_orders_every_bit_pattern_like_the_fp32_rule():
+    values = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    image = streaming._orderable_image(values.clone()).long()
+    assert _same_order(orderable_int32(values), image)
+    assert image.min() == -(2**15) and int((image == -(2**15)).sum()) == int((~torch.isfinite(values)).sum())
+
+
+def test_fp32_image_orders_like_the_fp32_rule():
+    g = torch.Generator().manual_seed(1)
+    bits = torch.randint(-(2**31), 2**31, (200000,), generator=g, dtype=torch.int64).to(torch.int32)
+    special = torch.tensor([0.0, -0.0, INF, -INF, float("nan"), 1e-45, -1e-45, 3.4028235e38, -3.4028235e38, 1.0, -1.0])
+    values = torch.cat([bits.view(torch.float32), special])
+    assert _same_order(orderable_int32(values), streaming._orderable_image(values.clone()).long())
+
+
+def _scores_with_ties(rows, width, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    scores = (torch.randint(-6, 7, (rows, width), generator=g) / 2).to(dtype)
+    scores[torch.rand(rows, width, generator=g) < 0.1] = -INF
+    scores[torch.rand(rows, width, generator=g) < 0.03] = -0.0
+    scores[torch.rand(rows, width, generator=g) < 0.01] = float("nan")
+    scores[torch.rand(rows, width, generator=g) < 0.01] = INF
+    scores[::7] = -INF  # rows that see nothing
+    return scores
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("order", ["score", "index"])
+@pytest.mark.parametrize("count", [1, 13, 40, 90])
+def test_select_window_equals_select_topk_on_the_full_row(dtype, order, count):
+    full_width, start, width = 90, 23, 51
+    window = _scores_with_ties(30, width, dtype, seed=count)
+    full = torch.full((30, full_width), -INF, dtype=dtype)
+    full[:, start : start + width] = window
+    index, values = select_window(window.clone(), start, count, order)
+    expected = select_topk(full, count, order=order)
+    assert torch.equal(index, expected)
+    gathered = pytorch_extract_topk_scores(full.float(), expected)
+    assert torch.equal(values.float(), gathered)
+
+
+def test_select_window_wide_bf16_uses_64_bit_keys():
+    width = streaming.MAX_INT32_KEY_WIDTH + 1000  # past the int32 key's 16 index bits
+    scores = _scores_with_ties(3, width, torch.bfloat16, seed=5)
+    scores[1, -3:] = 100.0  # ties at the far end must still go to the smaller index
+    for order in ("score", "index"):
+        index, _ = select_window(scores.clone(), 7, 64, order)
+        full = torch.cat([torch.full((3, 7), -INF, dtype=torch.bfloat16), scores], dim=1)
+        assert torch.equal(index, select_topk(full, 64, order=order))
+
+
+# ----------------------------------------------------------------------------------------------
+# Chunk planner
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["causal", "packed", "cp", "random"])
+@pytest.mark.parametrize("budget", [1, 50_000, 2_000_000, 2**40])
+def test_planner_covers_rows_windows_hold_visible_keys_and_fit_the_budget(layout, budget):
+    ks, ke, num_keys = _layout(layout, 2, 523, 4, seed=3)
+    for row_bytes in (v4_row_bytes(4, 32, 64), v41_row_bytes(4, 32, 64, candidates=True, block_size=4)):
+        chunks = plan_query_chunks(ks, ke, row_bytes, budget)
+        assert chunks[0].start == 0 and chunks[-1].end == 523
+        assert all(a.end == b.start for a, b in zip(chunks, chunks[1:]))
+        for c in chunks:
+            seen = ke[:, c.rows] > ks[:, c.rows]
+            assert (ks[:, c.rows][seen] >= c.key_start).all() and (ke[:, c.rows][seen] <= c.key_end).all()
+            assert 0 <= c.key_start <= c.key_end <= num_keys and c.key_start % streaming.KEY_ALIGN == 0
+            rows = c.end - c.start
+            cost = rows * 2 * int(row_bytes(torch.tensor([c.width]))[0])
+            assert rows == 1 or cost <= budget, (c, cost)
+        if budget == 2**40:
+            assert len(chunks) == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# End to end (torch backend) against the full-matrix references
+# ----------------------------------------------------------------------------------------------
+
+CASES = [  # layout, batch, queries, heads, dim, topk, ratio
+    ("causal", 2, 301, 3, 16, 64, 4),
+    ("causal", 1, 2150, 2, 16, 2048, 1),  # T = 2048 < K = 2150
+    ("packed", 2, 523, 4, 16, 64, 4),
+    ("cp", 3, 211, 2, 32, 512, 4),  # T > K = 158
+    ("random", 2, 1100, 1, 16, 1024, 1),  # T = 1024 < K = 1100, arbitrary ranges
+]
+
+
+@pytest.mark.parametrize("layout,batch,queries,heads,dim,topk,ratio", CASES)
+def test_v4_streaming_equals_full_selection(layout, batch, queries, heads, dim, topk, ratio):
+    ks, ke, num_keys = _layout(layout, batch, queries, ratio, seed=queries)
+    q, k, w = _quantised(batch, queries, heads, dim, num_keys, seed=queries, w_dtype=torch.float32)
+    ref_scores, ref_index = _v4_reference(q, k, w, ks, ke, topk)
+    assert ref_index.shape[-1] == min(topk, num_keys)
+    for budget in (streaming.DEFAULT_CHUNK_BYTES, 3_000_000) + ((20_000,) if queries < 1000 else ()):
+        scores, index = v4_select_topk(q, k, w, ks, ke, topk, backend="torch", chunk_bytes=budget)
+        assert torch.equal(index, ref_index), budget
+        assert torch.equal(scores, ref_scores), budget
+
+
+@pytest.mark.parametrize("layout,batch,queries,heads,dim,topk,ratio", CASES)
+def test_v41_streaming_equals_full_selection(layout, batch, queries, heads, dim, topk, ratio):
+    ks, ke, num_keys = _layout(layout, batch, queries, ratio, seed=queries + 1)
+    q, k, w = _quantised(batch, queries, heads, dim, num_keys, seed=queries + 1, w_dtype=torch.bfloat16)
+    full = v41_scores(q, k, w, ks, ke)
+    ref = select_topk(full, topk, order="index")
+    for budget in (streaming.DEFAULT_CHUNK_BYTES, 3_000_000) + ((20_000,) if queries < 1000 else ()):
+        assert torch.equal(v41_select_topk(q, k, w, ks, ke, topk, backend="torch", chunk_bytes=budget), ref), budget
+
+
+@pytest.mark.parametrize("layout", ["causal", "packed", "cp"])
+@pytest.mark.parametrize("block_size,topk_blocks", [(4, 3), (8, 100)])
+def test_v41_candidate_source_and_reindex_equal_full_matrix(layout, block_size, topk_blocks):
+    batch, queries, heads, dim, topk = 2, 389, 2, 16, 24
+    ks, ke, num_keys = _layout(layout, batch, queries, 4, seed=7)
+    q, k, w = _quantised(batch, queries, heads, dim, num_keys, seed=8, w_dtype=torch.bfloat16)
+    full = v41_scores(q, k, w, ks, ke)
+    ref_blocks = candidate_blocks(full, ks, ke, block_size, topk_blocks)
+    ref_source = select_topk(full, topk, order="index")
+    # A second layer's scores, masked by the source layer's blocks.
+    q2, k2, w2 = _quantised(batch, queries, heads, dim, num_keys, seed=9, w_dtype=torch.bfloat16)
+    full2 = v41_scores(q2, k2, w2, ks, ke)
+    keep = blocks_to_mask(ref_blocks, ks, ke, block_size, num_keys)
+    ref_reindex = select_topk(full2.masked_fill(~keep, -INF), topk, order="index")
+    for budget in (streaming.DEFAULT_CHUNK_BYTES, 100_000):
+        index, blocks = v41_select_topk(q, k, w, ks, ke, topk, candidate_block_size=block_size,
+                                        candidate_topk_blocks=topk_blocks, backend="torch", chunk_bytes=budget)
+        assert torch.equal(blocks, ref_blocks) and torch.equal(index, ref_source)
+        index2 = v41_select_topk(q2, k2, w2, ks, ke, topk, candidate_block_size=block_size,
+                                 candidate_blocks=blocks, backend="torch", chunk_bytes=budget)
+        assert torch.equal(index2, ref_reindex)
+
+
+def test_selection_of_arbitrary_float_scores_is_independent_of_chunking(monkeypatch):
+    """The scorer replaced by slices of one random matrix: streaming == select_topk(matrix)."""
+    batch, queries, heads, dim, topk = 2, 403, 2, 16, 37
+    ks, ke, num_keys = _layout("packed", batch, queries, 4, seed=11)
+    g = torch.Generator().manual_seed(12)
+    fixed = torch.randn(batch, queries, num_keys, generator=g)
+    fixed[torch.rand(fixed.shape, generator=g) < 0.2] = 0.5  # ties
+    fixed[torch.rand(fixed.shape, generator=g) < 0.05] = -0.0
+    fixed = fixed.masked_fill(~visible_mask(ks, ke, num_keys), -INF)
+    current = []  # the chunk being scored, recorded where its local ranges are formed
+    original_local_ranges = streaming._local_ranges
+
+    def local_ranges(ks_, ke_, chunk):
+        current[:] = [chunk]
+        return original_local_ranges(ks_, ke_, chunk)
+
+    def scorer_of(dtype):
+        def scorer(backend, q, k, w, local_ks, local_ke, *rest):
+            chunk = current[0]
+            assert q.shape[1] == chunk.end - chunk.start and k.shape[1] == chunk.width
+            return fixed[:, chunk.rows, chunk.key_start : chunk.key_end].to(dtype)
+        return scorer
+
+    monkeypatch.setattr(streaming, "_local_ranges", local_ranges)
+    monkeypatch.setattr(streaming, "_v4_chunk_logits", scorer_of(torch.float32))
+    monkeypatch.setattr(streaming, "_v41_chunk_scores", scorer_of(torch.bfloat16))
+    q, k, _ = _quantised(batch, queries, heads, dim, num_keys, seed=0, w_dtype=torch.float32)
+    w = torch.zeros(batch, queries, heads)
+    expected_v4 = select_topk(fixed, topk)
+    expected_v41 = select_topk(fixed.bfloat16(), topk, order="index")
+    for budget in (10**9, 30_000, 2_000):
+        scores, index = v4_select_topk(q, k, w, ks, ke, topk, backend="torch", chunk_bytes=budget)
+        assert torch.equal(index, expected_v4) and torch.equal(scores, pytorch_extract_topk_scores(fixed, expected_v4))
+        index = v41_select_topk(q, k, w.bfloat16(), ks, ke, topk, backend="torch", chunk_bytes=budget)
+        assert torch.equal(index, expected_v41)
+    assert len(plan_query_chunks(ks, ke, v4_row_bytes(heads, dim, topk), 2_000)) > 50
+
+
+def test_queries_that_see_nothing_get_minus_one_and_no_nan():
+    q, k, w = _quantised(2, 70, 2, 16, 30, seed=3, w_dtype=torch.float32)
+    ks = torch.full((2, 70), 5, dtype=torch.int32)
+    ke = ks.clone()
+    ke[1, 40:] = 17  # a few queries of row 1 see keys 5..16
+    scores, index = v4_select_topk(q, k, w, ks, ke, 8, backend="torch", chunk_bytes=4_000)
+    assert (index[0] == -1).all() and (scores[0] == -INF).all() and not scores.isnan().any()
+    ref_scores, ref_index = _v4_reference(q, k, w, ks, ke, 8)
+    assert torch.equal(index, ref_index) and torch.equal(scores, ref_scores)
+    assert (v41_select_topk(q, k, w.bfloat16(), ks, ke, 64, backend="torch")[0] == -1).all()
+
+
+def test_no_keys_gives_empty_outputs():
+    q, k, w = _quantised(1, 5, 2, 16, 0, seed=0, w_dtype=torch.float32)
+    zeros = torch.zeros(1, 5, dtype=torch.int32)
+    scores, index = v4_select_topk(q, k, w, zeros, zeros, 4)
+    assert scores.shape == index.shape == (1, 5, 0)
+
+
+def test_bad_arguments_raise_clear_errors():
+    q, k, w = _quantised(1, 9, 2, 16, 2, seed=0, w_dtype=torch.float32)
+    ks, ke = causal_ks_ke(1, 9, 2, 4, torch.device("cpu"))
+    with pytest.raises(TypeError, match="w must have dtype float32"):
+        v4_select_topk(q, k, w.bfloat16(), ks, ke, 4)
+    with pytest.raises(TypeError, match="w must have dtype bfloat16"):
+        v41_select_topk(q, k, w, ks, ke, 4)
+    with pytest.raises(ValueError, match="ke must be <= the number of keys"):
+        v4_select_topk(q, k, w, ks, ke + 5, 4)
+    with pytest.raises(ValueError, match="chunk_bytes must be >= 1"):
+        v4_select_topk(q, k, w, ks, ke, 4, chunk_bytes=0)
+    with pytest.raises(ValueError, match="topk must be >= 1"):
+        v4_select_topk(q, k, w, ks, ke, 0)
+    with pytest.raises(ValueError, match="backend='tilelang' needs CUDA"):
+        v4_select_topk(q, k, w, ks, ke, 4, backend="tilelang")
+    wb = w.bfloat16()
+    with pytest.raises(ValueError, match="candidate_block_size is required"):
+        v41_select_topk(q, k, wb, ks, ke, 4, candidate_topk_blocks=2)
+    with pytest.raises(ValueError, match="not both"):
+        v41_select_topk(q, k, wb, ks, ke, 4, candidate_block_size=2, candidate_topk_blocks=2,
+                        candidate_blocks=torch.zeros(1, 9, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="candidate_blocks must lie in"):
+        v41_select_topk(q, k, wb, ks, ke, 4, candidate_block_size=2, candidate_blocks=torch.full((1, 9, 1), 3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="candidate_blocks must have shape"):
+        v41_select_topk(q, k, wb, ks, ke, 4, candidate_block_size=2, candidate_blocks=torch.zeros(1, 8, 1, dtype=torch.int32))
+
+
+def test_import_pulls_in_no_tilelang():
+    code = (
+        "import sys, nemo_dsa.ops.topk.streaming;"
+        "bad = [m for m in ('tilelang', 'nemo_automodel', 'transformers') if m in sys.modules];"
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
