@@ -1,0 +1,420 @@
+"""TileLang kernels of the V4 indexer for Hopper: fp32 logits forward, top-k scores backward.
+
+Math (DSA-SPEC "Scoring", V4): logit(i, j) = sum_h w[i, h] * relu(q[i, h] . k[j]), fp32 products
+and sums, -inf outside [ks[i], ke[i]). The backward sends the gradient of the gathered top-k
+scores to q, k and w (relu' = 1 where q.k > 0; nothing for -1 or invisible indices).
+
+Cost model (S = 32768, K = 8192, H = 64, D = 128, causal, B = 1), then H200 measurements:
+- forward: 2*H*D = 16 KFLOP per visible (query, key) pair, S*K/2 pairs -> 2.2e12 FLOP (2.9 ms at
+  766 TFLOP/s); the fp32 logits are S*K*4 = 1 GiB written once (~0.25 ms of HBM, measured as a
+  fill). Every query tile re-reads keys from L2: 256 (query, head) rows per tile make that 32 KiB
+  of K per 8.4 MFLOP, ~2.9 TB/s of L2 at peak. Keys sit in the GEMM's M (wgmma m64 per consumer
+  warpgroup) and (query, head) rows in N, so the head sum is in-thread plus a quad shuffle.
+  Measured 4.65 ms = 473 TFLOP/s (62 % of peak); built-in batched_indexer_fwd: 10.0 ms.
+- backward (T = 512): three [T, H] x D products per query, 3*2*H*T*D = 25 MFLOP, 8.2e11 FLOP in
+  all; T*D*2 = 128 KiB of gathered keys per query from L2 (K is only 2 MiB); dk receives S*T*D
+  = 2.1e9 fp32 additions. Queries select overlapping but unaligned key sets, so there is no
+  dense tile to reduce in registers: each query's [T, D] contribution goes to an fp32 [B, K, D]
+  buffer with 16-byte red.global.add (one warp per 512-byte row), the alternative (inverting
+  the index lists with a sort, then gathering queries per key) costing a 16.7M-entry sort and a
+  second gather pass. The block is latency-bound (small GEMMs, dependent gathers): one
+  warpgroup per query, the next step's keys prefetched with cp.async. Measured 5.4 ms
+  (150 TFLOP/s); fwd + torch.topk(512) + bwd 14.7 ms against the built-in 29.1 ms.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from nemo_dsa._checks import check_tensor
+from nemo_dsa.ops._tilelang import compile_cached, tilelang
+
+# ----------------------------------------------------------------------------------------------
+# Configurations: the one table the wrappers pick from (and the lowering tests enumerate).
+# ----------------------------------------------------------------------------------------------
+
+SUPPORTED_HEADS = (1, 2, 4, 8, 16, 32, 64, 128)
+SUPPORTED_DIMS = (64, 128, 256)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple
+
+
+@dataclass(frozen=True)
+class ForwardConfig:
+    heads: int
+    index_dim: int
+    block_q: int  # queries per tile: block_q * heads rows form the GEMM's N
+    block_n: int  # keys per tile (GEMM M, one wgmma m64 per consumer warpgroup)
+    num_stages: int
+    threads: int  # consumer threads; TileLang adds a TMA producer warpgroup
+
+    def as_kwargs(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class BackwardConfig:
+    heads: int
+    index_dim: int
+    block_t: int  # gathered keys per step
+    threads: int
+    dk_reduce: str  # "registers": 8-byte atomics from the GEMM fragment; "shared_x4": staged, 16-byte
+    # (both measured within 2 % of each other at the benchmark shape)
+    num_stages: int  # 1: prefetch the next step's gathered keys (cp.async) during the dk GEMM
+
+    def as_kwargs(self) -> dict:
+        return dict(self.__dict__)
+
+
+def forward_config(heads: int, index_dim: int) -> ForwardConfig:
+    """Tile shape for ``heads`` x ``index_dim``: ~256 (query, head) rows, 128 keys, 2 warpgroups.
+
+    256 rows is wgmma's widest N: each 32 KiB key tile read from L2 feeds 8.4 MFLOP (128 rows
+    measured 3.5 % slower on the H200 at the benchmark shape). D = 256 uses 128 rows.
+    """
+    # wgmma N must be a multiple of 8: grow the query tile until block_q * heads is.
+    # D = 256 halves the rows so queries + two key stages fit in 227 KiB of shared memory.
+    rows = 256 if index_dim <= 128 else 128
+    step = 8 // math.gcd(heads, 8)
+    block_q = _round_up(max(1, -(-rows // heads)), step)
+    if block_q * heads > 256:  # heads that do not divide 256: stay within one wgmma N
+        block_q = max(step, (256 // heads) // step * step)
+    return ForwardConfig(heads, index_dim, block_q, block_n=128, num_stages=2, threads=256)
+
+
+def backward_config(heads: int, index_dim: int) -> BackwardConfig:
+    """One query per block; enough warpgroups that the four fp32 fragments fit in registers."""
+    block_t = 64
+    hp = _round_up(heads, 16)
+    fragment_floats = index_dim * hp + block_t * index_dim + 2 * block_t * hp
+    threads = 128
+    # Few threads per block leave room for several blocks per SM, which hides the gather latency:
+    # at H=64, D=128 one warpgroup (254 registers, 2 blocks/SM) ran 5.4 ms against 7.7 ms for two.
+    # With 16 (padded) heads TileLang cannot split P over two warpgroups (conflicting shared
+    # layouts for p_shared), and one warpgroup holds those fragments in <= 176 registers anyway.
+    while hp > 16 and fragment_floats // threads > 192 and threads < 512:
+        threads *= 2
+    return BackwardConfig(heads, index_dim, block_t, threads, dk_reduce="shared_x4", num_stages=1)
+
+
+def dispatched_configs() -> list[tuple[ForwardConfig, BackwardConfig]]:
+    """Every (forward, backward) configuration the wrappers can pick for the supported shapes."""
+    return [(forward_config(h, d), backward_config(h, d)) for h in SUPPORTED_HEADS for d in SUPPORTED_DIMS]
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward: logits [B, S, K] fp32
+# ----------------------------------------------------------------------------------------------
+
+
+def v4_logits_kernel(heads: int, index_dim: int, block_q: int, block_n: int, num_stages: int, threads: int):
+    """PrimFunc of the V4 logits for one (heads, index_dim, tile) configuration.
+
+    Grid: (query tiles, batch). A tile of ``block_q`` queries keeps its [block_q * heads, D]
+    queries in shared memory and walks only the key tiles of [min ks, max ke) of its queries,
+    heaviest tiles first (causal rows grow with the query index). Columns outside that range are
+    filled with -inf by the same block, so every output element is written exactly once.
+    """
+    T = tilelang().language
+    rows = block_q * heads
+    fill_n = 256  # -inf fill chunk per query row
+    bf16, f32, i32 = T.bfloat16, T.float32, T.int32
+    batch, seq_len, num_keys = T.dynamic("batch"), T.dynamic("seq_len"), T.dynamic("num_keys")
+
+    @T.prim_func
+    def v4_logits_fwd(
+        Q: T.Tensor([batch, seq_len * heads, index_dim], bf16),
+        K: T.Tensor([batch, num_keys, index_dim], bf16),
+        W: T.Tensor([batch, seq_len, heads], f32),
+        KS: T.Tensor([batch, seq_len], i32),
+        KE: T.Tensor([batch, seq_len], i32),
+        Logits: T.Tensor([batch, seq_len, num_keys], f32),
+    ):
+        with T.Kernel(T.ceildiv(seq_len, block_q), batch, threads=threads) as (bx, by):
+            q_shared = T.alloc_shared([rows, index_dim], bf16)
+            k_shared = T.alloc_shared([block_n, index_dim], bf16)
+            scores = T.alloc_fragment([block_n, rows], f32)
+            scores_3d = T.reshape(scores, (block_n, block_q, heads))
+            logits = T.alloc_fragment([block_n, block_q], f32)
+            w_frag = T.alloc_fragment([block_q, heads], f32)
+            ks_s = T.alloc_shared([block_q], i32)
+            ke_s = T.alloc_shared([block_q], i32)
+            lo = T.alloc_var(i32)
+            hi = T.alloc_var(i32)
+
+            q0 = (T.ceildiv(seq_len, block_q) - 1 - bx) * block_q
+            # Key range of the tile: union of its queries' [ks, ke), clamped to [0, K).
+            lo = num_keys
+            hi = 0
+            for i in T.serial(block_q):
+                if q0 + i < seq_len:
+                    start = T.max(KS[by, q0 + i], 0)
+                    end = T.min(KE[by, q0 + i], num_keys)
+                    if start < end:
+                        lo = T.min(lo, start)
+                        hi = T.max(hi, end)
+            for i in T.Parallel(block_q):
+                inside = q0 + i < seq_len
+                ks_s[i] = T.if_then_else(inside, KS[by, T.min(q0 + i, seq_len - 1)], 0)
+                ke_s[i] = T.if_then_else(inside, KE[by, T.min(q0 + i, seq_len - 1)], 0)
+            for i, h in T.Parallel(block_q, heads):
+                w_frag[i, h] = T.if_then_else(q0 + i < seq_len, W[by, T.min(q0 + i, seq_len - 1), h], 0)
+            # Rows past the last query come back as zeros (TMA out-of-bounds fill) and are never stored.
+            T.copy(Q[by, q0 * heads : q0 * heads + rows, :], q_shared)
+
+            num_tiles = T.if_then_else(hi > lo, T.ceildiv(hi - lo, block_n), 0)
+            for t in T.Pipelined(num_tiles, num_stages=num_stages):
+                n0 = lo + t * block_n
+                T.copy(K[by, n0 : n0 + block_n, :], k_shared)
+                T.gemm(k_shared, q_shared, scores, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                for n, i, h in T.Parallel(block_n, block_q, heads):
+                    scores_3d[n, i, h] = T.max(scores_3d[n, i, h], 0) * w_frag[i, h]
+                # FullRow keeps a key row inside one warp: the head sum is in-thread plus a quad shuffle.
+                T.reduce_sum(scores_3d, logits, dim=2)
+                for n, i in T.Parallel(block_n, block_q):
+                    col = n0 + n
+                    if q0 + i < seq_len and col < num_keys:
+                        Logits[by, q0 + i, col] = T.if_then_else(
+                            (col >= ks_s[i]) & (col < ke_s[i]), logits[n, i], -T.infinity(f32)
+                        )
+
+            tail = lo + num_tiles * block_n
+            for t in T.serial(T.ceildiv(lo, fill_n)):
+                for i, n in T.Parallel(block_q, fill_n):
+                    if q0 + i < seq_len and t * fill_n + n < lo:
+                        Logits[by, q0 + i, t * fill_n + n] = -T.infinity(f32)
+            for t in T.serial(T.ceildiv(T.max(num_keys - tail, 0), fill_n)):
+                for i, n in T.Parallel(block_q, fill_n):
+                    if q0 + i < seq_len and tail + t * fill_n + n < num_keys:
+                        Logits[by, q0 + i, tail + t * fill_n + n] = -T.infinity(f32)
+
+    return v4_logits_fwd
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward through the gathered top-k scores
+# ----------------------------------------------------------------------------------------------
+
+
+def v4_topk_backward_kernel(heads: int, index_dim: int, block_t: int, threads: int, dk_reduce: str = "registers", num_stages: int = 0
+):
+    """PrimFunc of the V4 top-k backward for one configuration. Grid: (queries, batch).
+
+    Per query, ``block_t`` gathered keys at a time: s = Kg q^T [block_t, H]; dw += g relu(s);
+    P = g w [s > 0] (bf16, in shared memory); dq^T += Kg^T P; dKg = P q, added to dk with
+    fp32 atomics. Heads are zero-padded to a multiple of 16 (the wgmma K step of dKg = P q).
+    Indices of -1, outside [0, K) or outside the query's [ks, ke) are skipped (g = 0).
+    """
+    if dk_reduce not in ("registers", "shared_x4"):
+        raise ValueError(f"dk_reduce must be 'registers' or 'shared_x4', got {dk_reduce!r}")
+    T = tilelang().language
+    hp = _round_up(heads, 16)
+    D = index_dim
+    bf16, f32, i32 = T.bfloat16, T.float32, T.int32
+    batch, seq_len, num_keys = T.dynamic("batch"), T.dynamic("seq_len"), T.dynamic("num_keys")
+    topk = T.dynamic("topk")
+
+    @T.prim_func
+    def v4_topk_bwd(
+        Q: T.Tensor([batch, seq_len, heads, D], bf16),
+        K: T.Tensor([batch, num_keys, D], bf16),
+        W: T.Tensor([batch, seq_len, heads], f32),
+        KS: T.Tensor([batch, seq_len], i32),
+        KE: T.Tensor([batch, seq_len], i32),
+        Idx: T.Tensor([batch, seq_len, topk], i32),
+        G: T.Tensor([batch, seq_len, topk], f32),
+        DQ: T.Tensor([batch, seq_len, heads, D], bf16),
+        DW: T.Tensor([batch, seq_len, heads], f32),
+        DK: T.Tensor([batch, num_keys, D], f32),
+    ):
+        with T.Kernel(seq_len, batch, threads=threads) as (bx, by):
+            q_shared = T.alloc_shared([hp, D], bf16)
+            kg_shared = T.alloc_shared([block_t, D], bf16)
+            p_shared = T.alloc_shared([block_t, hp], bf16)
+            idx_s = T.alloc_shared([block_t], i32)
+            g_s = T.alloc_shared([block_t], f32)
+            w_s = T.alloc_shared([hp], f32)
+            s_frag = T.alloc_fragment([block_t, hp], f32)
+            dw_acc = T.alloc_fragment([block_t, hp], f32)
+            dw_frag = T.alloc_fragment([hp], f32)
+            dqt_frag = T.alloc_fragment([D, hp], f32)
+            dkg_frag = T.alloc_fragment([block_t, D], f32)
+            dkg_shared = T.alloc_shared([block_t, D], f32) if dk_reduce != "registers" else None
+
+            start = T.max(KS[by, bx], 0)
+            end = T.min(KE[by, bx], num_keys)
+            for h, d in T.Parallel(hp, D):
+                q_shared[h, d] = T.if_then_else(h < heads, Q[by, bx, T.min(h, heads - 1), d], T.cast(0, bf16))
+            for h in T.Parallel(hp):
+                w_s[h] = T.if_then_else(h < heads, W[by, bx, T.min(h, heads - 1)], 0)
+            T.clear(dw_acc)
+            T.clear(dqt_frag)
+            for c in T.Pipelined(T.ceildiv(topk, block_t), num_stages=num_stages):
+                for t in T.Parallel(block_t):
+                    j = c * block_t + t
+                    raw = T.if_then_else(j < topk, Idx[by, bx, T.min(j, topk - 1)], -1)
+                    live = (raw >= start) & (raw < end)
+                    idx_s[t] = T.if_then_else(live, raw, -1)
+                    g_s[t] = T.if_then_else(live, G[by, bx, T.min(j, topk - 1)], 0)
+                # Gather straight from the index tensor (not idx_s) so the pipeline can prefetch it;
+                # masked slots read a clamped real row and get g = 0.
+                for t, d in T.Parallel(block_t, D):
+                    kg_shared[t, d] = K[by, T.min(T.max(Idx[by, bx, T.min(c * block_t + t, topk - 1)], 0), num_keys - 1), d]
+                T.gemm(kg_shared, q_shared, s_frag, transpose_B=True, clear_accum=True)
+                for t, h in T.Parallel(block_t, hp):
+                    dw_acc[t, h] += g_s[t] * T.max(s_frag[t, h], 0)
+                    p_shared[t, h] = T.if_then_else(s_frag[t, h] > 0, g_s[t] * w_s[h], 0)
+                T.gemm(kg_shared, p_shared, dqt_frag, transpose_A=True)
+                T.gemm(p_shared, q_shared, dkg_frag, clear_accum=True)
+                if dk_reduce == "registers":
+                    for t, d in T.Parallel(block_t, D):
+                        if idx_s[t] >= 0:
+                            T.atomic_add(DK[by, idx_s[t], d], dkg_frag[t, d])
+                else:  # staged through shared memory: one warp adds a whole 4*D-byte row, 16 B a lane
+                    T.copy(dkg_frag, dkg_shared)
+                    for t, d in T.Parallel(block_t, D):
+                        if idx_s[t] >= 0:
+                            T.atomic_add(DK[by, idx_s[t], d], dkg_shared[t, d])
+            T.reduce_sum(dw_acc, dw_frag, dim=0)
+            for h in T.Parallel(hp):
+                if h < heads:
+                    DW[by, bx, h] = dw_frag[h]
+            for d, h in T.Parallel(D, hp):
+                if h < heads:
+                    DQ[by, bx, h, d] = T.cast(dqt_frag[d, h], bf16)
+
+    return v4_topk_bwd
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch wrappers
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_qkw(q, k, w):
+    check_tensor("q", q, ndim=4, dtypes=(torch.bfloat16,))
+    batch, queries, heads, dim = q.shape
+    if not q.is_cuda:
+        raise ValueError(f"q must be a CUDA tensor for the TileLang kernels, got {q.device}")
+    check_tensor("k", k, ndim=3, dtypes=(torch.bfloat16,), shape=(batch, None, dim), device=q.device)
+    check_tensor("w", w, ndim=3, dtypes=(torch.float32,), shape=(batch, queries, heads), device=q.device)
+    if not 1 <= heads <= 128:
+        raise ValueError(f"q must have 1 to 128 heads, got {heads}")
+    if dim % 16 or not 16 <= dim <= 256:
+        raise ValueError(f"q must have a head dim that is a multiple of 16 in [16, 256], got {dim}")
+    return batch, queries, heads, dim, k.shape[1]
+
+
+def _padded_shape(heads: int, dim: int) -> tuple[int, int]:
+    """The smallest table entry holding ``heads`` x ``dim``: other shapes run zero-padded."""
+    return (next(h for h in SUPPORTED_HEADS if h >= heads), next(d for d in SUPPORTED_DIMS if d >= dim))
+
+
+def _pad_inputs(q, k, w, heads_to: int, dim_to: int):
+    """Zero-pad heads (with zero weights) and the head dim: every added term is an exact +0."""
+    heads, dim = q.shape[2], q.shape[3]
+    if (heads, dim) == (heads_to, dim_to):
+        return q, k, w
+    pad_d, pad_h = dim_to - dim, heads_to - heads
+    q = torch.nn.functional.pad(q, (0, pad_d, 0, pad_h))
+    return q, torch.nn.functional.pad(k, (0, pad_d)), torch.nn.functional.pad(w, (0, pad_h))
+
+
+def _check_ks_ke_shapes(ks, ke, batch, queries, device):
+    for name, value in (("ks", ks), ("ke", ke)):
+        check_tensor(name, value, ndim=2, dtypes=(torch.int32,), shape=(batch, queries), device=device)
+
+
+def v4_logits_tilelang(q, k, w, ks, ke, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """V4 logits fp32 ``[B, S, K]`` on the GPU, -inf outside ``[ks, ke)``.
+
+    Heads 1..128 and head dims that are multiples of 16 up to 256; shapes outside the kernel
+    table (heads not a power of two, D not 64/128/256) run zero-padded, which is exact.
+
+    Args: q [B, S, H, D] bf16, k [B, K, D] bf16, w [B, S, H] fp32, ks/ke int32 [B, S] (values
+    are clamped to [0, K] inside the kernel for memory safety; the public API validates them).
+    ``out`` (optional, fp32 [B, S, K] contiguous) receives the result; every element is written.
+    """
+    batch, queries, heads, dim, num_keys = _check_qkw(q, k, w)
+    _check_ks_ke_shapes(ks, ke, batch, queries, q.device)
+    if out is None:
+        out = torch.empty((batch, queries, num_keys), dtype=torch.float32, device=q.device)
+    else:
+        check_tensor("out", out, dtypes=(torch.float32,), shape=(batch, queries, num_keys), device=q.device)
+        if not out.is_contiguous():
+            raise ValueError("out must be contiguous")
+    if out.numel() == 0:
+        return out
+    heads_to, dim_to = _padded_shape(heads, dim)
+    q, k, w = _pad_inputs(q, k, w, heads_to, dim_to)
+    kernel = compile_cached(v4_logits_kernel, **forward_config(heads_to, dim_to).as_kwargs())
+    q_rows = q.contiguous().view(batch, queries * heads_to, dim_to)
+    kernel(q_rows, k.contiguous(), w.contiguous(), ks.contiguous(), ke.contiguous(), out)
+    return out
+
+
+def v4_topk_backward_tilelang(
+    q, k, w, topk_indices, grad_scores, ks: torch.Tensor | None = None, ke: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of ``sum(grad_scores * logits.gather(-1, topk_indices))`` w.r.t. q, k, w.
+
+    Args: q [B, S, H, D] bf16, k [B, K, D] bf16, w [B, S, H] fp32, topk_indices int32 [B, S, T]
+    in [-1, K), grad_scores fp32 [B, S, T]; ks/ke int32 [B, S] (optional, default: every key
+    visible) drop the gradient of indices outside the query's visible range, as the reference.
+    Returns dq bf16 [B, S, H, D], dk bf16 [B, K, D] (fp32 accumulation), dw fp32 [B, S, H].
+    """
+    batch, queries, heads, dim, num_keys = _check_qkw(q, k, w)
+    check_tensor("topk_indices", topk_indices, ndim=3, dtypes=(torch.int32,), device=q.device)
+    count = topk_indices.shape[-1]
+    check_tensor("topk_indices", topk_indices, shape=(batch, queries, count))
+    check_tensor("grad_scores", grad_scores, dtypes=(torch.float32,), shape=(batch, queries, count), device=q.device)
+    if topk_indices.numel() and bool(((topk_indices < -1) | (topk_indices >= num_keys)).any()):
+        raise ValueError(f"topk_indices must lie in [-1, {num_keys}) (-1 = no key)")
+    if (ks is None) != (ke is None):
+        raise ValueError("ks and ke must be given together")
+    if ks is None:
+        ks = torch.zeros((batch, queries), dtype=torch.int32, device=q.device)
+        ke = torch.full((batch, queries), num_keys, dtype=torch.int32, device=q.device)
+    _check_ks_ke_shapes(ks, ke, batch, queries, q.device)
+
+    if queries == 0 or count == 0 or num_keys == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(w)
+    heads_to, dim_to = _padded_shape(heads, dim)
+    q, k, w = _pad_inputs(q, k, w, heads_to, dim_to)
+    dk_acc = torch.zeros((batch, num_keys, dim_to), dtype=torch.float32, device=q.device)
+    dq = torch.empty((batch, queries, heads_to, dim_to), dtype=torch.bfloat16, device=q.device)
+    dw = torch.empty((batch, queries, heads_to), dtype=torch.float32, device=q.device)
+    kernel = compile_cached(v4_topk_backward_kernel, **backward_config(heads_to, dim_to).as_kwargs())
+    kernel(
+        q.contiguous(), k.contiguous(), w.contiguous(), ks.contiguous(), ke.contiguous(),
+        topk_indices.contiguous(), grad_scores.contiguous(), dq, dw, dk_acc,
+    )
+    if (heads_to, dim_to) != (heads, dim):
+        return dq[:, :, :heads, :dim].contiguous(), dk_acc[..., :dim].to(torch.bfloat16), dw[..., :heads].contiguous()
+    return dq, dk_acc.to(torch.bfloat16), dw
+
+
+# ----------------------------------------------------------------------------------------------
+# Seam used by nemo_dsa.ops.v4_indexer.interface (same signatures as its torch path)
+# ----------------------------------------------------------------------------------------------
+
+
+def v4_indexer_forward(q, k, w, ks, ke, topk, topk_indices):
+    """(index_score fp32 [B, S, T], topk_indices int32 [B, S, T]) with the kernel's logits."""
+    from nemo_dsa.ops.topk.naive import select_topk
+    from nemo_dsa.ops.v4_indexer.interface import pytorch_extract_topk_scores
+
+    logits = v4_logits_tilelang(q, k, w, ks, ke)
+    if topk_indices is None:
+        topk_indices = select_topk(logits, topk, order="score")
+    return pytorch_extract_topk_scores(logits, topk_indices), topk_indices
+
+
+def v4_indexer_backward(q, k, w, ks, ke, topk_indices, grad_scores):
+    """(dq, dk, dw) through the gathered scores, for the interface's autograd function."""
+    return v4_topk_backward_tilelang(q, k, w, topk_indices, grad_scores.float(), ks, ke)

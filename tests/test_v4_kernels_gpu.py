@@ -1,0 +1,198 @@
+"""V4 TileLang kernels against the float64 references (H200 only: ``pytest -m gpu``).
+
+Forward: rel 1e-5 of sum|terms| on visible entries and the exact -inf pattern, with the output
+poisoned (NaN) before the kernel writes it. Backward: bf16 tolerance against torch autograd
+through the float64 reference logits.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from nemo_dsa.metadata import build_attention_metadata
+from nemo_dsa.ops._visibility import causal_ks_ke
+from nemo_dsa.ops.v4_indexer.naive import v4_logits
+
+pytestmark = pytest.mark.gpu
+
+RATIO = 4
+# (heads, index_dim): every head count the issue names, both head dims, few compiles in all.
+HEAD_CONFIGS = [(8, 64), (16, 128), (32, 64), (64, 128), (128, 64)]
+# (layout, batch, local queries, keys or None = from the layout)
+LAYOUTS = [
+    ("causal", 2, 333, None),
+    ("causal_more_keys", 1, 190, 301),
+    ("packed", 2, 299, None),
+    ("cp_local", 2, 152, None),
+    ("cp_packed", 1, 200, None),
+    ("random_ranges", 3, 257, 517),
+]
+
+
+def _visibility(layout: str, batch: int, queries: int, num_keys: int | None, device, gen):
+    """(ks, ke, K) for one layout; packed and CP layouts come from build_attention_metadata."""
+    if layout == "causal":
+        num_keys = queries // RATIO
+        return (*causal_ks_ke(batch, queries, num_keys, RATIO, device), num_keys)
+    if layout == "causal_more_keys":
+        return (*causal_ks_ke(batch, queries, num_keys, RATIO, device), num_keys)
+    if layout == "packed":  # documents that start off multiples of R, one padded tail
+        lens = torch.tensor([[37, 101, 11, 140], [1, 250, 40, 0]])
+        meta = build_attention_metadata(compress_ratio=RATIO, seq_lens=lens, seq_lens_padded=torch.tensor([[37, 101, 11, 150], [1, 250, 48, 0]]))
+    elif layout == "cp_local":  # rank 1 of 2: local queries, global keys
+        pos = torch.arange(queries, 2 * queries).unsqueeze(0).expand(batch, queries)
+        meta = build_attention_metadata(compress_ratio=RATIO, position_ids=pos, cp_rank=1, cp_size=2)
+    elif layout == "cp_packed":  # rank 2 of 3 of a packed row
+        lens = torch.tensor([[150, 93, 301, 56]])
+        meta = build_attention_metadata(compress_ratio=RATIO, seq_lens=lens, cp_rank=2, cp_size=3)
+    elif layout == "random_ranges":  # arbitrary [ks, ke), including empty and full rows
+        a = torch.randint(0, num_keys + 1, (batch, queries), generator=gen)
+        b = torch.randint(0, num_keys + 1, (batch, queries), generator=gen)
+        ks, ke = torch.minimum(a, b), torch.maximum(a, b)
+        ks[0, :5], ke[0, :5] = 0, num_keys
+        ke[-1, 5:9] = ks[-1, 5:9]
+        return ks.int().to(device), ke.int().to(device), num_keys
+    else:
+        raise AssertionError(layout)
+    assert meta.ks.shape == (batch, queries), (layout, meta.ks.shape)
+    return meta.ks.to(device), meta.ke.to(device), meta.num_groups
+
+
+def _inputs(batch, queries, heads, dim, num_keys, gen, device="cuda"):
+    q = torch.randn(batch, queries, heads, dim, generator=gen).bfloat16().to(device)
+    k = torch.randn(batch, num_keys, dim, generator=gen).bfloat16().to(device)
+    w = (torch.randn(batch, queries, heads, generator=gen) * (dim * heads) ** -0.5).to(device)
+    return q, k, w
+
+
+@pytest.mark.parametrize("heads,dim", HEAD_CONFIGS)
+@pytest.mark.parametrize("layout,batch,queries,num_keys", LAYOUTS)
+def test_forward_matches_float64_reference(heads, dim, layout, batch, queries, num_keys):
+    from nemo_dsa.ops.v4_indexer.kernels import v4_logits_tilelang
+
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{heads}-{dim}-{layout}".encode()))
+    ks, ke, num_keys = _visibility(layout, batch, queries, num_keys, "cuda", gen)
+    q, k, w = _inputs(batch, queries, heads, dim, num_keys, gen)
+    out = torch.full((batch, queries, num_keys), float("nan"), device="cuda")
+    got = v4_logits_tilelang(q, k, w, ks, ke, out=out)
+    assert got.data_ptr() == out.data_ptr()
+
+    ref = v4_logits(q.double(), k.double(), w.double(), ks, ke)
+    # sum over h and d of |w_h q_hd k_d|: the size of every term the fp32 sums add up.
+    scale = v4_logits(q.double().abs(), k.double().abs(), w.double().abs(), ks, ke)
+    visible = torch.isfinite(ref)
+    assert not torch.isnan(got).any(), "kernel left poisoned (NaN) entries"
+    assert torch.equal(torch.isneginf(got), ~visible), "-inf pattern differs from [ks, ke)"
+    err = (got.double() - ref).abs()[visible]
+    bound = 1e-5 * scale[visible] + 1e-30
+    assert bool((err <= bound).all()), f"max err/bound {float((err / bound).max()):.3g}"
+    assert visible.any(), "test case sees no key at all"
+
+
+def _gathered_loss_reference(q, k, w, ks, ke, idx, grad):
+    """Torch autograd of sum(grad * logits.gather(idx)) through dense float64 logits."""
+    q64, k64, w64 = (t.double().requires_grad_() for t in (q, k, w))
+    products = torch.einsum("bshd,bkd->bshk", q64, k64)
+    dense = (products.relu() * w64.unsqueeze(-1)).sum(2)
+    keys = torch.arange(k.shape[1], device=q.device)
+    visible = (keys >= ks.unsqueeze(-1)) & (keys < ke.unsqueeze(-1))
+    logits = torch.where(visible, dense, float("-inf"))
+    present = idx >= 0
+    scores = torch.gather(logits, -1, torch.where(present, idx, 0).long())
+    live = present & torch.isfinite(scores)
+    loss = torch.where(live, scores * grad.double(), 0.0).sum()
+    loss.backward()
+    return q64.grad, k64.grad, w64.grad
+
+
+def _assert_bf16_close(name, got, ref):
+    ref = ref.double()
+    diff = (got.double() - ref).abs()
+    tol = 1.6e-2 * ref.abs() + 1e-2 * ref.abs().max() + 1e-12
+    assert bool((diff <= tol).all()), f"{name}: max excess {float((diff - tol).max()):.3g}"
+    rel = float(diff.norm() / ref.norm().clamp_min(1e-30))
+    assert rel < 8e-3, f"{name}: relative L2 error {rel:.3g}"
+
+
+@pytest.mark.parametrize("heads,dim", HEAD_CONFIGS)
+@pytest.mark.parametrize("layout,batch,queries,num_keys", [LAYOUTS[0], LAYOUTS[2], LAYOUTS[3], LAYOUTS[5]])
+def test_backward_matches_autograd(heads, dim, layout, batch, queries, num_keys):
+    from nemo_dsa.ops.v4_indexer.kernels import v4_topk_backward_tilelang
+
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{heads}-{dim}-{layout}-bwd".encode()))
+    ks, ke, num_keys = _visibility(layout, batch, queries, num_keys, "cuda", gen)
+    q, k, w = _inputs(batch, queries, heads, dim, num_keys, gen)
+    count = min(77, num_keys)  # ragged: not a multiple of the 64-key step
+    # Distinct random keys per query, some visible and some not, plus -1 padding.
+    idx = torch.rand(batch, queries, num_keys, generator=gen).argsort(-1)[..., :count].int()
+    idx[torch.rand(batch, queries, count, generator=gen) < 0.1] = -1
+    idx = idx.cuda()
+    grad = torch.randn(batch, queries, count, generator=gen).cuda()
+
+    dq, dk, dw = v4_topk_backward_tilelang(q, k, w, idx, grad, ks, ke)
+    rq, rk, rw = _gathered_loss_reference(q, k, w, ks, ke, idx, grad)
+    assert dq.dtype == torch.bfloat16 and dk.dtype == torch.bfloat16 and dw.dtype == torch.float32
+    assert rk.abs().max() > 0, "test case sends no gradient"
+    _assert_bf16_close("dq", dq, rq)
+    _assert_bf16_close("dk", dk, rk)
+    # dw only sums fp32 products of exact values: far tighter than bf16.
+    torch.testing.assert_close(dw.double(), rw, rtol=1e-4, atol=1e-5 * float(rw.abs().max()))
+
+
+@pytest.mark.parametrize("heads,dim", [(3, 48), (24, 80)])
+def test_shapes_outside_the_table_run_zero_padded(heads, dim):
+    from nemo_dsa.ops.v4_indexer.kernels import v4_logits_tilelang, v4_topk_backward_tilelang
+
+    gen = torch.Generator().manual_seed(heads * 1000 + dim)
+    ks, ke, num_keys = _visibility("packed", 2, 299, None, "cuda", gen)
+    q, k, w = _inputs(2, 299, heads, dim, num_keys, gen)
+    got = v4_logits_tilelang(q, k, w, ks, ke)
+    ref = v4_logits(q.double(), k.double(), w.double(), ks, ke)
+    scale = v4_logits(q.double().abs(), k.double().abs(), w.double().abs(), ks, ke)
+    visible = torch.isfinite(ref)
+    assert torch.equal(torch.isneginf(got), ~visible)
+    assert bool(((got.double() - ref).abs()[visible] <= 1e-5 * scale[visible] + 1e-30).all())
+
+    idx = torch.rand(2, 299, num_keys, generator=gen).argsort(-1)[..., :40].int().cuda()
+    grad = torch.randn(2, 299, 40, generator=gen).cuda()
+    dq, dk, dw = v4_topk_backward_tilelang(q, k, w, idx, grad, ks, ke)
+    assert dq.shape == q.shape and dk.shape == k.shape and dw.shape == w.shape
+    rq, rk, rw = _gathered_loss_reference(q, k, w, ks, ke, idx, grad)
+    _assert_bf16_close("dq", dq, rq)
+    _assert_bf16_close("dk", dk, rk)
+    torch.testing.assert_close(dw.double(), rw, rtol=1e-4, atol=1e-5 * float(rw.abs().max()))
+
+
+def test_backward_without_ranges_uses_every_index():
+    from nemo_dsa.ops.v4_indexer.kernels import v4_topk_backward_tilelang
+
+    gen = torch.Generator().manual_seed(7)
+    q, k, w = _inputs(1, 70, 64, 128, 45, gen)
+    idx = torch.randint(-1, 45, (1, 70, 45), generator=gen).int().cuda()
+    grad = torch.randn(1, 70, 45, generator=gen).cuda()
+    ks = torch.zeros(1, 70, dtype=torch.int32, device="cuda")
+    ke = torch.full((1, 70), 45, dtype=torch.int32, device="cuda")
+    got = v4_topk_backward_tilelang(q, k, w, idx, grad)
+    want = v4_topk_backward_tilelang(q, k, w, idx, grad, ks, ke)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_wrappers_reject_bad_inputs():
+    from nemo_dsa.ops.v4_indexer.kernels import v4_logits_tilelang, v4_topk_backward_tilelang
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, w = _inputs(1, 16, 8, 64, 4, gen)
+    ks, ke = causal_ks_ke(1, 16, 4, RATIO, "cuda")
+    with pytest.raises(TypeError, match="w must have dtype float32"):
+        v4_logits_tilelang(q, k, w.bfloat16(), ks, ke)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        v4_logits_tilelang(q[..., :40], k[..., :40], w, ks, ke)
+    with pytest.raises(ValueError, match="CUDA"):
+        v4_logits_tilelang(q.cpu(), k.cpu(), w.cpu(), ks.cpu(), ke.cpu())
+    idx = torch.full((1, 16, 4), 4, dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="topk_indices must lie in"):
+        v4_topk_backward_tilelang(q, k, w, idx, torch.ones(1, 16, 4, device="cuda"))
