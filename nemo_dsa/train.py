@@ -165,14 +165,15 @@ def _model_inputs(batch: dict[str, torch.Tensor], device: torch.device, par: Par
     return inputs
 
 
-def _loss_sum_and_count(model, inputs: dict[str, Any], precision: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum of token losses (as mean * count) and the number of labelled tokens, on this rank."""
+def _loss_terms(model, inputs: dict[str, Any], precision: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sum of token LM losses, this rank's share of the indexer loss, labelled-token count)."""
     count = (inputs["labels"] != -100).sum()
     with torch.autocast(inputs["input_ids"].device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
         out = model(**inputs)
-    if out.loss is None:
+    if out.lm_loss is None:
         raise RuntimeError("the model returned no loss although labels were given")
-    return out.loss.float() * count, count
+    aux = out.aux_loss.float() if out.aux_loss is not None else torch.zeros((), device=count.device)
+    return out.lm_loss.float() * count, aux, count
 
 
 def _global(x: torch.Tensor, par: Parallel) -> torch.Tensor:
@@ -188,10 +189,11 @@ def _global(x: torch.Tensor, par: Parallel) -> torch.Tensor:
 def train_step(model, optimizer, schedule, batch, *, recipe, device, par: Parallel) -> dict[str, float]:
     """One optimizer step over one batch; returns loss, lr, grad norm and token count."""
     inputs = _model_inputs(batch, device, par, model.config.compress_ratios)
-    loss_sum, count = _loss_sum_and_count(model, inputs, recipe.precision)
+    loss_sum, aux, count = _loss_terms(model, inputs, recipe.precision)
     total = _global(count.float(), par).clamp_min(1)
-    # Normalise by the global token count, so summing rank gradients gives the global mean's.
-    (loss_sum / total).backward()
+    # Normalise the LM loss by the global token count, so summing rank gradients gives the global
+    # mean's; the indexer loss is already this rank's share of the global one (see the model).
+    (loss_sum / total + aux).backward()
     if par.group is not None:
         import torch.distributed as dist
 
@@ -203,20 +205,20 @@ def train_step(model, optimizer, schedule, batch, *, recipe, device, par: Parall
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     schedule.step()
-    loss = _global(loss_sum.detach(), par) / total
+    loss = _global(loss_sum.detach(), par) / total + _global(aux.detach(), par)
     return {"loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(), "tokens": int(batch["attention_mask"].sum())}
 
 
 @torch.no_grad()
 def evaluate(model, batches, *, recipe, device, par: Parallel) -> float:
-    """Token-weighted mean loss over fixed validation batches."""
+    """Token-weighted mean LM loss over fixed validation batches."""
     was_training = model.training
     model.eval()
     loss_sum = torch.zeros((), device=device)
     count = torch.zeros((), device=device)
     for batch in batches:
         inputs = _model_inputs(batch, device, par, model.config.compress_ratios)
-        s, n = _loss_sum_and_count(model, inputs, recipe.precision)
+        s, _, n = _loss_terms(model, inputs, recipe.precision)
         loss_sum += s
         count += n
     model.train(was_training)

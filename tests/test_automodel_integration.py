@@ -139,7 +139,18 @@ def test_from_dsa_config_and_supports_config():
 
 def test_capabilities_declared():
     caps = query_capabilities(integ.NemoDsaV41Config(**TINY))
-    assert caps.supports_thd and not caps.supports_cp and not caps.supports_tp and not caps.supports_pp
+    assert caps.supports_thd and caps.supports_cp and not caps.supports_tp and not caps.supports_pp
+
+
+def test_cp_hook_returns_a_contiguous_sharder():
+    from nemo_automodel.components.distributed.context_parallel.sharder import ContextParallelSharder
+
+    model = integ.NemoDsaV41ForCausalLM(integ.NemoDsaV41Config(**TINY))
+    assert model._owns_cp_attention
+    hook = model.prepare_model_inputs_for_cp({}, num_chunks=1)
+    assert isinstance(hook["cp_sharder"], ContextParallelSharder)
+    with pytest.raises(ValueError, match="num_chunks"):
+        model.prepare_model_inputs_for_cp({}, num_chunks=2)
 
 
 @pytest.mark.parametrize(

@@ -172,10 +172,11 @@ class _NemoDsaForCausalLMBase(DSAForCausalLM):
     class ModelCapabilities:
         # Read by nemo_automodel._transformers.model_capabilities.query_capabilities.
         # THD: the forward consumes the THD collater's position_ids/seq_lens and builds its own
-        # per-document visibility. CP goes through nemo_dsa.distributed, not nemo-automodel's
-        # sharder, so it is not declared here; no TP/PP plans; dense MLP, so no EP.
+        # per-document visibility. CP: the model shards contiguously through its own
+        # prepare_model_inputs_for_cp hook (nemo_dsa.distributed) and gathers keys itself from
+        # the cp_group it is given; no TP/PP plans; dense MLP, so no EP.
         supports_tp: bool = False
-        supports_cp: bool = False
+        supports_cp: bool = True
         supports_pp: bool = False
         supports_ep: bool = False
         supports_thd: bool = True
@@ -183,6 +184,14 @@ class _NemoDsaForCausalLMBase(DSAForCausalLM):
     # nemo-automodel's packing check (ModelSupports.supports_sequence_packing): the model masks
     # documents itself from the packing metadata, no attention backend has to do it.
     _owns_packed_attention = True
+    # Under CP the attention module gathers compressed keys and window tails itself.
+    _owns_cp_attention = True
+
+    def prepare_model_inputs_for_cp(self, batch: dict[str, Any], *, num_chunks: int = 1) -> dict:
+        """nemo-automodel's CP hook: contiguous shards padded to whole compression groups."""
+        from nemo_dsa.distributed import prepare_model_inputs_for_cp
+
+        return prepare_model_inputs_for_cp(self.dsa_config.compress_ratios, batch, num_chunks=num_chunks)
 
     @classmethod
     def supports_config(cls, config: Any) -> bool:
