@@ -33,6 +33,9 @@ class DSAModelConfig:
     index_topk: int = 8
     # V4 only: weight of the KL loss that distils the main attention into the indexer (0 = off).
     indexer_kl_coef: float = 0.0
+    # V4 only: let the LM loss reach the indexer through a zero-valued straight-through term on
+    # the selected groups' attention logits (forward unchanged; see layers/sparse_attention.py).
+    indexer_straight_through: bool = True
     # V4.1 layer roles (indices into the layers); None = every indexer layer owns its keys.
     kv_source_layer_ids: tuple[int, ...] | None = None
     index_source_layer_ids: tuple[int, ...] | None = None
@@ -91,6 +94,59 @@ class DSAModelConfig:
             bad = [i for i in ids if not 0 <= i < self.num_hidden_layers]
             if bad:
                 raise ValueError(f"{name} must index layers 0..{self.num_hidden_layers - 1}, got {bad}")
+
+        self._validate_layer_roles()
+
+    def _ratio4_layers(self) -> list[int]:
+        return [i for i, r in enumerate(self.compress_ratios) if r == 4]
+
+    def _kv_sources(self) -> tuple[int, ...]:
+        if self.kv_source_layer_ids is None:
+            return tuple(self._ratio4_layers())
+        return self.kv_source_layer_ids
+
+    def _index_sources(self) -> tuple[int, ...]:
+        if self.index_source_layer_ids is None:
+            return self._kv_sources()
+        return self.index_source_layer_ids
+
+    def _validate_layer_roles(self) -> None:
+        ratio4 = self._ratio4_layers()
+        for name, ids in (("kv_source_layer_ids", self._kv_sources()), ("index_source_layer_ids", self._index_sources())):
+            bad = [i for i in ids if i not in ratio4]
+            if bad:
+                raise ValueError(f"{name} must name ratio-4 (indexer) layers {ratio4}, got {bad}")
+        missing = [i for i in self._kv_sources() if i not in self._index_sources()]
+        if missing:
+            raise ValueError(f"index_source_layer_ids must include every kv source layer, missing {missing}")
+        if ratio4 and ratio4[0] not in self._kv_sources():
+            raise ValueError(
+                f"kv_source_layer_ids must include the first ratio-4 layer {ratio4[0]} (later layers reuse its keys)"
+            )
+        candidate = self.candidate_source_layer_id
+        if candidate != -1:
+            if self.scoring != "v41":
+                raise ValueError("candidate_source_layer_id must be -1 unless scoring is 'v41' (V4.1 candidate blocks)")
+            if candidate not in self._kv_sources():
+                raise ValueError(
+                    f"candidate_source_layer_id must be -1 or a kv source layer {list(self._kv_sources())}, got {candidate}"
+                )
+            if self.candidate_block_size < 1 or self.candidate_topk_blocks < 1:
+                raise ValueError("candidate_block_size and candidate_topk_blocks must be >= 1")
+
+    def attention_role(self, layer_idx: int) -> str:
+        """``window`` (ratio 0), ``all_groups`` (ratio > 0, != 4), or for ratio-4 layers
+        ``source`` / ``reindex`` / ``reuse`` (see nemo_dsa/layers/sparse_attention.py)."""
+        ratio = self.compress_ratios[layer_idx]
+        if ratio == 0:
+            return "window"
+        if ratio != 4:
+            return "all_groups"
+        if layer_idx in self._kv_sources():
+            return "source"
+        if layer_idx in self._index_sources():
+            return "reindex"
+        return "reuse"
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -1,0 +1,91 @@
+"""Compressed KV: softmax-gated pooling of every R-token group into one key.
+
+Per group j (global tokens [jR, (j+1)R)), each token projects a value (``wkv``) and per-channel
+gate logits (``wgate``) plus a learned position bias (``ape``, one row per slot in the group);
+the softmax over the group's tokens weights the values. Ratio-4 layers pool 2R tokens, as the
+released DeepSeek-V4 checkpoint does (its ratio-4 ``wkv``/``wgate``/``ape`` are twice as wide):
+the first half of the channels of group j-1's tokens join group j, but only when group j-1 holds
+tokens of the same document (otherwise their logits are -inf). Invalid groups (padding or a
+document boundary inside) pool to zeros; the visibility rule never shows them to a query.
+The pooled key is RMS-normalised and rotated at the document-local position of its first token.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nemo_dsa.distributed.context import SequenceContext
+from nemo_dsa.layers.norm import RMSNorm
+from nemo_dsa.layers.rope import apply_rope, rope_angles
+
+OVERLAP_RATIO = 4
+
+
+class Compressor(nn.Module):
+    """Pool this shard's complete R-token groups into ``[B, S // R, head_dim]`` keys."""
+
+    def __init__(
+        self, hidden_size: int, head_dim: int, ratio: int, rope_dim: int, rope_theta: float, eps: float
+    ) -> None:
+        super().__init__()
+        self.ratio = ratio
+        self.head_dim = head_dim
+        self.rope_dim = rope_dim
+        self.rope_theta = rope_theta
+        self.overlap = ratio == OVERLAP_RATIO
+        width = head_dim * (2 if self.overlap else 1)
+        self.wkv = nn.Linear(hidden_size, width, bias=False)
+        self.wgate = nn.Linear(hidden_size, width, bias=False)
+        self.ape = nn.Parameter(torch.zeros(ratio, width))
+        self.norm = RMSNorm(head_dim, eps)
+
+    def forward(self, x: torch.Tensor, meta, ctx: SequenceContext) -> torch.Tensor:
+        """Pool ``x [B, S, hidden]``; ``meta`` is this ratio's ``AttentionMetadata``.
+
+        Returns the local groups ``[B, S // R, head_dim]`` (the caller gathers them along the
+        sequence under context parallelism). Under CP the overlap reads the previous rank's last
+        group through ``ctx.previous_tail``.
+        """
+        batch, seq, _ = x.shape
+        r, d = self.ratio, self.head_dim
+        groups = seq // r
+        if groups == 0:
+            return x.new_zeros(batch, 0, d)
+        tokens = x[:, : groups * r]
+        values = self.wkv(tokens).float()
+        logits = self.wgate(tokens).float()
+        group_valid = meta.group_valid.bool()
+        if self.overlap:
+            values, logits = self._with_previous_group(values, logits, meta, ctx)
+            logits = logits + torch.cat((self.ape[:, :d], self.ape[:, d:]), dim=0).float()
+        else:
+            values = values.view(batch, groups, r, d)
+            logits = logits.view(batch, groups, r, d) + self.ape.float()
+        pooled = (values * logits.softmax(dim=2)).sum(dim=2)
+        pooled = pooled.masked_fill(~group_valid.unsqueeze(-1), 0.0)
+        pooled = self.norm(pooled.to(x.dtype))
+        first_token_positions = meta.local_positions[:, : groups * r : r]
+        pooled = apply_rope(pooled, rope_angles(first_token_positions, self.rope_dim, self.rope_theta))
+        return pooled.masked_fill(~group_valid.unsqueeze(-1), 0.0)
+
+    def _with_previous_group(self, values, logits, meta, ctx):
+        """``[B, G, 2R, d]`` pools: group j-1's first-half channels, then group j's second half."""
+        batch, length, _ = values.shape
+        r, d = self.ratio, self.head_dim
+        groups = length // r
+        # The previous rank's last R tokens are its last group (CP shards hold whole groups).
+        prev_values = torch.cat((ctx.previous_tail(values[..., :d], r, 1), values[:, :-r, :d]), dim=1)
+        prev_logits = torch.cat((ctx.previous_tail(logits[..., :d], r, 1), logits[:, :-r, :d]), dim=1)
+        doc_ids = meta.doc_ids[:, :length]
+        prev_docs = torch.cat((ctx.previous_tail(doc_ids, r, 1), doc_ids[:, :-r]), dim=1).view(batch, groups, r)
+        group_docs = meta.group_doc_ids.to(prev_docs.dtype)
+        same_document = (prev_docs == group_docs.unsqueeze(-1)).all(-1) & meta.group_valid.bool()
+        prev_logits = prev_logits.view(batch, groups, r, d).masked_fill(
+            ~same_document.view(batch, groups, 1, 1), float("-inf")
+        )
+        current_values = values[..., d:].reshape(batch, groups, r, d)
+        current_logits = logits[..., d:].reshape(batch, groups, r, d)
+        pooled_values = torch.cat((prev_values.view(batch, groups, r, d), current_values), dim=2)
+        pooled_logits = torch.cat((prev_logits, current_logits), dim=2)
+        return pooled_values, pooled_logits

@@ -1,0 +1,149 @@
+"""The lightning indexer: scores every visible compressed group for each query and keeps top-k.
+
+Index queries come from the attention's query latent (``wq_b``), index keys from the indexer's
+own ratio-4 compressor, and per-head weights from ``weights_proj`` with the released scaling
+``index_head_dim^-0.5 * index_n_heads^-0.5`` folded in (DeepSeek-V3.2/V4 inference code). RoPE is
+applied to the trailing ``qk_rope_head_dim`` channels of both.
+
+Scoring (DSA-SPEC "Scoring"):
+- ``v4``: trainable fp32 logits through ``v4_lighting_indexer``; returns the gathered
+  ``index_score`` so the caller can train the indexer.
+- ``v41``: frozen (``requires_grad=False``) BF16-boundary scores with MXFP4 quantize-dequantize
+  of q and k after RoPE, selection in ascending key order, optional V4.1 candidate blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from nemo_dsa.distributed.context import SequenceContext
+from nemo_dsa.layers.compressor import OVERLAP_RATIO, Compressor
+from nemo_dsa.layers.rope import apply_rope
+
+
+@dataclass
+class Selection:
+    """What an indexer layer publishes (and later layers may reuse)."""
+
+    index_keys: torch.Tensor  # [B, K, D] bf16, global compressed axis
+    topk_indices: torch.Tensor  # int64 [B, S, T], -1 = nothing
+    index_score: torch.Tensor | None  # fp32 [B, S, T] (v4 only), -inf at -1
+    candidate_blocks: torch.Tensor | None = None  # int32 [B, S, NB] kept blocks (v41 candidate source)
+
+
+class Indexer(nn.Module):
+    """Per-layer indexer. ``owns_keys=False`` layers reuse another layer's index keys."""
+
+    def __init__(self, config, owns_keys: bool = True) -> None:
+        super().__init__()
+        self.scoring = config.scoring
+        self.n_heads = config.index_n_heads
+        self.head_dim = config.index_head_dim
+        self.topk = config.index_topk
+        self.backend = config.backend
+        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
+        self.compressor = (
+            Compressor(
+                config.hidden_size, self.head_dim, OVERLAP_RATIO, config.qk_rope_head_dim,
+                config.rope_theta, config.rms_norm_eps,
+            )
+            if owns_keys
+            else None
+        )
+        if self.scoring == "v41":
+            # The V4.1 indexer is released frozen: it is never trained.
+            self.requires_grad_(False)
+
+    @property
+    def frozen(self) -> bool:
+        return self.scoring == "v41"
+
+    def index_keys(self, x: torch.Tensor, meta, ctx: SequenceContext) -> torch.Tensor:
+        """bf16 index keys ``[B, K, D]`` on the global compressed axis (gathered under CP)."""
+        if self.compressor is None:
+            raise ValueError("this indexer layer does not own index keys; pass keys from its source layer")
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.frozen):
+            keys = self.compressor(x, meta, ctx).to(torch.bfloat16)
+            if self.frozen:
+                keys = _mxfp4(keys)
+            return ctx.gather_sequence(keys, 1)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        query_latent: torch.Tensor,
+        angles: torch.Tensor,
+        meta,
+        index_keys: torch.Tensor,
+        *,
+        candidate_source: bool = False,
+        candidate_blocks: torch.Tensor | None = None,
+        block_size: int = 8,
+        topk_blocks: int = 1,
+    ) -> Selection:
+        """Score ``index_keys`` for the local queries and select top-k.
+
+        Args:
+            x: ``[B, S, hidden]`` the attention input (for the head weights).
+            query_latent: ``[B, S, q_lora_rank]`` the normalised query latent.
+            angles: RoPE angles ``[B, S, rope_dim/2]`` at the queries' document-local positions.
+            meta: ratio-4 ``AttentionMetadata`` (ks/ke on the global compressed axis).
+            index_keys: ``[B, K, D]`` bf16 keys from :meth:`index_keys` (this or a source layer).
+            candidate_source: (v41) also compute the candidate blocks that later layers keep.
+            candidate_blocks: (v41) blocks from the candidate-source layer: scores outside them
+                are masked before top-k.
+        """
+        batch, seq, _ = x.shape
+        num_keys = index_keys.shape[1]
+        if num_keys == 0:
+            empty = torch.full((batch, seq, 0), -1, dtype=torch.long, device=x.device)
+            score = x.new_zeros((batch, seq, 0), dtype=torch.float32) if not self.frozen else None
+            return Selection(index_keys, empty, score, None)
+        if self.frozen:
+            return self._select_v41(x, query_latent, angles, meta, index_keys, candidate_source,
+                                    candidate_blocks, block_size, topk_blocks)
+        return self._select_v4(x, query_latent, angles, meta, index_keys)
+
+    def _queries(self, x, query_latent, angles):
+        q = self.wq_b(query_latent).unflatten(-1, (self.n_heads, self.head_dim))
+        q = apply_rope(q, angles).to(torch.bfloat16)
+        weights = self.weights_proj(x).float() * (self.head_dim**-0.5 * self.n_heads**-0.5)
+        return q, weights
+
+    def _select_v4(self, x, query_latent, angles, meta, index_keys) -> Selection:
+        from nemo_dsa.ops.v4_indexer.interface import v4_lighting_indexer
+
+        q, weights = self._queries(x, query_latent, angles)
+        score, indices = v4_lighting_indexer(
+            q.transpose(0, 1), index_keys.transpose(0, 1), weights.transpose(0, 1).contiguous(),
+            meta.compress_ratio, self.topk, ks=meta.ks, ke=meta.ke, backend=self.backend,
+        )
+        return Selection(index_keys, indices.long(), score, None)
+
+    @torch.no_grad()
+    def _select_v41(self, x, query_latent, angles, meta, index_keys, candidate_source,
+                    candidate_blocks, block_size, topk_blocks) -> Selection:
+        from nemo_dsa.ops.topk.naive import blocks_to_mask, candidate_blocks as find_blocks, select_topk
+        from nemo_dsa.ops.v41_indexer.interface import indexer_scores
+
+        q, weights = self._queries(x, query_latent, angles)
+        scores = indexer_scores(_mxfp4(q), index_keys, weights.to(torch.bfloat16),
+                                ks=meta.ks, ke=meta.ke, backend=self.backend)
+        blocks = None
+        if candidate_source:
+            blocks = find_blocks(scores, meta.ks, meta.ke, block_size, topk_blocks)
+        elif candidate_blocks is not None:
+            keep = blocks_to_mask(candidate_blocks, meta.ks, meta.ke, block_size, scores.shape[-1])
+            scores = scores.masked_fill(~keep, float("-inf"))
+        indices = select_topk(scores, self.topk, order="index")
+        return Selection(index_keys, indices.long(), None, blocks)
+
+
+def _mxfp4(x: torch.Tensor) -> torch.Tensor:
+    from nemo_dsa.ops.mxfp4.naive import mxfp4_quant_dequant
+
+    return mxfp4_quant_dequant(x)

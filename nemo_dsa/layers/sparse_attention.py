@@ -1,0 +1,265 @@
+"""DeepSeek-V4-style sparse attention: sliding window + compressed KV (+ indexer) + sink.
+
+Per query (DSA-SPEC "Sparse attention (the module)"): multi-query attention over one shared
+KV head, softmax scale ``head_dim^-0.5``, to
+  (a) the raw tokens of its sliding window: the last ``sliding_window`` positions up to itself,
+      same document, real tokens;
+  (b) compressed KV of ratio R > 0 layers: on ratio-4 layers the groups the indexer selected,
+      on other ratios every visible group ``[ks, ke)``;
+with a learned per-head sink logit (``attn_sink``) in the softmax denominator only.
+
+As in DeepSeek-V4, the query gets a weightless per-head RMS norm, q and kv are rotated at the
+document-local positions (so a packed document behaves exactly like the same document alone),
+the shared kv is both key and value, and the output is rotated back before ``wo``.
+
+Layer roles on ratio-4 layers (decided after reading the V4.1 baseline; ``config.attention_role``):
+  ``source``   owns a compressor and the indexer's key compressor, scores and selects;
+  ``reindex``  reuses the latest source's compressed KV and index keys, scores and selects again
+               with its own ``indexer.wq_b``/``weights_proj``;
+  ``reuse``    has neither: attends to the latest source's compressed KV at the latest selection.
+Without ``kv_source_layer_ids`` every ratio-4 layer is a source; without
+``index_source_layer_ids`` the index sources are the kv sources. V4.1 candidate blocks: the
+``candidate_source_layer_id`` layer (a kv source) selects from all its scores and publishes its
+kept blocks; every later selecting layer (source or reindex) masks its scores to them before
+top-k, as the V4.1 baseline does. The blocks are per query on the shared compressed axis.
+
+Training the V4 indexer: with ``indexer_kl_coef > 0`` the module returns the DeepSeek-V3.2 DSA
+distillation loss (arXiv 2512.02556): KL(p || softmax(index_score)) over the selected groups,
+p = the main attention probabilities on those groups summed over heads, renormalised, detached.
+With ``indexer_straight_through`` (default) the selected groups' attention logits also receive
+``index_score - index_score.detach()``: zero in the forward pass (outputs are unchanged), but the
+LM loss gradient w.r.t. those logits reaches the indexer, so it learns even without the KL loss.
+
+Context parallelism: queries are the local shard; compressed KV and index keys are gathered
+along the sequence through the ``SequenceContext``; the window and the ratio-4 compressor
+overlap read the previous rank's tail (``previous_tail``); metadata carries global positions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nemo_dsa.distributed.context import LocalContext, SequenceContext
+from nemo_dsa.layers.compressor import Compressor
+from nemo_dsa.layers.indexer import Indexer, Selection
+from nemo_dsa.layers.norm import RMSNorm, rms_normalize
+from nemo_dsa.layers.rope import apply_rope, rope_angles
+from nemo_dsa.ops.sparse_attention.naive import sparse_attention
+
+
+class DSASparseAttention(nn.Module):
+    """One attention layer; parameter names follow the DeepSeek-V4 checkpoint (``layers.{i}.attn.*``)."""
+
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.ratio = config.compress_ratios[layer_idx]
+        self.role = config.attention_role(layer_idx)
+        self.n_heads = config.num_attention_heads
+        self.head_dim = config.head_dim
+        self.rope_dim = config.qk_rope_head_dim
+        self.window = config.sliding_window
+        self.scale = self.head_dim**-0.5
+        self.eps = config.rms_norm_eps
+        hidden = config.hidden_size
+        self.wq_a = nn.Linear(hidden, config.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wkv = nn.Linear(hidden, self.head_dim, bias=False)
+        self.kv_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, hidden, bias=False)
+        self.attn_sink = nn.Parameter(torch.zeros(self.n_heads))
+        owns_compressed_kv = self.role in ("all_groups", "source")
+        self.compressor = (
+            Compressor(hidden, self.head_dim, self.ratio, self.rope_dim, config.rope_theta, config.rms_norm_eps)
+            if owns_compressed_kv
+            else None
+        )
+        self.indexer = (
+            Indexer(config, owns_keys=self.role == "source") if self.role in ("source", "reindex") else None
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        meta,
+        ctx: SequenceContext | None = None,
+        shared: dict | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attend.
+
+        Args:
+            x: ``[B, S, hidden]`` the local shard.
+            meta: ``AttentionMetadata`` built for this layer's ratio (ratio 1 for window-only
+                layers); its tokens, positions and documents describe ``x``.
+            ctx: the sequence context (``LocalContext()`` when None).
+            shared: per-forward dict through which ratio-4 layers pass compressed KV, index
+                keys and selections to later ``reindex``/``reuse`` layers (needed for those).
+
+        Returns:
+            ``(out [B, S, hidden], aux_loss)``; aux_loss is the weighted indexer KL loss (a
+            scalar) on V4 selecting layers with ``indexer_kl_coef > 0``, else None.
+        """
+        ctx = ctx if ctx is not None else LocalContext()
+        shared = shared if shared is not None else {}
+        batch, seq, _ = x.shape
+        angles = rope_angles(meta.local_positions, self.rope_dim, self.config.rope_theta)
+        query_latent = self.q_norm(self.wq_a(x))
+        q = rms_normalize(self.wq_b(query_latent).unflatten(-1, (self.n_heads, self.head_dim)), self.eps)
+        q = apply_rope(q, angles)
+        kv = apply_rope(self.kv_norm(self.wkv(x)), angles)
+
+        history = self.window - 1
+        window_kv, window_indices = self._window(kv, meta, ctx, history)
+        keys, indices, bias = window_kv, window_indices, None
+        selection = None
+        if self.ratio > 0:
+            compressed_kv, compressed_indices, selection = self._compressed(x, query_latent, angles, meta, ctx, shared)
+            offset = window_kv.shape[1]
+            keys = torch.cat((window_kv, compressed_kv), dim=1)
+            indices = torch.cat(
+                (window_indices, torch.where(compressed_indices >= 0, compressed_indices + offset, -1)), dim=-1
+            )
+            if self._straight_through(selection):
+                score = selection.index_score.masked_fill(compressed_indices < 0, 0.0)
+                bias = F.pad(score - score.detach(), (window_indices.shape[-1], 0))
+        out, lse = sparse_attention(q, keys, indices, self.attn_sink, self.scale, bias=bias)
+        out = apply_rope(out, angles, inverse=True)
+        out = self.wo(out.flatten(2))
+        aux = None
+        if self._trains_with_kl(selection):
+            aux = self.config.indexer_kl_coef * indexer_kl_loss(
+                q, compressed_kv, compressed_indices, selection.index_score, lse, self.scale, ctx
+            )
+        return out, aux
+
+    # -- pieces -------------------------------------------------------------------------------
+
+    def _window(self, kv, meta, ctx, history):
+        """Keys ``[B, history + S, D]`` (previous tokens, then the shard) and window indices."""
+        batch, seq, _ = kv.shape
+        window_kv = with_history(ctx, kv, history)
+        docs = with_history(ctx, meta.doc_ids, history)
+        slots = torch.arange(seq, device=kv.device).unsqueeze(1) + torch.arange(self.window, device=kv.device)
+        key_docs = docs[:, slots]  # [B, S, W]; slot history + i is the query itself
+        query_docs = meta.doc_ids.unsqueeze(-1)
+        visible = (key_docs == query_docs) & (query_docs > 0)
+        return window_kv, torch.where(visible, slots.expand(batch, -1, -1), -1)
+
+    def _compressed(self, x, query_latent, angles, meta, ctx, shared):
+        """Global compressed KV ``[B, K, D]`` and each query's indices into it ``[B, S, T]``."""
+        if self.role == "all_groups":
+            compressed_kv = ctx.gather_sequence(self.compressor(x, meta, ctx), 1)
+            return compressed_kv, visible_range_indices(meta.ks, meta.ke), None
+        state = shared.get("ratio4")
+        if self.role == "source":
+            compressed_kv = ctx.gather_sequence(self.compressor(x, meta, ctx), 1)
+            index_keys = self.indexer.index_keys(x, meta, ctx)
+        else:
+            if state is None:
+                raise ValueError(
+                    f"layer {self.layer_idx} ({self.role}) needs a preceding ratio-4 kv source layer's state in `shared`"
+                )
+            compressed_kv, index_keys = state["compressed_kv"], state["selection"].index_keys
+        if self.role == "reuse":
+            selection = state["selection"]
+            return compressed_kv, selection.topk_indices, None
+        cfg = self.config
+        selection = self.indexer(
+            x, query_latent, angles, meta, index_keys,
+            candidate_source=self.layer_idx == cfg.candidate_source_layer_id,
+            candidate_blocks=None if state is None else state.get("candidate_blocks"),
+            block_size=cfg.candidate_block_size, topk_blocks=cfg.candidate_topk_blocks,
+        )
+        new_state = {"compressed_kv": compressed_kv, "selection": selection,
+                     "candidate_blocks": None if state is None else state.get("candidate_blocks")}
+        if selection.candidate_blocks is not None:
+            new_state["candidate_blocks"] = selection.candidate_blocks
+        shared["ratio4"] = new_state
+        return compressed_kv, selection.topk_indices, selection
+
+    def _straight_through(self, selection: Selection | None) -> bool:
+        return (
+            selection is not None
+            and selection.index_score is not None
+            and self.config.indexer_straight_through
+            and torch.is_grad_enabled()
+            and selection.index_score.requires_grad
+        )
+
+    def _trains_with_kl(self, selection: Selection | None) -> bool:
+        return selection is not None and selection.index_score is not None and self.config.indexer_kl_coef > 0
+
+
+def with_history(ctx: SequenceContext, x: torch.Tensor, n: int) -> torch.Tensor:
+    """``x [B, S, ...]`` preceded by the ``n`` tokens before this shard (zeros where none exist).
+
+    Under CP the tokens come from earlier ranks: ``previous_tail`` when they fit on the previous
+    rank, else a full gather (a window longer than a shard).
+    """
+    if n == 0:
+        return x
+    seq = x.shape[1]
+    if ctx.size > 1 and n > seq:
+        full = ctx.gather_sequence(x, 1)
+        start = ctx.rank * seq
+        before = full[:, max(0, start - n) : start]
+        pad = x.new_zeros((x.shape[0], n - before.shape[1], *x.shape[2:]))
+        return torch.cat((pad, before, x), dim=1)
+    return torch.cat((ctx.previous_tail(x, n, 1), x), dim=1)
+
+
+def visible_range_indices(ks: torch.Tensor, ke: torch.Tensor) -> torch.Tensor:
+    """Every key in ``[ks, ke)`` per query, int64 ``[B, S, max(ke - ks)]``, -1 padded."""
+    width = int((ke - ks).max()) if ks.numel() else 0
+    offsets = torch.arange(width, device=ks.device)
+    indices = ks.long().unsqueeze(-1) + offsets
+    return torch.where(indices < ke.long().unsqueeze(-1), indices, -1)
+
+
+def indexer_kl_loss(
+    q: torch.Tensor,
+    compressed_kv: torch.Tensor,
+    indices: torch.Tensor,
+    index_score: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+    ctx: SequenceContext | None = None,
+) -> torch.Tensor:
+    """Mean over queries with a selected group of KL(p_attention || softmax(index_score)).
+
+    Under context parallelism the mean runs over every rank's queries: each rank returns its
+    KL sum over the global count (from ``ctx``), so the ranks' losses add up to the global mean.
+
+    ``p_attention`` is the main attention's probability of each selected group (its softmax
+    denominator ``lse`` includes the window and the sink), summed over heads and renormalised
+    over the selected groups; it is a detached target. Gradient reaches only ``index_score``.
+    """
+    valid = indices >= 0
+    with torch.no_grad(), torch.autocast(q.device.type, enabled=False):
+        batch, seq, width = indices.shape
+        dim = compressed_kv.shape[-1]
+        safe_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+        probs = torch.empty(indices.shape, dtype=torch.float32, device=q.device)
+        # Query chunks bound the gathered keys to ~256 MiB.
+        step = max(1, (256 * 2**20) // max(1, batch * width * (dim + q.shape[2]) * 4))
+        for start in range(0, seq, step):
+            part = slice(start, min(seq, start + step))
+            idx = indices[:, part].clamp_min(0)
+            keys = torch.gather(compressed_kv, 1, idx.flatten(1).unsqueeze(-1).expand(-1, -1, dim))
+            keys = keys.view(batch, idx.shape[1], width, dim).float()
+            logits = torch.einsum("bshd,bstd->bsht", q[:, part].float(), keys) * scale
+            probs[:, part] = torch.exp(logits - safe_lse[:, part].unsqueeze(-1)).sum(2)
+        probs = probs.masked_fill(~valid, 0.0)
+        target = probs / probs.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    rows = valid.any(-1)
+    scores = index_score.float().masked_fill(~valid, float("-inf")).masked_fill(~rows.unsqueeze(-1), 0.0)
+    log_q = torch.log_softmax(scores, dim=-1).masked_fill(~valid, 0.0)
+    kl = (torch.xlogy(target, target) - target * log_q).sum(-1)  # 0 on rows without a selection
+    count = rows.sum().to(kl.dtype).reshape(1)
+    if ctx is not None:  # every rank takes part, also one whose queries selected nothing
+        count = ctx.gather_sequence(count, 0)
+    return (kl * rows).sum() / count.sum().clamp_min(1)

@@ -1,0 +1,1 @@
+"""Index-based sparse multi-query attention with a per-head sink (torch reference)."""

@@ -1,0 +1,116 @@
+"""Readable sparse multi-query attention: every query attends to its own list of keys.
+
+One shared KV head (MQA): ``kv`` is both key and value, as in DeepSeek-V4. Each query gathers
+the keys named by its row of ``indices`` (-1 = no key), so work and memory are
+O(S * M * D) instead of O(S * N). A learned per-head ``sink`` logit joins the softmax
+denominator only (it has no value), so a query that sees nothing returns zeros, never NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nemo_dsa._checks import check_tensor
+
+# Peak bytes for one query chunk's gathered keys and logits (fp32).
+_CHUNK_BYTES = 256 * 2**20
+
+
+def _query_chunk(batch: int, width: int, heads: int, dim: int, chunk_size: int | None) -> int:
+    if chunk_size is not None:
+        return max(1, chunk_size)
+    per_query = max(1, batch * width * (dim + heads) * 4)
+    return max(1, _CHUNK_BYTES // per_query)
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sink: torch.Tensor | None,
+    scale: float,
+    *,
+    bias: torch.Tensor | None = None,
+    chunk_size: int | None = None,
+    recompute: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attend each query to the keys at its indices.
+
+    Args:
+        q: ``[B, S, H, D]`` queries.
+        kv: ``[B, N, D]`` the single shared key/value head.
+        indices: integer ``[B, S, M]`` positions into ``kv``'s N axis; -1 = no key.
+        sink: ``[H]`` per-head sink logits added to the softmax denominator, or None.
+        scale: softmax scale applied to ``q . k``.
+        bias: optional fp32 ``[B, S, M]`` added to the logits of every head (ignored at -1).
+        chunk_size: queries per chunk (default: from a 256 MiB budget).
+        recompute: under autograd, rebuild each chunk's gathered keys in backward instead of
+            keeping them (activation checkpointing per chunk).
+
+    Returns:
+        ``out [B, S, H, D]`` in q's dtype and the fp32 log-sum-exp ``[B, S, H]`` of the softmax
+        denominator (sink included; -inf for a query with neither keys nor sink).
+    """
+    check_tensor("q", q, ndim=4)
+    batch, seq, heads, dim = q.shape
+    check_tensor("kv", kv, ndim=3, shape=(batch, None, dim), device=q.device)
+    check_tensor("indices", indices, ndim=3, shape=(batch, seq, None), device=q.device,
+                 dtypes=(torch.int32, torch.int64))
+    width, num_keys = indices.shape[-1], kv.shape[1]
+    if indices.numel() and (int(indices.min()) < -1 or int(indices.max()) >= num_keys):
+        raise ValueError(f"indices must lie in [-1, {num_keys}) (kv has {num_keys} keys)")
+    if sink is not None:
+        check_tensor("sink", sink, ndim=1, shape=(heads,), device=q.device)
+    if bias is not None:
+        check_tensor("bias", bias, shape=(batch, seq, width), device=q.device)
+
+    # fp32 softmax math even under an enclosing autocast (it would run the einsums in bf16).
+    step = _query_chunk(batch, width, heads, dim, chunk_size)
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, kv, sink, bias)
+    )
+    outs, lses = [], []
+    with torch.autocast(q.device.type, enabled=False):
+        for start in range(0, seq, step):
+            part = slice(start, min(seq, start + step))
+            args = (q[:, part], kv, indices[:, part], sink, None if bias is None else bias[:, part], scale)
+            if recompute and needs_grad:
+                # Keep only the chunk's inputs for backward: the gathered keys are rebuilt there,
+                # so activation memory is O(S * H * D) instead of O(S * M * D).
+                from torch.utils.checkpoint import checkpoint
+
+                out, lse = checkpoint(_attend_chunk, *args, use_reentrant=False)
+            else:
+                out, lse = _attend_chunk(*args)
+            outs.append(out)
+            lses.append(lse)
+    if not outs:
+        return q.new_zeros(q.shape), q.new_zeros((batch, seq, heads), dtype=torch.float32)
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
+
+
+def _attend_chunk(q, kv, indices, sink, bias, scale):
+    """One query chunk: ``q [B, C, H, D]``, ``indices [B, C, M]`` -> (out, lse)."""
+    batch, chunk, heads, dim = q.shape
+    width = indices.shape[-1]
+    idx = indices.long()
+    valid = idx >= 0
+    keys = torch.gather(kv, 1, idx.clamp_min(0).flatten(1).unsqueeze(-1).expand(-1, -1, dim))
+    keys = keys.view(batch, chunk, width, dim).float()
+    logits = torch.einsum("bchd,bcmd->bchm", q.float(), keys) * scale
+    if bias is not None:
+        logits = logits + bias.float().unsqueeze(2)
+    logits = logits.masked_fill(~valid.unsqueeze(2), float("-inf"))
+    denominator_terms = logits
+    if sink is not None:
+        sink_logit = sink.float().view(1, 1, heads, 1).expand(batch, chunk, heads, 1)
+        denominator_terms = torch.cat((logits, sink_logit), dim=-1)
+    # A row with no key and no sink has an empty denominator: give logsumexp a dummy 0 there
+    # (its gradient would be NaN on an all -inf row), report lse = -inf, and keep
+    # exp(-inf - 0) = 0 so the output is zero.
+    empty = torch.isneginf(denominator_terms).all(dim=-1, keepdim=True)
+    safe_lse = torch.logsumexp(denominator_terms.masked_fill(empty, 0.0), dim=-1)
+    safe_lse = safe_lse.masked_fill(empty.squeeze(-1), 0.0)
+    lse = safe_lse.masked_fill(empty.squeeze(-1), float("-inf"))
+    probs = torch.exp(logits - safe_lse.unsqueeze(-1))
+    return torch.einsum("bchm,bcmd->bchd", probs, keys).to(q.dtype), lse
