@@ -17,6 +17,10 @@ _EXPORTS = {
     "V4IndexerFunction": "nemo_dsa.ops.v4_indexer.interface",
     "pytorch_extract_topk_scores": "nemo_dsa.ops.v4_indexer.interface",
     "indexer_scores": "nemo_dsa.ops.v41_indexer.interface",
+    "DSAModelConfig": "nemo_dsa.models.dsa_lm",
+    "DSAForCausalLM": "nemo_dsa.models.dsa_lm",
+    "DSASparseAttention": "nemo_dsa.layers",
+    "build_model": "nemo_dsa.builder",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -169,6 +169,28 @@ def test_select_topk_brute_force(dtype, order, quantised):
         assert torch.equal(mine.sort(-1).values, ref.sort(-1).values)
 
 
+@pytest.mark.parametrize("order", ["score", "index"])
+def test_select_topk_redoes_only_ambiguous_rows(order, monkeypatch):
+    """Plain topk decides rows whose T-th score is not shared beyond the free slots; rows with a
+    tie across the cut, or with NaN/+inf, go through the exact int64 keys, and all rows match."""
+    from nemo_dsa.ops.topk import naive
+
+    g = _gen(301)
+    scores = torch.randn(6, 40, generator=g)
+    scores[1, [3, 9, 17, 30]] = 5.0  # four-way tie at the top, cut at T=2: ambiguous
+    scores[2, [4, 8]] = 7.0  # a tie fully inside the selection: decided by plain topk
+    scores[3, 11] = float("nan")
+    scores[4, 12] = float("inf")
+    scores[5, ::2] = float("-inf")
+    redone = []
+    exact = naive._select_rows_by_keys
+    monkeypatch.setattr(naive, "_select_rows_by_keys", lambda x, c, o: redone.append(x.shape[0]) or exact(x, c, o))
+    got = select_topk(scores, 2, order=order)
+    assert redone == [3]  # rows 1, 3 and 4
+    want = torch.tensor([_brute_topk(r, 2, order) for r in scores.tolist()], dtype=torch.int32)
+    assert torch.equal(got, want)
+
+
 def test_select_topk_zero_signs_nan_and_inf_rules():
     scores = torch.tensor([[0.0, -0.0, float("nan"), float("inf"), -1.0, -0.0]])
     assert select_topk(scores, 4).tolist() == [[0, 1, 5, 4]]  # -0 ties +0 by index; nan/inf unselected

@@ -44,6 +44,7 @@ class Indexer(nn.Module):
         self.head_dim = config.index_head_dim
         self.topk = config.index_topk
         self.backend = config.backend
+        self.fused_topk = config.fused_topk
         self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
         self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
         self.compressor = (
@@ -121,6 +122,7 @@ class Indexer(nn.Module):
         score, indices = v4_lighting_indexer(
             q.transpose(0, 1), index_keys.transpose(0, 1), weights.transpose(0, 1).contiguous(),
             meta.compress_ratio, self.topk, ks=meta.ks, ke=meta.ke, backend=self.backend,
+            fused_topk=self.fused_topk,
         )
         return Selection(index_keys, indices.long(), score, None)
 
@@ -131,6 +133,18 @@ class Indexer(nn.Module):
         from nemo_dsa.ops.v41_indexer.interface import indexer_scores
 
         q, weights = self._queries(x, query_latent, angles)
+        if self.fused_topk:  # streamed over query chunks: no [B, S, K] scores
+            from nemo_dsa.ops.topk.streaming import v41_select_topk
+
+            picked = v41_select_topk(
+                _mxfp4(q), index_keys, weights.to(torch.bfloat16), meta.ks, meta.ke, self.topk,
+                candidate_block_size=block_size if candidate_source or candidate_blocks is not None else None,
+                candidate_topk_blocks=topk_blocks if candidate_source else None,
+                candidate_blocks=None if candidate_source else candidate_blocks,
+                backend=self.backend,
+            )
+            indices, blocks = picked if candidate_source else (picked, None)
+            return Selection(index_keys, indices.long(), None, blocks)
         scores = indexer_scores(_mxfp4(q), index_keys, weights.to(torch.bfloat16),
                                 ks=meta.ks, ke=meta.ke, backend=self.backend)
         blocks = None
@@ -141,6 +155,8 @@ class Indexer(nn.Module):
             scores = scores.masked_fill(~keep, float("-inf"))
         indices = select_topk(scores, self.topk, order="index")
         return Selection(index_keys, indices.long(), None, blocks)
+
+
 
 
 def _mxfp4(x: torch.Tensor) -> torch.Tensor:

@@ -49,7 +49,9 @@ class DSAModelConfig:
     tie_word_embeddings: bool = False
     # Kernel choice for the indexer: "auto" (TileLang on CUDA, torch on CPU) | "tilelang" | "torch".
     backend: str = "auto"
-    fused_topk: bool = True
+    # Select top-k without the [B, S, K] score matrix (streamed query chunks) where the TileLang
+    # kernels run. Opt-in until its CUDA path has been checked on a GPU (docs/performance.md).
+    fused_topk: bool = False
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -2,7 +2,8 @@
 
 DSA-SPEC "Top-k selection": keep the best T = min(topk, K) *finite* scores, ties going to the
 smaller key index, -1 padding when a query has fewer than T finite scores. torch.topk leaves ties
-unspecified, so each score is turned into a unique int64 key
+unspecified: rows where that matters (the T-th best score shared beyond the free slots, or NaN/+inf
+present) are redone with a unique int64 key per score
 
     key = (order-preserving int32 image of the fp32 score) << 32  |  (2^32 - 1 - index)
 
@@ -41,7 +42,40 @@ def orderable_int32(scores: torch.Tensor) -> torch.Tensor:
 
 
 def _select_rows(scores: torch.Tensor, count: int, order: str) -> torch.Tensor:
-    """select_topk on a [N, K] block of rows (no chunking, no validation)."""
+    """select_topk on a [N, K] block of rows: torch.topk on the scores, exact keys where needed.
+
+    torch.topk on the raw scores picks the right *set* whenever the T-th best value is not
+    shared by more keys than the slots left for it, and whenever no NaN/+inf is in the row (they
+    sort above every number and are not selectable). Both conditions are checked on the [N, T]
+    result plus one compare pass; only rows that fail them take the int64-key path. On real
+    scores that is almost never, and the plain topk avoids building 8-byte keys for all S*K
+    scores (the dominant cost of selection at S=32K).
+    """
+    num_keys = scores.shape[-1]
+    values, chosen = torch.topk(scores, count, dim=-1, largest=True, sorted=True)
+    threshold = values[:, -1:]
+    finite_threshold = torch.isfinite(threshold).squeeze(-1)
+    unselectable = (torch.isnan(values) | (values == float("inf"))).any(-1)
+    slots_left = count - (values > threshold).sum(-1)
+    tied = (scores == threshold).sum(-1)
+    redo = unselectable | (finite_threshold & (tied != slots_left))
+    present = values > float("-inf")
+    chosen = torch.where(present, chosen, num_keys)  # -inf picks become padding, sorted last
+    # Order: ascending index first, then a stable sort by descending score keeps index order
+    # inside equal scores (the spec's tie rule), padding last in both orders.
+    chosen = chosen.sort(dim=-1).values
+    if order == "score":
+        picked = torch.gather(scores, -1, chosen.clamp_max(num_keys - 1))
+        picked = torch.where(chosen < num_keys, picked, float("-inf"))
+        chosen = torch.gather(chosen, -1, picked.sort(dim=-1, descending=True, stable=True).indices)
+    chosen = torch.where(chosen == num_keys, -1, chosen)
+    if bool(redo.any()):
+        chosen[redo] = _select_rows_by_keys(scores[redo], count, order)
+    return chosen.to(torch.int32)
+
+
+def _select_rows_by_keys(scores: torch.Tensor, count: int, order: str) -> torch.Tensor:
+    """Exact selection through unique int64 keys (score image, then reversed index)."""
     num_keys = scores.shape[-1]
     index = torch.arange(num_keys, device=scores.device, dtype=torch.int64)
     keys = (orderable_int32(scores) << 32) | ((2**32 - 1) - index)
@@ -52,7 +86,7 @@ def _select_rows(scores: torch.Tensor, count: int, order: str) -> torch.Tensor:
         # Ascending index among the selected; -1 (mapped to num_keys) stays at the end.
         chosen = torch.where(finite, chosen, num_keys).sort(dim=-1).values
         chosen = torch.where(chosen == num_keys, -1, chosen)
-    return chosen.to(torch.int32)
+    return chosen
 
 
 def select_topk(

@@ -106,7 +106,7 @@ def _validate(index_q, index_k, weights, compress_ratio, topk, topk_indices, ks,
 class V4IndexerFunction(torch.autograd.Function):
     """Autograd function of :func:`v4_lighting_indexer` (same positional arguments).
 
-    ``apply(index_q, index_k, weights, compress_ratio, topk, topk_indices, ks, ke, backend)``.
+    ``apply(index_q, index_k, weights, compress_ratio, topk, topk_indices, ks, ke, backend, fused_topk)``.
     The backward returns gradients for index_q, index_k and weights only (in their dtypes and
     SBHD layout); they flow solely through the gathered scores, so entries at -1 (queries that
     see nothing) contribute nothing.
@@ -114,12 +114,28 @@ class V4IndexerFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, index_q, index_k, weights, compress_ratio, topk, topk_indices=None, ks=None, ke=None, backend="auto"
+        ctx,
+        index_q,
+        index_k,
+        weights,
+        compress_ratio,
+        topk,
+        topk_indices=None,
+        ks=None,
+        ke=None,
+        backend="auto",
+        fused_topk=False,
     ):
         ks, ke = _validate(index_q, index_k, weights, compress_ratio, topk, topk_indices, ks, ke)
         backend = resolve_backend(backend, index_q, index_k, weights)
         q, k, w = index_q.transpose(0, 1), index_k.transpose(0, 1), weights.transpose(0, 1)
-        index_score, topk_indices = _forward(backend, q, k, w, ks, ke, topk, topk_indices)
+        if fused_topk and topk_indices is None:
+            # Selection streamed over query chunks: no [B, S, K] logits are ever held.
+            from nemo_dsa.ops.topk.streaming import v4_select_topk
+
+            index_score, topk_indices = v4_select_topk(q, k, w, ks, ke, topk, backend=backend)
+        else:
+            index_score, topk_indices = _forward(backend, q, k, w, ks, ke, topk, topk_indices)
         ctx.save_for_backward(index_q, index_k, weights, ks, ke, topk_indices)
         ctx.backend = backend
         ctx.mark_non_differentiable(topk_indices)
@@ -130,7 +146,7 @@ class V4IndexerFunction(torch.autograd.Function):
         index_q, index_k, weights, ks, ke, topk_indices = ctx.saved_tensors
         q, k, w = index_q.transpose(0, 1), index_k.transpose(0, 1), weights.transpose(0, 1)
         dq, dk, dw = _backward(ctx.backend, q, k, w, ks, ke, topk_indices, grad_scores)
-        return dq.transpose(0, 1), dk.transpose(0, 1), dw.transpose(0, 1), None, None, None, None, None, None
+        return dq.transpose(0, 1), dk.transpose(0, 1), dw.transpose(0, 1), None, None, None, None, None, None, None
 
 
 def v4_lighting_indexer(
@@ -144,6 +160,7 @@ def v4_lighting_indexer(
     ks: torch.Tensor | None = None,
     ke: torch.Tensor | None = None,
     backend: str = "auto",
+    fused_topk: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """V4 indexer: top-k compressed keys per query and their fp32 logits, differentiable.
 
@@ -156,9 +173,14 @@ def v4_lighting_indexer(
         topk_indices: optional int32 [B, S, T] indices in [-1, K) that skip selection.
         ks, ke: optional int32 [B, S] visible ranges; default ks = 0, ke = min((i + 1) // R, K).
         backend: "auto" | "tilelang" | "torch".
+        fused_topk: select without holding the [B, S, K] logits (query chunks scored and
+            reduced one at a time, ``nemo_dsa.ops.topk.streaming``); both paths select the same
+            keys. Off by default until its TileLang path has been checked on a GPU.
 
     Returns:
         index_score fp32 [B, S, T] (-inf at -1) and topk_indices int32 [B, S, T], ordered by
         descending score with ties to the smaller index, -1 padding.
     """
-    return V4IndexerFunction.apply(index_q, index_k, weights, compress_ratio, topk, topk_indices, ks, ke, backend)
+    return V4IndexerFunction.apply(
+        index_q, index_k, weights, compress_ratio, topk, topk_indices, ks, ke, backend, fused_topk
+    )
