@@ -23,11 +23,13 @@ def check_ks_ke(
     for name, value in (("ks", ks), ("ke", ke)):
         check_tensor(name, value, ndim=2, dtypes=(torch.int32,), shape=(batch, queries), device=device)
     if ks.numel():
-        if bool((ks < 0).any()):
+        # One device-to-host sync for all three checks (this runs on every indexer call).
+        below, above, reversed_ = torch.stack(((ks < 0).any(), (ke > num_keys).any(), (ke < ks).any())).tolist()
+        if below:
             raise ValueError(f"ks must be >= 0, got minimum {int(ks.min())}")
-        if bool((ke > num_keys).any()):
+        if above:
             raise ValueError(f"ke must be <= the number of keys {num_keys}, got maximum {int(ke.max())}")
-        if bool((ke < ks).any()):
+        if reversed_:
             raise ValueError("ke must be >= ks for every query (ks == ke means the query sees no key)")
     return ks, ke
 
