@@ -14,6 +14,7 @@ if ! command -v nvidia-smi >/dev/null 2>&1; then
   "${pip[@]}" torch==2.13.0
 fi
 "${pip[@]}" -e ".[dev]"
-"$py" -m pip install -q --disable-pip-version-check --no-deps nemo-automodel==0.7.0
 "${pip[@]}" -r requirements/automodel-lean.txt
+# pip may list nemo-automodel's GPU-only dependencies as missing here: that is intended.
+"$py" -m pip install -q --disable-pip-version-check --no-deps nemo-automodel==0.7.0
 echo "nemo_dsa installed into $("$py" -c 'import sys; print(sys.prefix)')"

@@ -7,25 +7,27 @@ torch.distributed implementation lives beside it in this package.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 
 
-class SequenceContext:
+class SequenceContext(ABC):
     """Contiguous sequence sharding: rank ``rank`` of ``size`` holds tokens [rank*S, (rank+1)*S)."""
 
     rank: int = 0
     size: int = 1
 
+    @abstractmethod
     def gather_sequence(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Concatenate every rank's shard of ``x`` along ``dim`` in rank order (autograd-aware)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def previous_tail(self, x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
         """The last ``n`` entries of the previous rank's ``x`` along ``dim`` (autograd-aware).
 
         Rank 0 gets zeros; callers mask them through the metadata (they belong to no document).
         """
-        raise NotImplementedError
 
 
 class LocalContext(SequenceContext):
