@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Everything the H200 has to confirm, in one device call, results under $1 (at most 8 files):
+# kernels compiled in parallel first, then `pytest -m gpu`, the benchmarks against nemo-automodel's
+# built-in kernels, and short CUDA training runs in both scoring modes.
+#   source .device/env.sh; bash scripts/h200_check.sh "$OUT"
+# With two GPUs, add `cp` as a second argument for the NCCL context-parallel test and benchmark.
+set -uo pipefail
+out=${1:?usage: h200_check.sh OUT_DIR [cp]}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+step() { echo "== $* ($(date +%T))"; }
+
+step precompile
+python3 scripts/precompile_kernels.py --workers 16 --heads 8 16 32 64 128 --dims 64 128 \
+  >"$out/precompile.txt" 2>&1 || tail -5 "$out/precompile.txt"
+
+step "pytest -m gpu"
+python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$out/gpu_tests.txt" | tail -15
+
+step "indexer benchmark"
+python3 examples/benchmark_indexer.py --out "$out/bench_indexer.json" 2>&1 | grep -v INFO | tail -40
+
+step "selection benchmark"
+python3 examples/benchmark_selection.py --check --out "$out/bench_selection.json" 2>&1 | grep -v INFO | tail -20
+
+step "CUDA training runs"
+for scoring in v4 v41; do
+  python3 -m nemo_dsa.train device=cuda model=small recipe=h200 scoring=$scoring \
+    recipe.max_steps=30 recipe.val_every=15 run_dir=/tmp/h200_$scoring resume=never recipe.progress_bar=false 2>&1 | grep -v INFO | tail -3
+  cp "/tmp/h200_$scoring/metrics.jsonl" "$out/train_$scoring.jsonl"
+done
+
+if [ "${2:-}" = cp ]; then
+  step "context parallelism over NCCL"
+  python3 -m pytest -q -p no:cacheprovider tests/test_cp_gpu.py 2>&1 | tail -5
+  python3 -m torch.distributed.run --standalone --nproc-per-node 2 examples/benchmark_cp.py \
+    --seq-len 65536 --out "$out/bench_cp.json" 2>&1 | grep -v INFO | tail -10
+fi

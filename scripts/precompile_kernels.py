@@ -1,0 +1,59 @@
+"""Compile nemo_dsa's TileLang kernels into TileLang's disk cache, in parallel.
+
+A GPU session then loads each kernel from the cache instead of compiling it on first use (5 to 40
+s a kernel). Runs without a GPU too (the nvcc builds are the same), so the cache can be filled on
+any machine with the same TileLang and carried along:
+
+    TILELANG_CACHE_DIR=/tmp/tilelang-cache python scripts/precompile_kernels.py --workers 16
+    python scripts/precompile_kernels.py --heads 64 --dims 128     # just the benchmark's shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+
+def _jobs(heads: list[int], dims: list[int]) -> list[tuple[str, int, int]]:
+    return [(kind, h, d) for kind in ("v4_fwd", "v4_bwd", "v41") for h in heads for d in dims]
+
+
+def _compile(job: tuple[str, int, int]) -> str:
+    kind, heads, dim = job
+    from nemo_dsa.ops._tilelang import compile_cubin
+
+    start = time.perf_counter()
+    if kind == "v41":
+        from nemo_dsa.ops.v41_indexer import kernels
+
+        config = kernels.scorer_config(heads, dim)
+        compile_cubin(kernels.v41_scorer_kernel(**config.kernel_kwargs()), pass_configs=config.pass_configs())
+    else:
+        from nemo_dsa.ops.v4_indexer import kernels
+
+        if kind == "v4_fwd":
+            compile_cubin(kernels.v4_logits_kernel(**kernels.forward_config(heads, dim).as_kwargs()))
+        else:
+            compile_cubin(kernels.v4_topk_backward_kernel(**kernels.backward_config(heads, dim).as_kwargs()))
+    return f"{kind:7s} heads={heads:<3d} dim={dim:<3d} {time.perf_counter() - start:5.1f} s"
+
+
+def main(argv: list[str] | None = None) -> None:
+    from nemo_dsa.ops.v4_indexer.kernels import SUPPORTED_DIMS, SUPPORTED_HEADS
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--heads", type=int, nargs="+", default=list(SUPPORTED_HEADS))
+    parser.add_argument("--dims", type=int, nargs="+", default=list(SUPPORTED_DIMS))
+    parser.add_argument("--workers", type=int, default=2)
+    args = parser.parse_args(argv)
+    jobs = _jobs(args.heads, args.dims)
+    start = time.perf_counter()
+    with ProcessPoolExecutor(args.workers) as pool:
+        for line in pool.map(_compile, jobs):
+            print(line, flush=True)
+    print(f"{len(jobs)} kernels in {time.perf_counter() - start:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
