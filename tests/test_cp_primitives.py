@@ -15,6 +15,7 @@ import torch
 
 from _cp_spawn import run_on_ranks
 from nemo_dsa.distributed import cp_padded_length, cp_shard_multiple, shard_batch
+from nemo_dsa.metadata import build_attention_metadata
 
 
 def _random(shape, dtype, seed):
@@ -299,6 +300,13 @@ def test_seq_lens_alone_gains_padded_lengths_and_no_padding_keeps_fields():
     shard = shard_batch(batch, compress_ratios=(4,), cp_rank=1, cp_size=2)
     assert shard["seq_lens_padded"].tolist() == [[7, 9, 8], [13, 11, -1000]]
     assert torch.equal(shard["seq_lens"], batch["seq_lens"])
+    # One row given as 1-D [ndocs] (legal for the metadata builder) keeps its rank, and the shard's
+    # lengths still build metadata.
+    single = {"input_ids": torch.arange(14)[None], "seq_lens": torch.tensor([5, 9])}
+    shard = shard_batch(single, compress_ratios=(4,), cp_rank=0, cp_size=2)
+    assert shard["seq_lens_padded"].tolist() == [5, 11]
+    build_attention_metadata(compress_ratio=4, seq_lens=shard["seq_lens"], seq_lens_padded=shard["seq_lens_padded"],
+                             cp_rank=0, cp_size=2, batch_size=1, seq_len=8)
     # Already a multiple: nothing padded, cu_seqlens passes through whole.
     even = {"input_ids": torch.arange(32).view(2, 16), "cu_seqlens": torch.tensor([0, 5, 16])}
     shard = shard_batch(even, compress_ratios=(4,), cp_rank=1, cp_size=2)

@@ -178,6 +178,13 @@ def test_sparse_attention_op_empty_rows_and_grads():
             torch.testing.assert_close(a, b)
     with pytest.raises(ValueError, match="indices"):
         sparse_attention(q, kv, torch.full((2, 5, 4), 7), sink, 0.3)
+    # No keys at all (kv with N = 0, every index -1): zeros out, lse = the sink, finite grads.
+    empty_kv = kv[:, :0].detach().requires_grad_(True)
+    out, lse = sparse_attention(q, empty_kv, torch.full((2, 5, 4), -1), sink, 0.3)
+    assert torch.equal(out, torch.zeros_like(out))
+    torch.testing.assert_close(lse, sink.detach().expand(2, 5, 3))
+    out.sum().backward()
+    assert empty_kv.grad.shape == empty_kv.shape
     with pytest.raises(ValueError, match="kv"):
         sparse_attention(q, kv[..., :4], idx, sink, 0.3)
 

@@ -60,9 +60,12 @@ def _pad_positions(position_ids: torch.Tensor, pad: int) -> torch.Tensor:
 
 
 def _extend_last_document(seq_lens: torch.Tensor, pad: int, name: str, seq_len: int) -> torch.Tensor:
-    """Grow each row's last document slot by ``pad`` (its padded tail becomes longer)."""
+    """Grow each row's last document slot by ``pad`` (its padded tail becomes longer).
+
+    Keeps the caller's rank: a 1-D ``[ndocs]`` (one row) stays 1-D, matching ``seq_lens``.
+    """
     if seq_lens.ndim == 1:
-        seq_lens = seq_lens.unsqueeze(0)
+        return _extend_last_document(seq_lens.unsqueeze(0), pad, name, seq_len).squeeze(0)
     valid = seq_lens > 0
     totals = torch.where(valid, seq_lens, 0).sum(dim=1)
     bad = (totals != seq_len).nonzero()

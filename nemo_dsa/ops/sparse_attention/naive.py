@@ -63,6 +63,9 @@ def sparse_attention(
         check_tensor("sink", sink, ndim=1, shape=(heads,), device=q.device)
     if bias is not None:
         check_tensor("bias", bias, shape=(batch, seq, width), device=q.device)
+    if num_keys == 0:
+        # Every index is -1 here; one zero row gives the gathers something to read (masked out).
+        kv = torch.cat((kv, kv.new_zeros(batch, 1, dim)), dim=1)
 
     # fp32 softmax math even under an enclosing autocast (it would run the einsums in bf16).
     step = _query_chunk(batch, width, heads, dim, chunk_size)
