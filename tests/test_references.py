@@ -292,6 +292,35 @@ def test_mxfp4_tie_table_and_gradient():
     assert torch.equal(y.grad, upstream)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_mxfp4_non_finite_block_becomes_nan(bad):
+    x = torch.randn(2, 64, generator=_gen(7))
+    x[1, 40] = bad  # second block of row 1
+    y = mxfp4_quant_dequant(x)
+    assert torch.isnan(y[1, 32:]).all()
+    assert torch.isfinite(y[0]).all() and torch.isfinite(y[1, :32]).all()
+
+
+@pytest.mark.parametrize("new_api_first", [True, False])
+def test_ieee_fp32_matmul_restores_tf32_setting(monkeypatch, new_api_first):
+    """The V4 reference turns TF32 off around its matmuls whichever torch API enabled it."""
+    from nemo_dsa.ops._visibility import ieee_fp32_matmul
+
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    try:
+        if new_api_first:
+            matmul.fp32_precision = "tf32"
+        else:
+            matmul.allow_tf32 = True
+        with ieee_fp32_matmul():
+            assert matmul.fp32_precision == "ieee"
+        assert matmul.fp32_precision == "tf32"
+    finally:
+        matmul.fp32_precision = before
+
+
 # ---------------------------------------------------------------------------- on CUDA
 @pytest.mark.gpu
 def test_references_on_cuda_match_cpu():

@@ -61,9 +61,12 @@ def ieee_fp32_matmul():
         yield
         return
     matmul = torch.backends.cuda.matmul
-    previous = matmul.allow_tf32
-    matmul.allow_tf32 = False
+    # torch >= 2.9 has fp32_precision and refuses to read the legacy allow_tf32 flag once the new
+    # one was set, so use the new flag wherever it exists.
+    flag, ieee = ("fp32_precision", "ieee") if hasattr(matmul, "fp32_precision") else ("allow_tf32", False)
+    previous = getattr(matmul, flag)
+    setattr(matmul, flag, ieee)
     try:
         yield
     finally:
-        matmul.allow_tf32 = previous
+        setattr(matmul, flag, previous)

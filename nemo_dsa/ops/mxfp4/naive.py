@@ -4,7 +4,9 @@ DSA-SPEC "Scoring", V4.1 mode: per block of 32 consecutive channels, scale = the
 two >= max|x| / 6 (max clamped to at least 6 * 2^-126), taken from the fp32 bit pattern rather
 than a logarithm; x / scale is clamped to [-6, 6] and rounded to the nearest of
 +-{0, 0.5, 1, 1.5, 2, 3, 4, 6}, a tie going to the level whose E2M1 mantissa bit is 0; the result
-times scale is returned in the input dtype. The backward is the identity.
+times scale is returned in the input dtype. The backward is the identity. A block holding a NaN
+or inf comes back as NaN. (Rounding up to 4 * scale can exceed the dtype's largest value for
+blocks whose max is within 1/8 of it, e.g. float16 from 57344: those give inf, as the rule says.)
 """
 
 from __future__ import annotations
@@ -52,7 +54,11 @@ def _quant_dequant(x: torch.Tensor) -> torch.Tensor:
     scale = power_of_two_ceil(amax / E2M1_MAX)
     normalized = (blocks / scale).clamp(-E2M1_MAX, E2M1_MAX)  # exact: scale is a power of two
     rounded = torch.copysign(_round_to_e2m1(normalized.abs()), normalized)
-    return (rounded * scale).reshape(x.shape).to(x.dtype)
+    out = rounded * scale
+    # A NaN or inf in a block has no scale: the whole block becomes NaN, so the bad input shows
+    # downstream instead of quantizing to zeros (NaN) or to NaNs of another origin (inf).
+    out = out.masked_fill(~torch.isfinite(amax), float("nan"))
+    return out.reshape(x.shape).to(x.dtype)
 
 
 class _MXFP4QuantDequant(torch.autograd.Function):
