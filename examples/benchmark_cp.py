@@ -91,6 +91,8 @@ def _now(device: str) -> float:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda needs CUDA GPUs (one per rank); use --device cpu --tiny for a CPU smoke run")
     import torch.distributed as dist
 
     from nemo_dsa.distributed import init_from_env, shard_batch, shutdown

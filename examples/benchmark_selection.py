@@ -115,6 +115,8 @@ def main() -> None:
     parser.add_argument("--check", action="store_true", help="streaming indices == materialising indices")
     parser.add_argument("--out", default="selection_benchmark.json")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmark_selection.py needs a CUDA GPU (Hopper): it times the TileLang kernels")
     rows = _rows(args.chunk_mib * 2**20)
     results = []
     for seq in args.sizes:

@@ -29,7 +29,8 @@ def main(overrides: list[str]) -> None:
     del model  # train() builds its own from the same node, seeded identically
 
     result = train(cfg)
-    print(f"done: step {result.step}, validation loss {result.val_loss:.4f}, outputs in {result.run_dir}")
+    val = "n/a" if result.val_loss is None else f"{result.val_loss:.4f}"
+    print(f"done: step {result.step}, validation loss {val}, outputs in {result.run_dir}")
 
 
 if __name__ == "__main__":

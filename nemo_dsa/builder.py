@@ -151,6 +151,12 @@ def _apply_scoring(fields: dict, scoring: Mapping) -> None:
     mode = scoring.get("scoring")
     if mode not in SCORINGS:
         raise ValueError(f"scoring.scoring must be one of {SCORINGS}, got {mode!r}")
+    if fields.get("scoring") not in (None, mode):
+        # The scoring group chooses the mode; a model.config value that disagrees would be lost.
+        raise ValueError(
+            f"model.config.scoring={fields['scoring']!r} disagrees with the scoring group ({mode!r}): "
+            f"choose it with scoring={fields['scoring']} instead"
+        )
     fields["scoring"] = mode
     if scoring.get("indexer_kl_coef") is not None:
         fields["indexer_kl_coef"] = float(scoring["indexer_kl_coef"])

@@ -54,8 +54,16 @@ def load_config(overrides: Sequence[str] = (), config_dir: str | os.PathLike | N
         return compose(config_name="train", overrides=list(overrides))
 
 
-def _check_recipe(recipe) -> None:
-    """Fail before any work, naming the recipe key."""
+def _check_recipe(recipe, known_keys=None) -> None:
+    """Fail before any work, naming the recipe key.
+
+    ``known_keys``: the keys of the default recipe; anything else is a typo (Hydra would accept a
+    misspelt ``+recipe.max_step=2`` and the run would silently ignore it).
+    """
+    if known_keys is not None:
+        unknown = sorted(set(recipe.keys()) - set(known_keys))
+        if unknown:
+            raise ValueError(f"recipe has unknown key(s) {unknown}; known keys: {sorted(known_keys)}")
     positive = (
         "seq_len", "batch_size", "max_steps", "log_every", "val_every", "ckpt_every", "keep_checkpoints", "cp_size",
     )
@@ -72,8 +80,20 @@ def _check_recipe(recipe) -> None:
         raise ValueError(f"recipe.min_lr_ratio must be in [0, 1], got {recipe.min_lr_ratio}")
     if recipe.precision not in ("fp32", "bf16"):
         raise ValueError(f"recipe.precision must be 'fp32' or 'bf16', got {recipe.precision!r}")
+    if recipe.grad_clip is not None and not recipe.grad_clip > 0:
+        raise ValueError(f"recipe.grad_clip must be > 0 (null = no clipping), got {recipe.grad_clip}")
     if recipe.stop_at_step is not None and not 1 <= recipe.stop_at_step <= recipe.max_steps:
         raise ValueError(f"recipe.stop_at_step must be in [1, recipe.max_steps], got {recipe.stop_at_step}")
+
+
+def _default_recipe_keys() -> set[str] | None:
+    """Keys of ``configs/recipe/default.yaml`` (every recipe extends it); None if it is absent."""
+    from omegaconf import OmegaConf
+
+    from nemo_dsa.builder import config_dir
+
+    path = config_dir() / "recipe" / "default.yaml"
+    return set(OmegaConf.load(path).keys()) if path.is_file() else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,7 +220,8 @@ def train_step(model, optimizer, schedule, batch, *, recipe, device, par: Parall
         for p in model.parameters():
             if p.grad is not None:
                 dist.all_reduce(p.grad, group=par.group)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
+    max_norm = float("inf") if recipe.grad_clip is None else recipe.grad_clip  # inf: measure, do not clip
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     lr = optimizer.param_groups[0]["lr"]
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -362,10 +383,10 @@ def train(cfg) -> TrainResult:
     from omegaconf import OmegaConf
     from tqdm.auto import tqdm
 
-    from nemo_dsa.data import build_streams
+    from nemo_dsa.data import VOCAB_SIZE, build_streams
 
     recipe = cfg.recipe
-    _check_recipe(recipe)
+    _check_recipe(recipe, _default_recipe_keys())
     device = torch.device(cfg.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device=cuda was requested but no CUDA device is available")
@@ -382,6 +403,12 @@ def train(cfg) -> TrainResult:
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     model = instantiate(cfg.model)  # nemo_dsa.builder.build_model: fails here on a bad config
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError(f"model {cfg.model.get('name')!r} is built on the meta device (a shape preset): "
+                         "it cannot be trained; pick model=tiny or model=small")
+    if model.config.vocab_size < VOCAB_SIZE:
+        raise ValueError(f"model.config.vocab_size must be >= {VOCAB_SIZE} (the byte tokenizer's vocabulary), "
+                         f"got {model.config.vocab_size}")
     model_config = model.config.to_dict()
     model.to(device).train()
     optimizer, schedule = build_optimizer(model, recipe)
@@ -461,6 +488,8 @@ def train(cfg) -> TrainResult:
     if par.is_main:
         records = read_metrics(metrics_path)
         train_losses = [r["loss"] for r in records if "loss" in r]
+        if result.val_loss is None:  # nothing evaluated in this process (e.g. a finished run resumed)
+            result.val_loss = next((r["val_loss"] for r in reversed(records) if "val_loss" in r), None)
         summary = {
             "step": result.step, "max_steps": recipe.max_steps, "params": n_params,
             "first_loss": train_losses[0] if train_losses else None,

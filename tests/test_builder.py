@@ -84,6 +84,9 @@ def test_scoring_override_flips_every_indexer_layer_of_a_real_model():
         (["scoring=v41", "scoring.candidate_block_size=0"], "scoring.candidate_block_size"),
         (["scoring=v41", "+model.config.kv_source_layer_ids=[3]"], "kv_source_layer_ids"),
         (["model.dtype=float16"], "model.dtype"),
+        (["model.config.hidden_size=0"], "hidden_size"),
+        (["model.config.num_attention_heads=0"], "num_attention_heads"),
+        (["+model.config.scoring=v41"], "scoring"),  # the scoring group decides; a clash is an error
     ],
 )
 def test_config_errors_name_the_key(overrides, match):

@@ -76,6 +76,10 @@ def test_warmup_cosine_schedule():
         (["recipe.stop_at_step=9"], "recipe.stop_at_step"),
         (["recipe.cp_size=0"], "recipe.cp_size"),
         (["recipe.cp_size=2"], "torchrun"),
+        (["recipe.grad_clip=0"], "recipe.grad_clip"),
+        (["+recipe.max_step=2"], "max_step"),  # a typo would otherwise be ignored silently
+        (["model=v4_flash"], "meta device"),
+        (["model.config.vocab_size=10"], "vocab_size"),
         (["resume=/nonexistent/ckpt"], "resume"),
     ],
 )
@@ -111,3 +115,12 @@ def test_context_parallel_run_matches_single_process(tmp_path):
     for step in single:
         assert cp[step] == pytest.approx(single[step], rel=1e-5)
     assert read_metrics(tmp_path / "cp" / "metrics.jsonl")[0]["cp_size"] == 2
+
+
+def test_no_clipping_and_rerunning_a_finished_run(tmp_path):
+    """grad_clip=null trains without clipping; running a finished run again keeps its summary."""
+    first = _run(tmp_path, "recipe.grad_clip=null", "recipe.max_steps=2")
+    assert first.step == 2 and first.val_loss is not None
+    again = _run(tmp_path, "recipe.grad_clip=null", "recipe.max_steps=2")
+    assert again.resumed_from == 2 and again.val_loss == first.val_loss
+    assert json.loads((tmp_path / "summary.json").read_text())["val_loss"] == first.val_loss

@@ -64,6 +64,13 @@ class DSAModelConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the offending key."""
+        for name in (
+            "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
+            "q_lora_rank", "intermediate_size", "index_n_heads", "index_head_dim",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if self.scoring not in SCORINGS:
             raise ValueError(f"scoring must be one of {SCORINGS}, got {self.scoring!r}")
         if len(self.compress_ratios) != self.num_hidden_layers:
