@@ -4,7 +4,8 @@ Ops, all at H index heads, index dim D, compression ratio R, causal (plus B = 2 
 - ``v4_fwd``:   V4 fp32 logits [B, S, K] (built-in ``batched_indexer_fwd`` with its causal ks/ke
                 vs ``nemo_dsa.ops.v4_indexer.kernels.v4_logits_tilelang``);
 - ``v4_train``: V4 forward + top-k + backward (built-in ``v4_lighting_indexer`` vs
-                ``nemo_dsa.v4_lighting_indexer``), gradients of the gathered scores;
+                ``nemo_dsa.v4_lighting_indexer``, streamed selection (the CUDA default) and
+                ``full``: the materialised [B, S, K] logits), gradients of the gathered scores;
 - ``v41``:      V4.1 frozen bf16 scores (built-in ``indexer_scores`` with its dense mask vs
                 ``nemo_dsa.indexer_scores`` with ks/ke and with the same dense mask).
 
@@ -157,10 +158,14 @@ def builtin_v4_train(case, args):
     return _train_step(v4_lighting_indexer, case, args)
 
 
-def ours_v4_train(case, args):
+def ours_v4_train(case, args, fused_topk=True):
     import nemo_dsa
 
-    return _train_step(nemo_dsa.v4_lighting_indexer, case, args, ks=case["ks"], ke=case["ke"])
+    return _train_step(nemo_dsa.v4_lighting_indexer, case, args, ks=case["ks"], ke=case["ke"], fused_topk=fused_topk)
+
+
+def ours_v4_train_materialised(case, args):
+    return ours_v4_train(case, args, fused_topk=False)
 
 
 def _dense_mask(case):
@@ -195,7 +200,7 @@ def ours_v41_mask(case, args):
 # op -> [(implementation name, factory)], the built-in first (the speed-up reference)
 IMPLEMENTATIONS = {
     "v4_fwd": [("built-in", builtin_v4_fwd), ("nemo_dsa", ours_v4_fwd)],
-    "v4_train": [("built-in", builtin_v4_train), ("nemo_dsa", ours_v4_train)],
+    "v4_train": [("built-in", builtin_v4_train), ("nemo_dsa", ours_v4_train), ("nemo_dsa full", ours_v4_train_materialised)],
     "v41": [("built-in", builtin_v41), ("nemo_dsa ks/ke", ours_v41_ranges), ("nemo_dsa mask", ours_v41_mask)],
 }
 

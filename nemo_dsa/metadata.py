@@ -91,6 +91,10 @@ class AttentionMetadata:
         return (self.ks.unsqueeze(-1) <= keys) & (keys < self.ke.unsqueeze(-1))
 
 
+def _same_device(asked: torch.device, actual: torch.device) -> bool:
+    return asked.type == actual.type and asked.index in (None, actual.index)
+
+
 def build_attention_metadata(
     *,
     compress_ratio: int,
@@ -104,6 +108,7 @@ def build_attention_metadata(
     cp_size: int = 1,
     batch_size: int | None = None,
     seq_len: int | None = None,
+    device: torch.device | str | None = None,
 ) -> AttentionMetadata:
     """Build the visibility metadata of the local shard (see the module docstring for conventions).
 
@@ -121,6 +126,8 @@ def build_attention_metadata(
         cp_rank, cp_size: contiguous context-parallel sharding; requires ``S % R == 0`` when
             ``cp_size > 1``.
         batch_size, seq_len: the local shape, when no tensor fixes it (or as a check).
+        device: where the metadata lives when no layout tensor is given (default CPU); with
+            layout tensors it must be theirs.
 
     Returns:
         AttentionMetadata of the local shard.
@@ -136,7 +143,10 @@ def build_attention_metadata(
         raise ValueError(f"cp_rank must be in [0, cp_size) = [0, {cp_size}), got {cp_rank}")
 
     tensors = _check_input_tensors(position_ids, seq_lens, seq_lens_padded, cu_seqlens, packed_seq_ids, attention_mask)
-    device = next((t.device for t in tensors.values()), torch.device("cpu"))
+    given = next((t.device for t in tensors.values()), None)
+    if device is not None and given is not None and not _same_device(torch.device(device), given):
+        raise ValueError(f"device: the layout tensors are on {given}, but device={device} was asked for")
+    device = given if given is not None else torch.device(device if device is not None else "cpu")
     if seq_lens is not None and seq_lens.ndim == 1:
         seq_lens = seq_lens.unsqueeze(0)
         seq_lens_padded = None if seq_lens_padded is None else seq_lens_padded.unsqueeze(0)

@@ -182,22 +182,25 @@ def test_cp_equals_single_process(cp_results, references, case):
     assert_cp_matches(per_rank[0], references[case], case, size)
 
 
-def _grad_tolerance(name: str, scoring: str, tol: float) -> float:
+def _grad_tolerance(name: str, scoring: str, tol: float, kernels: bool = False) -> float:
     """Bound on max |grad error| / max |grad| for one parameter.
 
     V4 index keys are bf16 at the indexer op's boundary, so each rank's partial key gradient is
     rounded to bf16 before the ranks' parts are summed, where one process rounds the whole sum
     once: the key compressor's gradients agree to bf16 precision (~2^-8), and those differences
-    reach earlier layers through the hidden states. Everything else agrees to fp32 noise.
+    reach earlier layers through the hidden states. With the TileLang kernels (``kernels``) the
+    index-query gradient is bf16 too (the spec's dq dtype), so fp32-noise differences upstream
+    can flip its last bit: the indexer's query projections agree to bf16 precision as well.
+    Everything else agrees to fp32 noise.
     """
-    if scoring == "v4" and ".indexer.compressor." in name:
+    if scoring == "v4" and (".indexer.compressor." in name or (kernels and ".indexer." in name)):
         return 2e-2
     if scoring == "v4":
         return 5e-4
     return 5 * tol
 
 
-def assert_cp_matches(results: dict, ref: dict, case: str, size: int, tol: float = 2e-5) -> None:
+def assert_cp_matches(results: dict, ref: dict, case: str, size: int, tol: float = 2e-5, kernels: bool = False) -> None:
     result = results.get(case, "not run (an earlier case failed)")
     if isinstance(result, str):
         pytest.fail(f"{case} on {size} ranks:\n{result}")
@@ -209,7 +212,7 @@ def assert_cp_matches(results: dict, ref: dict, case: str, size: int, tol: float
     errors = {}
     for name, grad in ref["grads"].items():
         errors[name] = float((result["grads"][name] - grad).abs().max() / grad.abs().max().clamp_min(1e-30))
-    bad = {n: e for n, e in errors.items() if e > _grad_tolerance(n, scoring, tol)}
+    bad = {n: e for n, e in errors.items() if e > _grad_tolerance(n, scoring, tol, kernels)}
     assert not bad, f"{case} on {size} ranks: gradient error / max |grad| too large: {bad}"
     indexer_grads = [n for n in ref["grads"] if ".indexer." in n]
     # V4 trains the indexer (through the CP gathers too); V4.1's is frozen.

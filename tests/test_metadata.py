@@ -409,3 +409,11 @@ def test_all_padding_and_short_rows():
     assert meta.ks.tolist() == meta.ke.tolist() == [[0] * 5] * 2
     meta = build(attention_mask=torch.tensor([[1, 1, 1, 0, 0]], dtype=torch.uint8), compress_ratio=8)
     assert meta.num_groups == 0 and meta.group_valid.shape == (1, 0) and meta.allowed().shape == (1, 5, 0)
+
+
+def test_device_argument_places_tensorless_metadata_and_checks_tensors():
+    # CPU-only here; tests/test_model.py::test_cuda_forward_from_input_ids_alone places it on CUDA.
+    meta = build_attention_metadata(compress_ratio=4, batch_size=2, seq_len=8, device="cpu")
+    assert meta.ks.device.type == "cpu" and meta.positions.shape == (2, 8)
+    with pytest.raises(ValueError, match="device"):
+        build_attention_metadata(compress_ratio=4, position_ids=torch.arange(8)[None], device="meta")

@@ -215,6 +215,21 @@ def test_cuda_kernels_match_cpu_reference(scoring):
     assert torch.isfinite(loss)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("scoring", ["v4", "v41"])
+def test_cuda_forward_from_input_ids_alone(scoring):
+    """Plain rows with no layout tensor: the metadata is built on the activations' device, and a
+    CPU-side seq_lens (a collator's) is moved there too."""
+    cpu = make_model(scoring=scoring, index_topk=3)
+    gpu = make_model(scoring=scoring, index_topk=3, backend="auto").cuda()
+    ids = torch.randint(0, 61, (2, 40), generator=torch.Generator().manual_seed(4))
+    ref = cpu(ids, labels=ids)
+    out = gpu(ids.cuda(), labels=ids.cuda())
+    torch.testing.assert_close(out.logits.cpu(), ref.logits, rtol=2e-3, atol=2e-3)
+    mixed = gpu(ids.cuda(), labels=ids.cuda(), seq_lens=torch.tensor([[40], [40]]))
+    torch.testing.assert_close(mixed.logits, out.logits, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("scoring", ["v4", "v41"])
 def test_runs_under_bf16_autocast(scoring):
     model = make_model(scoring=scoring, indexer_kl_coef=0.1 if scoring == "v4" else 0.0)

@@ -170,15 +170,17 @@ def test_select_topk_brute_force(dtype, order, quantised):
 
 
 @pytest.mark.parametrize("order", ["score", "index"])
-def test_select_topk_redoes_only_ambiguous_rows(order, monkeypatch):
-    """Plain topk decides rows whose T-th score is not shared beyond the free slots; rows with a
-    tie across the cut, or with NaN/+inf, go through the exact int64 keys, and all rows match."""
+def test_select_topk_redoes_only_rows_its_candidates_cannot_decide(order, monkeypatch):
+    """Ties inside the T + TIE_MARGIN candidates are decided by their keys; a run of more ties at
+    the cut than the margin holds, or NaN/+inf in the row, sends the row through full-row keys.
+    All rows match the brute force either way."""
     from nemo_dsa.ops.topk import naive
 
     g = _gen(301)
-    scores = torch.randn(6, 40, generator=g)
-    scores[1, [3, 9, 17, 30]] = 5.0  # four-way tie at the top, cut at T=2: ambiguous
-    scores[2, [4, 8]] = 7.0  # a tie fully inside the selection: decided by plain topk
+    width = 3 * naive.TIE_MARGIN
+    scores = torch.randn(6, width, generator=g)
+    scores[1, [3, 9, 17, 30]] = 5.0  # four-way tie at the top, cut at T=2: within the margin
+    scores[2, : naive.TIE_MARGIN + 5] = 7.0  # more copies of the T-th score than the margin
     scores[3, 11] = float("nan")
     scores[4, 12] = float("inf")
     scores[5, ::2] = float("-inf")
@@ -186,7 +188,7 @@ def test_select_topk_redoes_only_ambiguous_rows(order, monkeypatch):
     exact = naive._select_rows_by_keys
     monkeypatch.setattr(naive, "_select_rows_by_keys", lambda x, c, o: redone.append(x.shape[0]) or exact(x, c, o))
     got = select_topk(scores, 2, order=order)
-    assert redone == [3]  # rows 1, 3 and 4
+    assert redone == [3]  # rows 2, 3 and 4
     want = torch.tensor([_brute_topk(r, 2, order) for r in scores.tolist()], dtype=torch.int32)
     assert torch.equal(got, want)
 
@@ -359,3 +361,20 @@ def test_references_on_cuda_match_cpu():
     want = v4_backward(q, keys, w, ks, ke, idx, grad)
     for a, e in zip(got, want):
         torch.testing.assert_close(a.cpu().float(), e.float(), rtol=2**-7, atol=1e-5)
+
+
+@pytest.mark.parametrize("order", ["score", "index"])
+@pytest.mark.parametrize("topk", [1, 64, 200, 300])
+def test_select_topk_bf16_cut_with_many_ties(order, topk):
+    """bf16 rows find their cut and decide ties among the scores at or above it: heavy ties at the
+    cut, -0/+0, rows with fewer finite scores than T, NaN/+inf rows (the full key path)."""
+    g = _gen(302 + topk)
+    scores = (torch.randint(-40, 41, (12, 300), generator=g) / 8).bfloat16()
+    scores[torch.rand(scores.shape, generator=g) < 0.1] = float("-inf")
+    scores[torch.rand(scores.shape, generator=g) < 0.05] = -0.0
+    scores[3, 50:] = float("-inf")  # fewer finite scores than most T
+    scores[5, 7] = float("nan")
+    scores[6, 9] = float("inf")
+    got = select_topk(scores, topk, order=order)
+    want = torch.tensor([_brute_topk(r, topk, order) for r in scores.float().tolist()], dtype=torch.int32)
+    assert torch.equal(got, want)

@@ -12,13 +12,21 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
 from causal_layouts import packed_ks_ke, random_ks_ke
 from nemo_dsa.ops._visibility import causal_ks_ke, visible_mask
 from nemo_dsa.ops.topk import streaming
-from nemo_dsa.ops.topk.naive import blocks_to_mask, candidate_blocks, orderable_int32, select_topk
+from nemo_dsa.ops.topk.naive import (
+    MAX_INT32_KEY_WIDTH,
+    blocks_to_mask,
+    candidate_blocks,
+    orderable_image,
+    orderable_int32,
+    select_topk,
+)
 from nemo_dsa.ops.topk.streaming import (
     plan_query_chunks,
     select_window,
@@ -89,19 +97,26 @@ def _same_order(reference: torch.Tensor, image: torch.Tensor) -> bool:
     return monotone and torch.unique(reference).numel() == torch.unique(image).numel()
 
 
-def test_bf16_image_orders_every_bit_pattern_like_the_fp32_rule():
+def _float_rule(values: torch.Tensor) -> torch.Tensor:
+    """The order the images must reproduce, in float64: zeros tie, every non-finite value is lowest."""
+    wide = values.double() + 0.0
+    return torch.where(torch.isfinite(wide), wide, -INF)
+
+
+def test_bf16_image_orders_every_bit_pattern_like_the_float_rule():
     values = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-    image = streaming._orderable_image(values.clone()).long()
-    assert _same_order(orderable_int32(values), image)
+    image = orderable_image(values.clone()).long()
+    assert _same_order(_float_rule(values), image)
+    assert _same_order(_float_rule(values), orderable_int32(values))
     assert image.min() == -(2**15) and int((image == -(2**15)).sum()) == int((~torch.isfinite(values)).sum())
 
 
-def test_fp32_image_orders_like_the_fp32_rule():
+def test_fp32_image_orders_like_the_float_rule():
     g = torch.Generator().manual_seed(1)
     bits = torch.randint(-(2**31), 2**31, (200000,), generator=g, dtype=torch.int64).to(torch.int32)
     special = torch.tensor([0.0, -0.0, INF, -INF, float("nan"), 1e-45, -1e-45, 3.4028235e38, -3.4028235e38, 1.0, -1.0])
     values = torch.cat([bits.view(torch.float32), special])
-    assert _same_order(orderable_int32(values), streaming._orderable_image(values.clone()).long())
+    assert _same_order(_float_rule(values), orderable_image(values.clone()).long())
 
 
 def _scores_with_ties(rows, width, dtype, seed):
@@ -130,14 +145,25 @@ def test_select_window_equals_select_topk_on_the_full_row(dtype, order, count):
     assert torch.equal(values.float(), gathered)
 
 
+def _stable_sort_oracle(scores: torch.Tensor, count: int, order: str) -> torch.Tensor:
+    """Top-count by a stable float64 sort (ties keep index order), non-finite scores excluded."""
+    wide = scores.double()
+    ranked = torch.sort(torch.where(torch.isfinite(wide), -wide, INF), dim=-1, stable=True).indices[:, :count]
+    finite = torch.isfinite(torch.gather(wide, -1, ranked))
+    if order == "index":
+        ranked = torch.where(finite, ranked, scores.shape[-1]).sort(dim=-1).values
+        finite = ranked < scores.shape[-1]
+    return torch.where(finite, ranked, -1).to(torch.int32)
+
+
 def test_select_window_wide_bf16_uses_64_bit_keys():
-    width = streaming.MAX_INT32_KEY_WIDTH + 1000  # past the int32 key's 16 index bits
+    width = MAX_INT32_KEY_WIDTH + 1000  # past the int32 key's 16 index bits
     scores = _scores_with_ties(3, width, torch.bfloat16, seed=5)
     scores[1, -3:] = 100.0  # ties at the far end must still go to the smaller index
     for order in ("score", "index"):
         index, _ = select_window(scores.clone(), 7, 64, order)
-        full = torch.cat([torch.full((3, 7), -INF, dtype=torch.bfloat16), scores], dim=1)
-        assert torch.equal(index, select_topk(full, 64, order=order))
+        want = _stable_sort_oracle(scores, 64, order)
+        assert torch.equal(index, torch.where(want >= 0, want + 7, -1))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -147,10 +173,12 @@ def test_select_window_wide_bf16_uses_64_bit_keys():
 
 @pytest.mark.parametrize("layout", ["causal", "packed", "cp", "random"])
 @pytest.mark.parametrize("budget", [1, 50_000, 2_000_000, 2**40])
-def test_planner_covers_rows_windows_hold_visible_keys_and_fit_the_budget(layout, budget):
+@pytest.mark.parametrize("row_align", [None, 8])  # None: the kernels' ROW_ALIGN (256)
+def test_planner_covers_rows_windows_hold_visible_keys_and_fit_the_budget(layout, budget, row_align):
     ks, ke, num_keys = _layout(layout, 2, 523, 4, seed=3)
+    align = row_align or streaming.ROW_ALIGN
     for row_bytes in (v4_row_bytes(4, 32, 64), v41_row_bytes(4, 32, 64, candidates=True, block_size=4)):
-        chunks = plan_query_chunks(ks, ke, row_bytes, budget)
+        chunks = plan_query_chunks(ks, ke, row_bytes, budget, row_align=row_align)
         assert chunks[0].start == 0 and chunks[-1].end == 523
         assert all(a.end == b.start for a, b in zip(chunks, chunks[1:]))
         for c in chunks:
@@ -158,8 +186,9 @@ def test_planner_covers_rows_windows_hold_visible_keys_and_fit_the_budget(layout
             assert (ks[:, c.rows][seen] >= c.key_start).all() and (ke[:, c.rows][seen] <= c.key_end).all()
             assert 0 <= c.key_start <= c.key_end <= num_keys and c.key_start % streaming.KEY_ALIGN == 0
             rows = c.end - c.start
-            cost = rows * 2 * int(row_bytes(torch.tensor([c.width]))[0])
-            assert rows == 1 or cost <= budget, (c, cost)
+            cost = rows * 2 * int(row_bytes(np.array([c.width]))[0])
+            assert c.start % align == 0, c  # chunks start on the kernels' query tiles
+            assert rows <= align or cost <= budget, (c, cost)
         if budget == 2**40:
             assert len(chunks) == 1
 
@@ -167,6 +196,13 @@ def test_planner_covers_rows_windows_hold_visible_keys_and_fit_the_budget(layout
 # ----------------------------------------------------------------------------------------------
 # End to end (torch backend) against the full-matrix references
 # ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """Chunks of 8-query tiles: the torch references have no kernel tiles to keep aligned, and
+    these small problems then still split into many chunks."""
+    monkeypatch.setattr(streaming, "ROW_ALIGN", 8)
 
 CASES = [  # layout, batch, queries, heads, dim, topk, ratio
     ("causal", 2, 301, 3, 16, 64, 4),
@@ -178,7 +214,7 @@ CASES = [  # layout, batch, queries, heads, dim, topk, ratio
 
 
 @pytest.mark.parametrize("layout,batch,queries,heads,dim,topk,ratio", CASES)
-def test_v4_streaming_equals_full_selection(layout, batch, queries, heads, dim, topk, ratio):
+def test_v4_streaming_equals_full_selection(layout, batch, queries, heads, dim, topk, ratio, small_tiles):
     ks, ke, num_keys = _layout(layout, batch, queries, ratio, seed=queries)
     q, k, w = _quantised(batch, queries, heads, dim, num_keys, seed=queries, w_dtype=torch.float32)
     ref_scores, ref_index = _v4_reference(q, k, w, ks, ke, topk)
@@ -190,7 +226,7 @@ def test_v4_streaming_equals_full_selection(layout, batch, queries, heads, dim, 
 
 
 @pytest.mark.parametrize("layout,batch,queries,heads,dim,topk,ratio", CASES)
-def test_v41_streaming_equals_full_selection(layout, batch, queries, heads, dim, topk, ratio):
+def test_v41_streaming_equals_full_selection(layout, batch, queries, heads, dim, topk, ratio, small_tiles):
     ks, ke, num_keys = _layout(layout, batch, queries, ratio, seed=queries + 1)
     q, k, w = _quantised(batch, queries, heads, dim, num_keys, seed=queries + 1, w_dtype=torch.bfloat16)
     full = v41_scores(q, k, w, ks, ke)
@@ -201,7 +237,7 @@ def test_v41_streaming_equals_full_selection(layout, batch, queries, heads, dim,
 
 @pytest.mark.parametrize("layout", ["causal", "packed", "cp"])
 @pytest.mark.parametrize("block_size,topk_blocks", [(4, 3), (8, 100)])
-def test_v41_candidate_source_and_reindex_equal_full_matrix(layout, block_size, topk_blocks):
+def test_v41_candidate_source_and_reindex_equal_full_matrix(layout, block_size, topk_blocks, small_tiles):
     batch, queries, heads, dim, topk = 2, 389, 2, 16, 24
     ks, ke, num_keys = _layout(layout, batch, queries, 4, seed=7)
     q, k, w = _quantised(batch, queries, heads, dim, num_keys, seed=8, w_dtype=torch.bfloat16)
@@ -222,7 +258,7 @@ def test_v41_candidate_source_and_reindex_equal_full_matrix(layout, block_size, 
         assert torch.equal(index2, ref_reindex)
 
 
-def test_selection_of_arbitrary_float_scores_is_independent_of_chunking(monkeypatch):
+def test_selection_of_arbitrary_float_scores_is_independent_of_chunking(monkeypatch, small_tiles):
     """The scorer replaced by slices of one random matrix: streaming == select_topk(matrix)."""
     batch, queries, heads, dim, topk = 2, 403, 2, 16, 37
     ks, ke, num_keys = _layout("packed", batch, queries, 4, seed=11)
@@ -260,7 +296,35 @@ def test_selection_of_arbitrary_float_scores_is_independent_of_chunking(monkeypa
     assert len(plan_query_chunks(ks, ke, v4_row_bytes(heads, dim, topk), 2_000)) > 50
 
 
-def test_queries_that_see_nothing_get_minus_one_and_no_nan():
+def test_rows_with_ties_beyond_the_candidates_are_redone_after_rescoring(monkeypatch, small_tiles):
+    """Rows whose T-th score has more copies than the candidates hold are flagged; their chunk is
+    scored again after the loop and those rows selected with full-row keys: still exact."""
+    batch, queries, heads, dim, topk = 1, 1200, 2, 16, 37
+    ks, ke, num_keys = _layout("causal", batch, queries, 4, seed=13)
+    fixed = torch.randn(batch, queries, num_keys, generator=torch.Generator().manual_seed(14))
+    fixed[:, 900:905] = 0.25  # 225+ equal visible scores: more than T + TIE_MARGIN
+    fixed = fixed.masked_fill(~visible_mask(ks, ke, num_keys), -INF)
+    scored = []
+
+    def scorer_of(dtype):
+        def scorer(backend, q, k, w, local_ks, local_ke, *rest):
+            chunk = next(c for c in chunks if c.end - c.start == q.shape[1] and c.width == k.shape[1])
+            scored.append(chunk)
+            return fixed[:, chunk.rows, chunk.key_start : chunk.key_end].to(dtype)
+        return scorer
+
+    chunks = plan_query_chunks(ks, ke, v4_row_bytes(heads, dim, topk), 30_000)
+    assert len({(c.end - c.start, c.width) for c in chunks}) == len(chunks)  # the scorer can tell them apart
+    monkeypatch.setattr(streaming, "_v4_chunk_logits", scorer_of(torch.float32))
+    q, k, _ = _quantised(batch, queries, heads, dim, num_keys, seed=0, w_dtype=torch.float32)
+    scores, index = v4_select_topk(q, k, torch.zeros(batch, queries, heads), ks, ke, topk, backend="torch", chunk_bytes=30_000)
+    expected = select_topk(fixed, topk)
+    assert torch.equal(index, expected) and torch.equal(scores, pytorch_extract_topk_scores(fixed, expected))
+    again = scored[len([c for c in chunks if c.width]):]
+    assert again and all(c.start <= 900 < c.end or c.start < 905 <= c.end for c in again), again
+
+
+def test_queries_that_see_nothing_get_minus_one_and_no_nan(small_tiles):
     q, k, w = _quantised(2, 70, 2, 16, 30, seed=3, w_dtype=torch.float32)
     ks = torch.full((2, 70), 5, dtype=torch.int32)
     ke = ks.clone()

@@ -169,3 +169,35 @@ def test_peak_memory_stays_within_the_chunk_budget(mode):
     # Slack: torch.topk's per-slice scratch, the planner's int32 ks/ke copies, allocator rounding.
     assert transient <= budget * 1.1 + 8 * 2**20, (transient, budget)
     assert transient < full_matrix, (transient, full_matrix)
+
+
+@pytest.mark.parametrize("layout,batch,queries,heads,dim,topk", [CASES[0], CASES[2], CASES[3]])
+def test_seed_api_streams_by_default_and_matches_the_materialised_path(layout, batch, queries, heads, dim, topk):
+    """On CUDA v4_lighting_indexer streams its selection unless fused_topk=False; both paths give
+    the same indices and scores bitwise, and gradients through them agree."""
+    from nemo_dsa import v4_lighting_indexer
+
+    ks, ke, num_keys = _layout(layout, batch, queries, 4, seed=queries + 3)
+    q, k, w = _inputs(batch, queries, heads, dim, num_keys, queries + 3, torch.float32, quantised=False)
+    calls = []
+    original = streaming.v4_select_topk
+    streaming.v4_select_topk = lambda *a, **kw: calls.append(1) or original(*a, **kw)
+    try:
+        results = {}
+        for fused in (None, False):
+            leaves = [t.transpose(0, 1).contiguous().requires_grad_() for t in (q, k, w)]
+            score, index = v4_lighting_indexer(*leaves, 4, topk, ks=ks, ke=ke, fused_topk=fused)
+            grad = torch.randn(score.shape, generator=torch.Generator().manual_seed(9)).cuda()
+            torch.autograd.backward(score, torch.where(torch.isfinite(score), grad, 0.0))
+            results[fused] = (score.detach(), index, *(t.grad for t in leaves))
+            assert len(calls) == 1, "the default path streams once; fused_topk=False must not stream"
+    finally:
+        streaming.v4_select_topk = original
+    streamed, full = results[None], results[False]
+    assert torch.equal(streamed[0], full[0]) and torch.equal(streamed[1], full[1])
+    # Same indices and scores: dq and dw come out bitwise equal; dk sums fp32 atomics in a
+    # run-dependent order before its bf16 rounding, so it may differ by one bf16 step.
+    assert torch.equal(streamed[2], full[2]) and torch.equal(streamed[4], full[4])
+    dk, dk_full = streamed[3].float(), full[3].float()
+    # One bf16 step is at most 2^-7 of the value; cancellation near zero gets a small absolute slack.
+    assert bool(((dk - dk_full).abs() <= 2**-7 * dk_full.abs() + 1e-5 * dk_full.abs().max()).all())

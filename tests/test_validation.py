@@ -56,6 +56,7 @@ def test_v4_tensor_arguments(error, name, change):
         (TypeError, "compress_ratio", dict(compress_ratio=4.0)),
         (ValueError, "topk", dict(topk=0)),
         (TypeError, "topk", dict(topk=True)),
+        (TypeError, "fused_topk", dict(fused_topk="yes")),
     ],
 )
 def test_v4_scalar_arguments(error, name, kwargs):
@@ -213,3 +214,16 @@ def test_mxfp4_arguments():
         mxfp4_quant_dequant(torch.randn(4, 48))
     with pytest.raises(TypeError, match="x must"):
         mxfp4_quant_dequant(torch.ones(4, 32, dtype=torch.int32))
+
+
+def test_fused_topk_defaults_to_streaming_only_with_the_kernels():
+    from nemo_dsa.models.dsa_lm.configuration import DSAModelConfig
+    from nemo_dsa.ops._dispatch import resolve_fused_topk
+
+    assert resolve_fused_topk(None, "tilelang") and not resolve_fused_topk(None, "torch")
+    assert resolve_fused_topk(True, "torch") and not resolve_fused_topk(False, "tilelang")
+    with pytest.raises(TypeError, match="fused_topk"):
+        resolve_fused_topk(1, "torch")
+    assert DSAModelConfig().fused_topk is None
+    with pytest.raises(TypeError, match="fused_topk"):
+        DSAModelConfig(fused_topk="true")

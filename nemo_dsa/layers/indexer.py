@@ -22,6 +22,7 @@ from torch import nn
 from nemo_dsa.distributed.context import SequenceContext
 from nemo_dsa.layers.compressor import OVERLAP_RATIO, Compressor
 from nemo_dsa.layers.rope import apply_rope
+from nemo_dsa.ops._dispatch import resolve_backend, resolve_fused_topk
 
 
 @dataclass
@@ -133,7 +134,7 @@ class Indexer(nn.Module):
         from nemo_dsa.ops.v41_indexer.interface import indexer_scores
 
         q, weights = self._queries(x, query_latent, angles)
-        if self.fused_topk:  # streamed over query chunks: no [B, S, K] scores
+        if resolve_fused_topk(self.fused_topk, resolve_backend(self.backend, q)):  # no [B, S, K] scores
             from nemo_dsa.ops.topk.streaming import v41_select_topk
 
             picked = v41_select_topk(

@@ -21,3 +21,15 @@ def resolve_backend(backend: str, *tensors: torch.Tensor) -> str:
     if backend == "tilelang" and not on_cuda:
         raise ValueError("backend='tilelang' needs CUDA tensors; use backend='torch' or 'auto' on CPU")
     return backend
+
+
+def resolve_fused_topk(fused_topk: bool | None, backend: str) -> bool:
+    """Whether selection streams query chunks instead of materialising [B, S, K] scores.
+
+    ``None`` (the default everywhere) streams where the TileLang kernels run (``backend`` is the
+    resolved one): that is where long contexts live and where the matrix would cost memory. The
+    CPU references keep the materialising path, the readable one.
+    """
+    if fused_topk is not None and not isinstance(fused_topk, bool):
+        raise TypeError(f"fused_topk must be True, False or None (auto), got {type(fused_topk).__name__}")
+    return backend == "tilelang" if fused_topk is None else fused_topk

@@ -49,9 +49,9 @@ class DSAModelConfig:
     tie_word_embeddings: bool = False
     # Kernel choice for the indexer: "auto" (TileLang on CUDA, torch on CPU) | "tilelang" | "torch".
     backend: str = "auto"
-    # Select top-k without the [B, S, K] score matrix (streamed query chunks) where the TileLang
-    # kernels run. Opt-in until its CUDA path has been checked on a GPU (docs/performance.md).
-    fused_topk: bool = False
+    # Select top-k without the [B, S, K] score matrix (streamed query chunks): None = wherever the
+    # TileLang kernels run; False materialises the scores (the checking path), True always streams.
+    fused_topk: bool | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -98,6 +98,8 @@ class DSAModelConfig:
                 raise ValueError(f"index_head_dim must be a multiple of 32 for MXFP4 (v41), got {self.index_head_dim}")
         if self.backend not in ("auto", "tilelang", "torch"):
             raise ValueError(f"backend must be 'auto', 'tilelang' or 'torch', got {self.backend!r}")
+        if self.fused_topk is not None and not isinstance(self.fused_topk, bool):
+            raise TypeError(f"fused_topk must be true, false or null (auto), got {self.fused_topk!r}")
         for name in ("kv_source_layer_ids", "index_source_layer_ids"):
             ids = getattr(self, name) or ()
             bad = [i for i in ids if not 0 <= i < self.num_hidden_layers]

@@ -118,10 +118,13 @@ class DSAForCausalLM(nn.Module):
         from nemo_dsa.metadata import build_attention_metadata
 
         batch, seq = input_ids.shape
+        # Layout tensors may come from a CPU-side collator: the metadata lives with the activations.
+        layout = {k: v.to(input_ids.device) if isinstance(v, torch.Tensor) else v for k, v in layout.items()}
         metas = {}
         for ratio in sorted({max(r, 1) for r in self.config.compress_ratios}):
             metas[ratio] = build_attention_metadata(
-                compress_ratio=ratio, cp_rank=ctx.rank, cp_size=ctx.size, batch_size=batch, seq_len=seq, **layout
+                compress_ratio=ratio, cp_rank=ctx.rank, cp_size=ctx.size, batch_size=batch, seq_len=seq,
+                device=input_ids.device, **layout,
             )
         return metas
 

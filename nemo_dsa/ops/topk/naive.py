@@ -2,14 +2,15 @@
 
 DSA-SPEC "Top-k selection": keep the best T = min(topk, K) *finite* scores, ties going to the
 smaller key index, -1 padding when a query has fewer than T finite scores. torch.topk leaves ties
-unspecified: rows where that matters (the T-th best score shared beyond the free slots, or NaN/+inf
-present) are redone with a unique int64 key per score
+unspecified, so selection runs on a unique key per score
 
-    key = (order-preserving int32 image of the fp32 score) << 32  |  (2^32 - 1 - index)
+    key = (order-preserving integer image of the score) << b  |  (2^b - 1 - index)
 
-whose descending order is "score descending, then index ascending". torch.topk over unique keys
-is exact and deterministic on every device. The work is chunked over queries so that the int64
-keys never exceed the byte budget.
+(b = 32 for fp32, int64 keys; b = 16 for bf16 rows of at most 65536 keys, int32 keys) whose
+descending order is "score descending, then index ascending"; torch.topk (a radix select) over
+unique keys is exact and deterministic on every device. fp32 rows almost never tie, so they run
+torch.topk on the scores and only the rows where ties could matter are redone with keys. The work
+is chunked over queries so that the keys never exceed the byte budget.
 """
 
 from __future__ import annotations
@@ -25,61 +26,133 @@ from nemo_dsa.ops._visibility import check_ks_ke
 SCORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ORDERS = ("score", "index")
 _INT32_MIN = -(2**31)
+_INT16_MIN = -(2**15)
+# bf16 keys fit int32 while the 16 index bits can number the row.
+MAX_INT32_KEY_WIDTH = 2**16
+# Candidates taken past the T-th best score: a row whose T-th score has more copies than this
+# beyond the cut is redone with full-row keys (select_rows).
+TIE_MARGIN = 64
+
+
+def orderable_image(scores: torch.Tensor) -> torch.Tensor:
+    """Integer image of fp32 (int32) or bf16/fp16 (int16) scores whose integer order is the float order.
+
+    IEEE floats order like sign-magnitude integers: flipping the magnitude bits of negative
+    values turns that into two's-complement order. -0.0 lands on -1 (the only bit pattern that
+    does) and is folded onto +0.0's 0 so the two zeros tie as the spec's scores do; non-finite
+    scores get the type's minimum, which no finite score reaches, so they are never preferred.
+    fp16 is first widened to fp32 (exact), since its exponent field differs from bf16's.
+    """
+    if scores.dtype == torch.float16:
+        scores = scores.float()
+    int_dtype, sign_shift, magnitude, minimum = (
+        (torch.int32, 31, 0x7FFFFFFF, _INT32_MIN) if scores.dtype == torch.float32 else (torch.int16, 15, 0x7FFF, _INT16_MIN)
+    )
+    bits = scores.view(int_dtype)
+    image = bits >> sign_shift  # -1 for negative scores, 0 otherwise
+    image &= magnitude
+    image ^= bits
+    image.masked_fill_(image == -1, 0)
+    image.masked_fill_(~torch.isfinite(scores), minimum)
+    return image
 
 
 def orderable_int32(scores: torch.Tensor) -> torch.Tensor:
-    """Map float scores to int32 so that integer order equals float order (as int64 tensor).
+    """:func:`orderable_image` of the scores widened to fp32 (exact), as an int64 tensor."""
+    return orderable_image(scores.float()).to(torch.int64)
 
-    IEEE floats order like sign-magnitude integers: non-negative floats already compare correctly
-    as int32 bit patterns; for negative ones the magnitude bits are flipped to reverse their
-    order. -0.0 is first folded into +0.0 (x + 0.0) so the two zeros tie as the spec's scores do.
-    Non-finite scores get the smallest key so that they are never preferred over finite ones.
+
+def selection_keys(scores: torch.Tensor) -> torch.Tensor:
+    """Unique per-row keys of ``scores [N, W]``: descending key = descending score, then ascending index.
+
+    fp32: (int32 image) << 32 | (2^32 - 1 - j), int64. bf16: (int16 image) << 16 | (65535 - j),
+    int32 while the row holds at most 65536 keys (int64 beyond). Built in place, so the peak is
+    the key tensor plus the image.
     """
-    values = scores.float() + 0.0  # exact upcast; -0.0 + 0.0 == +0.0
-    bits = values.view(torch.int32)
-    image = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
-    return torch.where(torch.isfinite(values), image, torch.full_like(image, _INT32_MIN))
+    width = scores.shape[-1]
+    image = orderable_image(scores)
+    if image.dtype == torch.int16 and width <= MAX_INT32_KEY_WIDTH:
+        key, shift, low = image.to(torch.int32), 16, MAX_INT32_KEY_WIDTH - 1
+    else:
+        key, shift, low = image.to(torch.int64), 32, 2**32 - 1
+    del image
+    key *= 1 << shift  # no overflow (the image has 16 / 32 bits); avoids shifting negative values
+    key |= low - torch.arange(width, device=scores.device, dtype=key.dtype)  # broadcast, no [N, W] copy
+    return key
 
 
-def _select_rows(scores: torch.Tensor, count: int, order: str) -> torch.Tensor:
-    """select_topk on a [N, K] block of rows: torch.topk on the scores, exact keys where needed.
+def candidate_keys(values: torch.Tensor, index: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """Unique keys of candidate scores ``values`` at key indices ``index`` (same shape).
 
-    torch.topk on the raw scores picks the right *set* whenever the T-th best value is not
-    shared by more keys than the slots left for it, and whenever no NaN/+inf is in the row (they
-    sort above every number and are not selectable). Both conditions are checked on the [N, T]
-    result plus one compare pass; only rows that fail them take the int64-key path. On real
-    scores that is almost never, and the plain topk avoids building 8-byte keys for all S*K
-    scores (the dominant cost of selection at S=32K).
+    Descending key = descending score, then ascending index; non-finite scores lowest. int32
+    (bf16 image << 16 | 65535 - index) when the scores are bf16 and the row has at most 65536
+    keys, int64 (fp32 image << 32 | 2^32 - 1 - index) otherwise.
+    """
+    if values.dtype == torch.bfloat16 and num_keys <= MAX_INT32_KEY_WIDTH:
+        key = orderable_image(values).to(torch.int32)
+        key *= 1 << 16
+        return key.bitwise_or_((MAX_INT32_KEY_WIDTH - 1) - index.to(torch.int32))
+    key = orderable_int32(values)
+    key *= 1 << 32
+    return key.bitwise_or_((2**32 - 1) - index.long())
+
+
+def select_rows(scores: torch.Tensor, count: int, order: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-``count`` of every row of ``scores [N, W]`` (count <= W) without a host sync.
+
+    Returns (chosen int64 ``[N, count]``, -1 padded; redo bool ``[N]``): rows flagged ``redo``
+    are not decided here and must be recomputed with :func:`select_rows_exact`; on real scores
+    there are almost none.
+
+    One torch.topk (a radix select) takes the best count + TIE_MARGIN scores, unordered; unique
+    keys (score, then index) over those few candidates order them exactly, ties to the smaller
+    index. That is exact whenever every copy of the T-th best score is among the candidates:
+    a row is flagged when the worst candidate still equals the T-th best (a run of more than
+    TIE_MARGIN ties at the cut), or when it holds NaN/+inf (they sort above every number, are
+    not selectable, and would take candidate slots).
     """
     num_keys = scores.shape[-1]
-    values, chosen = torch.topk(scores, count, dim=-1, largest=True, sorted=True)
-    threshold = values[:, -1:]
-    finite_threshold = torch.isfinite(threshold).squeeze(-1)
-    unselectable = (torch.isnan(values) | (values == float("inf"))).any(-1)
-    slots_left = count - (values > threshold).sum(-1)
-    tied = (scores == threshold).sum(-1)
-    redo = unselectable | (finite_threshold & (tied != slots_left))
-    present = values > float("-inf")
-    chosen = torch.where(present, chosen, num_keys)  # -inf picks become padding, sorted last
-    # Order: ascending index first, then a stable sort by descending score keeps index order
-    # inside equal scores (the spec's tie rule), padding last in both orders.
-    chosen = chosen.sort(dim=-1).values
-    if order == "score":
-        picked = torch.gather(scores, -1, chosen.clamp_max(num_keys - 1))
-        picked = torch.where(chosen < num_keys, picked, float("-inf"))
-        chosen = torch.gather(chosen, -1, picked.sort(dim=-1, descending=True, stable=True).indices)
-    chosen = torch.where(chosen == num_keys, -1, chosen)
-    if bool(redo.any()):
-        chosen[redo] = _select_rows_by_keys(scores[redo], count, order)
-    return chosen.to(torch.int32)
+    width = min(count + TIE_MARGIN, num_keys)
+    values, index = torch.topk(scores, width, dim=-1, largest=True, sorted=False)
+    redo = (torch.isnan(values) | (values == float("inf"))).any(-1)
+    rank = candidate_keys(values, index, num_keys).sort(dim=-1, descending=True).indices[:, :count]
+    chosen = torch.gather(index, -1, rank)
+    picked = torch.gather(values, -1, rank)
+    cut = picked[:, -1]
+    redo |= torch.isfinite(cut) & (values.amin(-1) == cut) & (width < num_keys)
+    finite = torch.isfinite(picked)  # non-finite candidates sort last: -1 padding at the end
+    if order == "index":
+        past_end = torch.iinfo(torch.int64).max
+        chosen = torch.where(finite, chosen, past_end).sort(dim=-1).values
+        return torch.where(chosen == past_end, -1, chosen), redo
+    return torch.where(finite, chosen, -1), redo
+
+
+def select_rows_exact(
+    scores: torch.Tensor, count: int, order: str, *, budget_bytes: int = DEFAULT_BUDGET_BYTES
+) -> torch.Tensor:
+    """:func:`select_rows` with its flagged rows redone right away (one host sync), int64."""
+    chosen, redo = select_rows(scores, count, order)
+    redo_rows(scores, chosen, redo, count, order, budget_bytes)
+    return chosen
+
+
+def redo_rows(scores, chosen, redo, count: int, order: str, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> None:
+    """Recompute in place the rows of ``chosen`` flagged in ``redo`` with unique keys per score."""
+    if not bool(redo.any()):
+        return
+    rows = redo.nonzero().squeeze(1)
+    # The key path holds a score copy, its integer image and the keys: ~16 bytes per score.
+    group = query_chunk_size(rows.numel(), 16 * scores.shape[-1], budget_bytes)
+    for part in query_chunks(rows.numel(), group):
+        picked = rows[part]
+        chosen[picked] = _select_rows_by_keys(scores[picked], count, order).to(chosen.dtype)
 
 
 def _select_rows_by_keys(scores: torch.Tensor, count: int, order: str) -> torch.Tensor:
-    """Exact selection through unique int64 keys (score image, then reversed index)."""
+    """Exact selection through unique keys (score image, then reversed index), int64 indices."""
     num_keys = scores.shape[-1]
-    index = torch.arange(num_keys, device=scores.device, dtype=torch.int64)
-    keys = (orderable_int32(scores) << 32) | ((2**32 - 1) - index)
-    chosen = torch.topk(keys, count, dim=-1, largest=True, sorted=True).indices
+    chosen = torch.topk(selection_keys(scores), count, dim=-1, largest=True, sorted=True).indices
     finite = torch.isfinite(torch.gather(scores, -1, chosen))
     chosen = torch.where(finite, chosen, -1)  # non-finite keys sort last, so -1s trail
     if order == "index":
@@ -109,10 +182,16 @@ def select_topk(
     rows = scores.reshape(math.prod(scores.shape[:-1]), num_keys)
     out = torch.full((rows.shape[0], count), -1, dtype=torch.int32, device=scores.device)
     if count and rows.shape[0]:
-        # Per row: int64 keys + int64 arange broadcast + the topk scratch, ~ 3 int64 per key.
-        chunk = query_chunk_size(rows.shape[0], 24 * num_keys, budget_bytes)
+        # torch.topk reads the scores in place; its per-row scratch and the candidates are small,
+        # so chunks only bound the launch size. Flagged rows are redone once at the end, so the
+        # loop never waits for the GPU.
+        chunk = query_chunk_size(rows.shape[0], 4 * num_keys, budget_bytes)
+        redo = torch.zeros(rows.shape[0], dtype=torch.bool, device=scores.device)
+        chosen = torch.empty((rows.shape[0], count), dtype=torch.int64, device=scores.device)
         for part in query_chunks(rows.shape[0], chunk):
-            out[part] = _select_rows(rows[part], count, order)
+            chosen[part], redo[part] = select_rows(rows[part], count, order)
+        redo_rows(rows, chosen, redo, count, order, budget_bytes)
+        out.copy_(chosen)
     return out.reshape(*scores.shape[:-1], count)
 
 
@@ -165,10 +244,10 @@ def candidate_blocks(
             kept.scatter_(-1, last, sees_any)
             if count > 1:
                 others = block_scores.scatter(-1, last, float("-inf"))
-                best = _select_rows(others, count - 1, "score").long()
+                best = select_rows_exact(others, count - 1, "score")
                 kept.scatter_(-1, torch.where(best >= 0, best, num_blocks), True)
             kept = kept[:, :num_blocks]
-            out[b, part] = _select_rows(torch.where(kept, 0.0, float("-inf")), count, "index")
+            out[b, part] = select_rows_exact(torch.where(kept, 0.0, float("-inf")), count, "index").int()
     return out
 
 

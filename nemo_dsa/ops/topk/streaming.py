@@ -12,14 +12,11 @@ chunk: true of the TileLang kernels (chunks start on their tile boundaries); CPU
 by matrix shape, so the torch references agree only to the last ulp on continuous inputs (exactly on
 exactly representable ones, as in the tests).
 
-Exact selection without sorting the row: each score becomes a unique integer key whose descending
-order is "score descending, then key index ascending", and ``torch.topk`` (a radix select, not a
-sort) runs on the keys.
-- fp32 scores (V4): key = (order-preserving int32 image of the score) << 32 | (2^32 - 1 - j), int64.
-- bf16 scores (V4.1): key = (order-preserving int16 image) << 16 | (65535 - j), int32, valid while
-  the window holds at most 65536 keys (j is the index inside the window, so K itself may be larger);
-  wider windows fall back to the int64 key.
-The window's first key is a constant offset, so local order equals global order.
+Selection inside a window is ``naive.select_rows`` (a radix select, never a sort of the row):
+fp32 scores (V4) run torch.topk on the scores and redo the rare rows where ties could matter with
+unique int64 keys; bf16 scores (V4.1) tie often and take unique int32 keys (int16 score image,
+16 index bits) directly, int64 keys past 65536 keys per window. j is the index inside the window,
+whose first key is a constant offset, so local order equals global order.
 """
 
 from __future__ import annotations
@@ -27,32 +24,33 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from nemo_dsa._checks import check_positive_int, check_tensor
 from nemo_dsa.ops._dispatch import resolve_backend
 from nemo_dsa.ops._visibility import check_ks_ke
+from nemo_dsa.ops.topk.naive import TIE_MARGIN, redo_rows, select_rows
 
 # Transient budget per chunk (issue #4): 512 MiB keeps Sc in the hundreds of rows at K = 32768.
 DEFAULT_CHUNK_BYTES = 512 * 2**20
-# Chunks start on multiples of these so that the scoring kernels' query tiles (<= 64 queries for
-# H >= 2) and key tiles (128 keys) line up with those of an unchunked run.
-ROW_ALIGN = 64
+# Chunks start on multiples of these so that the scoring kernels' query tiles (block_q <= 256
+# queries: 256 // H) and key tiles (128 keys) line up with those of an unchunked run. Measured on
+# the H200: a query's fp32 head sum depends on its position inside the kernel's tile (in the last
+# bit), so a chunk starting mid-tile would score some keys one ulp differently.
+ROW_ALIGN = 256
 KEY_ALIGN = 128
-# Bytes per (query, window key) element at the peak of each phase (see _selection_keys):
-# V4: fp32 logits 4 + int32 image 4 + int64 key 8, plus 2 for the boolean masks.
-V4_BYTES_PER_KEY = 18
-# V4.1: bf16 scores 2 + int16 image 2 + int32 key 4 (int64: 8) + 2 for the boolean masks.
-V41_BYTES_PER_KEY = 10
-V41_WIDE_BYTES_PER_KEY = 14
+# Bytes per (query, window key) element at the peak of a chunk: the scores themselves (torch.topk
+# reads them in place; its scratch and the candidates are per row), plus the redo of flagged rows,
+# run in groups of at most a quarter of the chunk at the key path's ~16 bytes per score.
+V4_BYTES_PER_KEY = 4 + 4  # fp32 logits
+V41_BYTES_PER_KEY = 2 + 4  # bf16 scores
 # Candidate blocks (nemo_dsa.ops.topk.naive helpers): scores 2 + dense mask 1 + their 24 per key.
 V41_CANDIDATE_BYTES_PER_KEY = 27
-MAX_INT32_KEY_WIDTH = 2**16
-# Per selected slot: topk's int64 values and indices, the gathered scores, masks and int32 copies.
+# Per selected slot: candidates (TIE_MARGIN more per row) as values, int64 indices, keys and
+# their sort, the gathered results and int32 copies.
 SELECTED_BYTES = 48
 
-_INT32_MIN = -(2**31)
-_INT16_MIN = -(2**15)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -84,68 +82,70 @@ def plan_query_chunks(
     row_bytes: Callable[[torch.Tensor], torch.Tensor],
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     *,
-    row_align: int = ROW_ALIGN,
+    row_align: int | None = None,
     key_align: int = KEY_ALIGN,
 ) -> list[QueryChunk]:
     """Split the queries of ``ks/ke [B, S]`` into consecutive chunks whose transients fit a budget.
 
     A chunk of n queries with key window width W costs ``n * B * row_bytes(W)`` bytes
-    (``row_bytes`` maps an int64 tensor of widths to bytes per query row, non-decreasing). Each
-    chunk is the longest run from its start that fits ``chunk_bytes`` (never below one query: a
-    single row is the irreducible unit), shortened to a multiple of ``row_align`` when it has at
-    least that many rows. The window is the union of the chunk's visible ranges over the batch,
+    (``row_bytes`` maps an int64 array of widths to bytes per query row, non-decreasing). Each
+    chunk is the longest run from its start that fits ``chunk_bytes``, rounded down to a multiple
+    of ``row_align`` (default ``ROW_ALIGN``) and never shorter than that unless it is the last:
+    one query tile of every kernel is the irreducible unit, so a tiny budget is exceeded rather
+    than the tiles shifted. The window is the union of the chunk's visible ranges over the batch,
     its start rounded down to a multiple of ``key_align``; a chunk whose queries see nothing gets
-    the empty window (0, 0). Reads ks/ke once on the host.
+    the empty window (0, 0). Copies two [S] vectors to the host once.
     """
     check_positive_int("chunk_bytes", chunk_bytes)
-    ks_host, ke_host = ks.detach().to("cpu", torch.int64), ke.detach().to("cpu", torch.int64)
-    batch, queries = ks_host.shape
+    row_align = ROW_ALIGN if row_align is None else check_positive_int("row_align", row_align)
+    batch, queries = ks.shape
     if queries == 0:
         return []
-    seen = ke_host > ks_host
-    none = torch.iinfo(torch.int64).max
-    first = torch.where(seen, ks_host, none).amin(0)  # per query, over the batch
-    last = torch.where(seen, ke_host, 0).amax(0)
+    # Per-query union over the batch on the tensors' device, then one copy: the host loop below
+    # runs on NumPy, since small torch CPU ops cost ~1 ms each on a many-core GPU host.
+    none = int(np.iinfo(np.int64).max)
+    seen = ke > ks
+    first = torch.where(seen, ks.long(), none).amin(0).cpu().numpy()
+    last = torch.where(seen, ke.long(), 0).amax(0).cpu().numpy()
     # Rows a chunk can possibly hold: the per-row cost at width 0 bounds it.
-    lookahead = max(1, chunk_bytes // max(1, batch * int(row_bytes(torch.zeros(1, dtype=torch.int64))[0])))
+    lookahead = max(row_align, chunk_bytes // max(1, batch * int(row_bytes(np.zeros(1, dtype=np.int64))[0])))
     chunks: list[QueryChunk] = []
     start = 0
     while start < queries:
         stop = min(queries, start + lookahead)
-        lo = torch.cummin(first[start:stop], 0).values
-        hi = torch.cummax(last[start:stop], 0).values
+        lo = np.minimum.accumulate(first[start:stop])
+        hi = np.maximum.accumulate(last[start:stop])
         sees_any = lo != none
-        lo = torch.where(sees_any, lo // key_align * key_align, 0)
-        width = torch.where(sees_any, hi - lo, 0)
-        rows = torch.arange(1, stop - start + 1, dtype=torch.int64)
-        cost = rows * batch * row_bytes(width)
-        count = max(1, int((cost <= chunk_bytes).sum()))  # cost is non-decreasing in rows
-        if count >= row_align and start + count < queries:
+        lo = np.where(sees_any, lo // key_align * key_align, 0)
+        width = np.where(sees_any, hi - lo, 0)
+        cost = np.arange(1, stop - start + 1, dtype=np.int64) * batch * row_bytes(width)
+        # cost is non-decreasing in rows; a chunk that does not reach the end is whole tiles
+        count = max(min(row_align, stop - start), int((cost <= chunk_bytes).sum()))
+        if start + count < queries:
             count -= count % row_align
-        chunks.append(QueryChunk(start, start + count, int(lo[count - 1]), int(hi[count - 1]) if bool(sees_any[count - 1]) else 0))
+        chunks.append(QueryChunk(start, start + count, int(lo[count - 1]), int(hi[count - 1]) if sees_any[count - 1] else 0))
         start += count
     return chunks
 
 
-def v4_row_bytes(heads: int, dim: int, count: int) -> Callable[[torch.Tensor], torch.Tensor]:
+def v4_row_bytes(heads: int, dim: int, count: int) -> Callable[[np.ndarray], np.ndarray]:
     """Transient bytes per query row of :func:`v4_select_topk` for window widths ``width``."""
     # A contiguous copy of the chunk's q and w, and the [rows, T] top-k results and temporaries.
-    per_row = heads * dim * 2 + heads * 4 + SELECTED_BYTES * count + 64
+    per_row = heads * dim * 2 + heads * 4 + SELECTED_BYTES * (count + TIE_MARGIN) + 64
     return lambda width: width * V4_BYTES_PER_KEY + per_row
 
 
 def v41_row_bytes(
     heads: int, dim: int, count: int, candidates: bool = False, block_size: int = 1
-) -> Callable[[torch.Tensor], torch.Tensor]:
+) -> Callable[[np.ndarray], np.ndarray]:
     """Transient bytes per query row of :func:`v41_select_topk` for window widths ``width``."""
-    per_row = heads * dim * 2 + heads * 2 + SELECTED_BYTES * count + 64
+    per_row = heads * dim * 2 + heads * 2 + SELECTED_BYTES * (count + TIE_MARGIN) + 64
 
-    def row_bytes(width: torch.Tensor) -> torch.Tensor:
-        per_key = torch.where(width > MAX_INT32_KEY_WIDTH, V41_WIDE_BYTES_PER_KEY, V41_BYTES_PER_KEY)
+    def row_bytes(width: np.ndarray) -> np.ndarray:
         if candidates:  # the candidate phase precedes selection; its peak is the larger
             blocks = -(-width // block_size)
-            return torch.maximum(per_key * width, V41_CANDIDATE_BYTES_PER_KEY * width + 40 * blocks) + per_row
-        return per_key * width + per_row
+            return np.maximum(V41_BYTES_PER_KEY * width, V41_CANDIDATE_BYTES_PER_KEY * width + 40 * blocks) + per_row
+        return V41_BYTES_PER_KEY * width + per_row
 
     return row_bytes
 
@@ -153,40 +153,6 @@ def v41_row_bytes(
 # ----------------------------------------------------------------------------------------------
 # Exact selection on a window of keys
 # ----------------------------------------------------------------------------------------------
-
-
-def _orderable_image(scores: torch.Tensor) -> torch.Tensor:
-    """Integer image of fp32 (int32) or bf16 (int16) scores whose integer order is the float order.
-
-    IEEE floats order like sign-magnitude integers: flipping the magnitude bits of negative
-    values turns that into two's-complement order. -0.0 lands on -1 (the only bit pattern that
-    does) and is folded onto +0.0's 0 so the two zeros tie; non-finite scores get the type's
-    minimum, which no finite score reaches, so they are never preferred.
-    """
-    int_dtype, sign_shift, magnitude, minimum = (
-        (torch.int32, 31, 0x7FFFFFFF, _INT32_MIN) if scores.dtype == torch.float32 else (torch.int16, 15, 0x7FFF, _INT16_MIN)
-    )
-    bits = scores.view(int_dtype)
-    image = bits >> sign_shift  # -1 for negative scores, 0 otherwise
-    image &= magnitude
-    image ^= bits
-    image.masked_fill_(image == -1, 0)
-    image.masked_fill_(~torch.isfinite(scores), minimum)
-    return image
-
-
-def _selection_keys(scores: torch.Tensor) -> torch.Tensor:
-    """Unique per-row keys of ``scores [N, W]``: descending key = descending score, then ascending index."""
-    width = scores.shape[-1]
-    image = _orderable_image(scores)
-    if scores.dtype == torch.bfloat16 and width <= MAX_INT32_KEY_WIDTH:
-        key, shift, low = image.to(torch.int32), 16, MAX_INT32_KEY_WIDTH - 1
-    else:
-        key, shift, low = image.to(torch.int64), 32, 2**32 - 1
-    del image
-    key *= 1 << shift  # no overflow (the image has 16 / 32 bits); avoids shifting negative values
-    key |= low - torch.arange(width, device=scores.device, dtype=key.dtype)  # broadcast, no [N, W] copy
-    return key
 
 
 def select_window(
@@ -199,22 +165,57 @@ def select_window(
     score, ties to the smaller index; ``order="index"``: the same set in ascending index order.
     Equal to ``naive.select_topk`` on the full row (the window must hold every finite score).
     """
-    rows, width = scores.shape
-    take = min(count, width)
+    chosen, redo = _select(scores, count, order)
+    redo_rows(scores, chosen, redo, chosen.shape[-1], order)
+    return _globalise(scores, chosen, key_start, count)
+
+
+def _select(scores: torch.Tensor, count: int, order: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """naive.select_rows on a window (at most ``width`` picks), without a host sync."""
+    take = min(count, scores.shape[-1])
+    if take == 0 or scores.shape[0] == 0:
+        empty = torch.empty((scores.shape[0], 0), dtype=torch.int64, device=scores.device)
+        return empty, torch.zeros(scores.shape[0], dtype=torch.bool, device=scores.device)
+    return select_rows(scores, take, order)
+
+
+def _globalise(scores, chosen, key_start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Window-local picks -> (global int32 indices, gathered scores), padded to ``count`` columns."""
+    rows, take = chosen.shape
     index = torch.full((rows, count), -1, dtype=torch.int32, device=scores.device)
     values = torch.full((rows, count), float("-inf"), dtype=scores.dtype, device=scores.device)
-    if take == 0 or rows == 0:
-        return index, values
-    chosen = torch.topk(_selection_keys(scores), take, dim=-1, largest=True, sorted=True).indices
-    picked = torch.gather(scores, -1, chosen)
-    finite = torch.isfinite(picked)  # non-finite keys sort last, so the -1s trail
-    if order == "index":
-        chosen = torch.where(finite, chosen, width).sort(dim=-1).values
-        finite = chosen < width
-        picked = torch.gather(scores, -1, torch.where(finite, chosen, 0))
-    index[:, :take] = torch.where(finite, chosen + key_start, -1).to(torch.int32)
-    values[:, :take] = torch.where(finite, picked, float("-inf"))
+    found = chosen >= 0
+    index[:, :take] = torch.where(found, chosen + key_start, -1)
+    values[:, :take] = torch.where(found, torch.gather(scores, -1, chosen.clamp_min(0)), float("-inf"))
     return index, values
+
+
+def _select_chunks(chunks, score_chunk, emit, count: int, order: str, chunk_bytes: int) -> None:
+    """Score and select every chunk, ``emit(chunk, index, values)`` its global results.
+
+    The loop never waits for the GPU: rows that select_rows flags (ties beyond its candidates,
+    NaN/+inf) are collected, and after the loop (one host sync) only the chunks holding any are
+    scored again (same tiles, so the same scores) and those rows redone with full-row keys.
+    """
+    pending = []
+    for chunk in chunks:
+        if chunk.width == 0:
+            emit(chunk, None, None)
+            continue
+        scores = score_chunk(chunk, True).reshape(-1, chunk.width)
+        chosen, redo = _select(scores, count, order)
+        emit(chunk, *_globalise(scores, chosen, chunk.key_start, count))
+        pending.append((chunk, redo))
+        del scores, chosen
+    if not pending:
+        return
+    flagged = torch.stack([redo.any() for _, redo in pending]).tolist()
+    for (chunk, redo), again in zip(pending, flagged):
+        if again:
+            scores = score_chunk(chunk, False).reshape(-1, chunk.width)
+            chosen, _ = _select(scores, count, order)
+            redo_rows(scores, chosen, redo, chosen.shape[-1], order, chunk_bytes // 4)
+            emit(chunk, *_globalise(scores, chosen, chunk.key_start, count))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -307,22 +308,25 @@ def v4_select_topk(
     scores = torch.full((batch, queries, count), float("nan"), dtype=torch.float32, device=q.device)
     chunks = plan_query_chunks(ks, ke, v4_row_bytes(heads, dim, count), chunk_bytes)
     buffer = _window_buffer(chunks, batch, q.device) if backend == "tilelang" else None
-    for chunk in chunks:
+
+    def score_chunk(chunk, first_pass):
         rows = chunk.end - chunk.start
-        if chunk.width == 0:
-            indices[:, chunk.rows] = -1
-            scores[:, chunk.rows] = float("-inf")
-            continue
         local_ks, local_ke = _local_ranges(ks, ke, chunk)
         out = None if buffer is None else buffer[: batch * rows * chunk.width].view(batch, rows, chunk.width)
-        logits = _v4_chunk_logits(
+        return _v4_chunk_logits(
             backend, q[:, chunk.rows], k[:, chunk.key_start : chunk.key_end], w[:, chunk.rows],
             local_ks, local_ke, out, chunk_bytes,
         )
-        index, value = select_window(logits.reshape(batch * rows, chunk.width), chunk.key_start, count, "score")
-        indices[:, chunk.rows] = index.view(batch, rows, count)
-        scores[:, chunk.rows] = value.view(batch, rows, count)
-        del logits, index, value
+
+    def emit(chunk, index, value):
+        if index is None:
+            indices[:, chunk.rows] = -1
+            scores[:, chunk.rows] = float("-inf")
+        else:
+            indices[:, chunk.rows] = index.view(batch, -1, count)
+            scores[:, chunk.rows] = value.view(batch, -1, count)
+
+    _select_chunks(chunks, score_chunk, emit, count, "score", chunk_bytes)
     return scores, indices
 
 
@@ -392,20 +396,15 @@ def v41_select_topk(
         num_blocks = min(candidate_topk_blocks, -(-num_keys // candidate_block_size))
         blocks_out = torch.full((batch, queries, num_blocks), -2, dtype=torch.int32, device=q.device)
     row_bytes = v41_row_bytes(heads, dim, count, source or reindex, candidate_block_size or 1)
-    for chunk in plan_query_chunks(ks, ke, row_bytes, chunk_bytes):
-        rows = chunk.end - chunk.start
-        if chunk.width == 0:
-            indices[:, chunk.rows] = -1
-            if source:
-                blocks_out[:, chunk.rows] = -1
-            continue
+
+    def score_chunk(chunk, first_pass):
         local_ks, local_ke = _local_ranges(ks, ke, chunk)
         scores = _v41_chunk_scores(
             backend, q[:, chunk.rows], k[:, chunk.key_start : chunk.key_end], w[:, chunk.rows],
             local_ks, local_ke, chunk_bytes,
         )
         # Candidate blocks count from ks, so they are the same relative to the window.
-        if source:
+        if source and first_pass:
             found = find_blocks(scores, local_ks, local_ke, candidate_block_size, candidate_topk_blocks, budget_bytes=chunk_bytes)
             blocks_out[:, chunk.rows] = -1
             blocks_out[:, chunk.rows, : found.shape[-1]] = found  # a narrow window has fewer blocks: pad
@@ -415,8 +414,15 @@ def v41_select_topk(
             kept = torch.where(kept < -(-chunk.width // candidate_block_size), kept, -1)
             keep = blocks_to_mask(kept, local_ks, local_ke, candidate_block_size, chunk.width, budget_bytes=chunk_bytes)
             scores.masked_fill_(~keep, float("-inf"))
-            del keep
-        index, _ = select_window(scores.reshape(batch * rows, chunk.width), chunk.key_start, count, "index")
-        indices[:, chunk.rows] = index.view(batch, rows, count)
-        del scores, index
+        return scores
+
+    def emit(chunk, index, value):
+        if index is None:
+            indices[:, chunk.rows] = -1
+            if source:
+                blocks_out[:, chunk.rows] = -1
+        else:
+            indices[:, chunk.rows] = index.view(batch, -1, count)
+
+    _select_chunks(plan_query_chunks(ks, ke, row_bytes, chunk_bytes), score_chunk, emit, count, "index", chunk_bytes)
     return (indices, blocks_out) if source else indices

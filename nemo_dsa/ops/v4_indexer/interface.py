@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from nemo_dsa._checks import check_positive_int, check_tensor
-from nemo_dsa.ops._dispatch import resolve_backend
+from nemo_dsa.ops._dispatch import resolve_backend, resolve_fused_topk
 from nemo_dsa.ops._visibility import causal_ks_ke, check_ks_ke
 from nemo_dsa.ops.topk.naive import select_topk
 from nemo_dsa.ops.v4_indexer.naive import v4_backward, v4_logits
@@ -124,12 +124,12 @@ class V4IndexerFunction(torch.autograd.Function):
         ks=None,
         ke=None,
         backend="auto",
-        fused_topk=False,
+        fused_topk=None,
     ):
         ks, ke = _validate(index_q, index_k, weights, compress_ratio, topk, topk_indices, ks, ke)
         backend = resolve_backend(backend, index_q, index_k, weights)
         q, k, w = index_q.transpose(0, 1), index_k.transpose(0, 1), weights.transpose(0, 1)
-        if fused_topk and topk_indices is None:
+        if resolve_fused_topk(fused_topk, backend) and topk_indices is None:
             # Selection streamed over query chunks: no [B, S, K] logits are ever held.
             from nemo_dsa.ops.topk.streaming import v4_select_topk
 
@@ -160,7 +160,7 @@ def v4_lighting_indexer(
     ks: torch.Tensor | None = None,
     ke: torch.Tensor | None = None,
     backend: str = "auto",
-    fused_topk: bool = False,
+    fused_topk: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """V4 indexer: top-k compressed keys per query and their fp32 logits, differentiable.
 
@@ -175,7 +175,7 @@ def v4_lighting_indexer(
         backend: "auto" | "tilelang" | "torch".
         fused_topk: select without holding the [B, S, K] logits (query chunks scored and
             reduced one at a time, ``nemo_dsa.ops.topk.streaming``); both paths select the same
-            keys. Off by default until its TileLang path has been checked on a GPU.
+            keys. ``None`` (default): on with the TileLang backend, off with the torch one.
 
     Returns:
         index_score fp32 [B, S, T] (-inf at -1) and topk_indices int32 [B, S, T], ordered by
