@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything the H200 has to confirm, in one device call, results under $1 (at most 8 files):
+# Everything the H200 has to confirm, in one device call, results under $1 (8 files at most, the device tool's limit):
 # kernels compiled in parallel first, then `pytest -m gpu`, the benchmarks against nemo-automodel's
 # built-in kernels, and short CUDA training runs in both scoring modes.
 #   source .device/env.sh; bash scripts/h200_check.sh "$OUT"
@@ -19,6 +19,9 @@ python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$out/gpu_tests
 
 step "indexer benchmark"
 python3 examples/benchmark_indexer.py --out "$out/bench_indexer.json" 2>&1 | grep -v INFO | tail -40
+
+step "stage timings"
+python3 examples/benchmark_parts.py 2>&1 | grep -v INFO | tee "$out/parts.txt"
 
 step "selection benchmark"
 python3 examples/benchmark_selection.py --check --out "$out/bench_selection.json" 2>&1 | grep -v INFO | tail -20

@@ -18,6 +18,7 @@ import torch
 try:
     import nemo_automodel  # noqa: F401
     import transformers  # noqa: F401
+    from nemo_automodel._transformers import auto_model as _auto_model  # needs torchao, not in the GPU bundle
 except ImportError:
     # CI (CPU) installs both through scripts/install.sh: there a missing package is an error.
     # The GPU machine's bundle carries nemo-automodel without its dependencies; these are CPU
@@ -25,10 +26,9 @@ except ImportError:
     # collection of `pytest -m gpu`.
     if not torch.cuda.is_available():
         raise
-    pytest.skip("nemo-automodel or transformers missing on this GPU machine; run in CPU CI",
+    pytest.skip("nemo-automodel (or its torchao / transformers) missing on this GPU machine; run in CPU CI",
                 allow_module_level=True)
 
-from nemo_automodel._transformers import auto_model as _auto_model
 from nemo_automodel._transformers.model_capabilities import query_capabilities
 from nemo_automodel._transformers.model_init import _resolve_custom_model_cls_for_config
 from nemo_automodel._transformers.registry import ModelRegistry
