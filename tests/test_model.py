@@ -253,7 +253,7 @@ def test_streamed_selection_matches_materialised(scoring, roles, monkeypatch):
     from nemo_dsa.ops.topk import streaming
 
     calls = []
-    for name in ("v4_select_topk", "v41_select_topk"):
+    for name in ("v4_select_topk_validated", "v41_select_topk"):
         real = getattr(streaming, name)
         monkeypatch.setattr(streaming, name, lambda *a, _real=real, **kw: calls.append(1) or _real(*a, **kw))
     torch.manual_seed(5)

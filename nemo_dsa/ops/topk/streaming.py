@@ -105,8 +105,9 @@ def plan_query_chunks(
     # runs on NumPy, since small torch CPU ops cost ~1 ms each on a many-core GPU host.
     none = int(np.iinfo(np.int64).max)
     seen = ke > ks
-    first = torch.where(seen, ks.long(), none).amin(0).cpu().numpy()
-    last = torch.where(seen, ke.long(), 0).amax(0).cpu().numpy()
+    first, last = torch.stack(
+        (torch.where(seen, ks.long(), none).amin(0), torch.where(seen, ke.long(), 0).amax(0))
+    ).cpu().numpy()
     # Rows a chunk can possibly hold: the per-row cost at width 0 bounds it.
     lookahead = max(row_align, chunk_bytes // max(1, batch * int(row_bytes(np.zeros(1, dtype=np.int64))[0])))
     chunks: list[QueryChunk] = []
@@ -300,9 +301,16 @@ def v4_select_topk(
         [B, S, T], by descending score with ties to the smaller index, -1 padding. No autograd
         graph: the backward needs only the indices (``v4_backward`` / the TileLang backward).
     """
-    batch, queries, heads, dim, num_keys = _check_common(q, k, w, torch.float32, ks, ke, topk, chunk_bytes)
-    backend = resolve_backend(backend, q, k, w, ks, ke)
-    count = min(topk, num_keys)
+    _check_common(q, k, w, torch.float32, ks, ke, topk, chunk_bytes)
+    return v4_select_topk_validated(q, k, w, ks, ke, topk, resolve_backend(backend, q, k, w, ks, ke), chunk_bytes)
+
+
+@torch.no_grad()
+def v4_select_topk_validated(q, k, w, ks, ke, topk: int, backend: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+    """:func:`v4_select_topk` for callers that validated the arguments already (the seed API):
+    it skips the ks/ke value checks and their host sync. ``backend`` is a resolved one."""
+    batch, queries, heads, dim = q.shape
+    count = min(topk, k.shape[1])
     # Poisoned: every chunk overwrites its rows, so a sentinel left over is a bug the tests see.
     indices = torch.full((batch, queries, count), -2, dtype=torch.int32, device=q.device)
     scores = torch.full((batch, queries, count), float("nan"), dtype=torch.float32, device=q.device)

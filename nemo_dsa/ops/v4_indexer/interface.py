@@ -131,9 +131,9 @@ class V4IndexerFunction(torch.autograd.Function):
         q, k, w = index_q.transpose(0, 1), index_k.transpose(0, 1), weights.transpose(0, 1)
         if resolve_fused_topk(fused_topk, backend) and topk_indices is None:
             # Selection streamed over query chunks: no [B, S, K] logits are ever held.
-            from nemo_dsa.ops.topk.streaming import v4_select_topk
+            from nemo_dsa.ops.topk.streaming import v4_select_topk_validated
 
-            index_score, topk_indices = v4_select_topk(q, k, w, ks, ke, topk, backend=backend)
+            index_score, topk_indices = v4_select_topk_validated(q, k, w, ks, ke, topk, backend)
         else:
             index_score, topk_indices = _forward(backend, q, k, w, ks, ke, topk, topk_indices)
         ctx.save_for_backward(index_q, index_k, weights, ks, ke, topk_indices)
