@@ -11,25 +11,11 @@ selection (`v4_select_topk` / `v41_select_topk`) and the V4 top-k backward kerne
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
+from benchmark_indexer import measure  # the sibling script's timing loop (median of CUDA events)
 
 HEADS, DIM, RATIO, TOPK = 64, 128, 4, 512
-
-
-def median_ms(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -62,7 +48,7 @@ def main() -> None:
         "v4_select_topk (streamed)": lambda: v4_select_topk(q, k, w, ks, ke, TOPK),
         "V4 top-k backward kernel": lambda: v4_topk_backward_tilelang(q, k, w, index, grad, ks, ke),
     }
-    results = {name: median_ms(fn, args.reps) for name, fn in stages.items()}
+    results = {name: measure(fn, args.reps, warmup=1)["ms"] for name, fn in stages.items()}
     del logits
     scores = v41_scores_tilelang(q, k, w16, ks, ke)
     stages = {
@@ -71,7 +57,7 @@ def main() -> None:
         "select_topk on the bf16 scores": lambda: select_topk(scores, TOPK, order="index"),
         "v41_select_topk (streamed)": lambda: v41_select_topk(q, k, w16, ks, ke, TOPK),
     }
-    results.update({name: median_ms(fn, args.reps) for name, fn in stages.items()})
+    results.update({name: measure(fn, args.reps, warmup=1)["ms"] for name, fn in stages.items()})
     print(f"{torch.cuda.get_device_name()}  S={seq} K={keys} H={HEADS} D={DIM} T={TOPK}")
     for name, ms in results.items():
         print(f"{name:<34}{ms:9.3f} ms")

@@ -275,9 +275,14 @@ def _checkpoints(run_dir: Path) -> list[Path]:
 
 
 def save_checkpoint(
-    run_dir: Path, step: int, model, optimizer, schedule, stream, model_config: dict, keep: int
+    run_dir: Path, step: int, model, optimizer, schedule, stream, model_config: dict, keep: int,
+    log_window: dict | None = None,
 ) -> Path:
-    """Write ``checkpoints/step_<step>/`` atomically (temp dir + rename) and prune old ones."""
+    """Write ``checkpoints/step_<step>/`` atomically (temp dir + rename) and prune old ones.
+
+    ``log_window`` holds the steps since the last logged metrics record, so a run stopped
+    mid-window logs the same averages after resuming as an uninterrupted one.
+    """
     from nemo_dsa.models.dsa_lm.checkpoint import save_checkpoint as save_weights
 
     root = run_dir / "checkpoints"
@@ -294,6 +299,7 @@ def save_checkpoint(
             "rng": _rng_state(),
             "data": stream.state_dict(),
             "model_config": model_config,
+            "log_window": log_window or {},
         },
         tmp / STATE_FILE,
     )
@@ -304,8 +310,9 @@ def save_checkpoint(
     return final
 
 
-def load_checkpoint(path: Path, model, optimizer, schedule, stream, model_config: dict) -> int:
-    """Restore everything ``save_checkpoint`` wrote; returns the step to continue from."""
+def load_checkpoint(path: Path, model, optimizer, schedule, stream, model_config: dict) -> tuple[int, dict]:
+    """Restore everything ``save_checkpoint`` wrote; returns the step to continue from and the
+    logging window it saved."""
     from nemo_dsa.models.dsa_lm.checkpoint import load_checkpoint as load_weights
 
     state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
@@ -318,7 +325,7 @@ def load_checkpoint(path: Path, model, optimizer, schedule, stream, model_config
     schedule.load_state_dict(state["scheduler"])
     stream.load_state_dict(state["data"])
     _set_rng_state(state["rng"])
-    return int(state["step"])
+    return int(state["step"]), dict(state.get("log_window", {}))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -417,19 +424,19 @@ def train(cfg) -> TrainResult:
         val_percent=recipe.val_percent, val_batches=recipe.val_batches, min_piece=recipe.min_piece,
     )
 
-    start, resumed_from = 0, None
+    start, resumed_from, saved_window = 0, None, {}
     existing = _checkpoints(run_dir)
     if cfg.resume == "never":
         if existing:
             raise ValueError(f"resume=never but {run_dir} already holds checkpoints: pick another run_dir")
     elif cfg.resume == "auto":
         if existing:
-            resumed_from = load_checkpoint(existing[-1], model, optimizer, schedule, stream, model_config)
+            resumed_from, saved_window = load_checkpoint(existing[-1], model, optimizer, schedule, stream, model_config)
     else:
         path = Path(cfg.resume)
         if not (path / STATE_FILE).is_file():
             raise ValueError(f"resume must be 'auto', 'never' or a checkpoint directory, got {cfg.resume!r}")
-        resumed_from = load_checkpoint(path, model, optimizer, schedule, stream, model_config)
+        resumed_from, saved_window = load_checkpoint(path, model, optimizer, schedule, stream, model_config)
     if resumed_from is not None:
         start = resumed_from
     if par.is_main:
@@ -446,8 +453,10 @@ def train(cfg) -> TrainResult:
     n_params = sum(p.numel() for p in model.parameters())
     show_bar = recipe.progress_bar and par.is_main
     bar = tqdm(total=stop, initial=start, disable=not show_bar, dynamic_ncols=True, desc="train")
-    window_losses: list[float] = []
-    window_tokens, window_time = 0, 0.0
+    # Steps since the last logged record (restored on resume, so a window spanning a stop
+    # averages exactly what an uninterrupted run does).
+    window_losses: list[float] = list(saved_window.get("losses", []))
+    window_tokens, window_time = saved_window.get("tokens", 0), saved_window.get("time", 0.0)
 
     def log(record: dict) -> None:
         if par.is_main:
@@ -468,7 +477,7 @@ def train(cfg) -> TrainResult:
         window_tokens += stats["tokens"]
         bar.update(1)
         bar.set_postfix(loss=f"{stats['loss']:.3f}", lr=f"{stats['lr']:.2e}")
-        if step % recipe.log_every == 0 or step == stop:
+        if step % recipe.log_every == 0 or step == recipe.max_steps:
             loss = sum(window_losses) / len(window_losses)
             log({"step": step, "loss": loss, "lr": stats["lr"], "grad_norm": stats["grad_norm"],
                  "tokens_per_s": window_tokens / max(window_time, 1e-9)})
@@ -480,7 +489,8 @@ def train(cfg) -> TrainResult:
             if par.is_main and recipe.progress_bar:
                 bar.write(f"step {step}: validation loss {result.val_loss:.4f}")
         if par.is_main and (step % recipe.ckpt_every == 0 or step == stop):
-            save_checkpoint(run_dir, step, model, optimizer, schedule, stream, model_config, recipe.keep_checkpoints)
+            window = {"losses": window_losses, "tokens": window_tokens, "time": window_time}
+            save_checkpoint(run_dir, step, model, optimizer, schedule, stream, model_config, recipe.keep_checkpoints, window)
             if recipe.plot:
                 plot_losses(metrics_path, run_dir / "loss.png", title)
         result.step = step

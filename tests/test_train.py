@@ -60,6 +60,17 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path):
         _run(part, "scoring=v41", "model.config.index_topk=5", "recipe.max_steps=6")
 
 
+def test_a_logging_window_spanning_the_stop_averages_as_without_it(tmp_path):
+    """log_every=3 with a stop after step 2: the record at step 3 averages steps 1-3 either way
+    (the checkpoint carries the steps since the last record)."""
+    full, part = tmp_path / "full", tmp_path / "part"
+    _run(full, "recipe.log_every=3")
+    _run(part, "recipe.log_every=3", "recipe.stop_at_step=2")
+    assert _losses(part) == {}  # nothing logged yet: the window is still open
+    _run(part, "recipe.log_every=3")
+    assert _losses(full) == _losses(part) and set(_losses(full)) == {3, 4}
+
+
 def test_warmup_cosine_schedule():
     f = lambda s: warmup_cosine(s, warmup_steps=4, max_steps=20, min_lr_ratio=0.1)  # noqa: E731
     assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
