@@ -7,10 +7,11 @@ unspecified, so selection runs on a unique key per score
     key = (order-preserving integer image of the score) << b  |  (2^b - 1 - index)
 
 (b = 32 for fp32, int64 keys; b = 16 for bf16 rows of at most 65536 keys, int32 keys) whose
-descending order is "score descending, then index ascending"; torch.topk (a radix select) over
-unique keys is exact and deterministic on every device. fp32 rows almost never tie, so they run
-torch.topk on the scores and only the rows where ties could matter are redone with keys. The work
-is chunked over queries so that the keys never exceed the byte budget.
+descending order is "score descending, then index ascending": ordering by unique keys is exact and
+deterministic on every device. Keys for every score would cost 4-8 bytes each, so ``select_rows``
+first takes T + TIE_MARGIN candidates per row with one torch.topk (a radix select) and keys only
+those; the rare rows the candidates cannot decide (a longer run of ties at the cut, NaN/+inf)
+are redone with a key per score, chunked over queries within the byte budget.
 """
 
 from __future__ import annotations
@@ -187,11 +188,9 @@ def select_topk(
         # loop never waits for the GPU.
         chunk = query_chunk_size(rows.shape[0], 4 * num_keys, budget_bytes)
         redo = torch.zeros(rows.shape[0], dtype=torch.bool, device=scores.device)
-        chosen = torch.empty((rows.shape[0], count), dtype=torch.int64, device=scores.device)
         for part in query_chunks(rows.shape[0], chunk):
-            chosen[part], redo[part] = select_rows(rows[part], count, order)
-        redo_rows(rows, chosen, redo, count, order, budget_bytes)
-        out.copy_(chosen)
+            out[part], redo[part] = select_rows(rows[part], count, order)
+        redo_rows(rows, out, redo, count, order, budget_bytes)
     return out.reshape(*scores.shape[:-1], count)
 
 

@@ -12,11 +12,10 @@ chunk: true of the TileLang kernels (chunks start on their tile boundaries); CPU
 by matrix shape, so the torch references agree only to the last ulp on continuous inputs (exactly on
 exactly representable ones, as in the tests).
 
-Selection inside a window is ``naive.select_rows`` (a radix select, never a sort of the row):
-fp32 scores (V4) run torch.topk on the scores and redo the rare rows where ties could matter with
-unique int64 keys; bf16 scores (V4.1) tie often and take unique int32 keys (int16 score image,
-16 index bits) directly, int64 keys past 65536 keys per window. j is the index inside the window,
-whose first key is a constant offset, so local order equals global order.
+Selection inside a window is ``naive.select_rows``: a radix select (torch.topk) of T + TIE_MARGIN
+candidates per query, ordered exactly by unique keys (score, then index j inside the window, whose
+first key is a constant offset, so local order equals global order). Rows the candidates cannot
+decide are flagged and redone after the loop, with a single host sync for the whole call.
 """
 
 from __future__ import annotations
