@@ -1,14 +1,11 @@
 #!/usr/bin/env bash
-# Installs nemo_dsa with its test and nemo-automodel extras into ./.venv (or the active venv),
-# keeping CPU machines on the CPU build of torch.
+# Installs nemo_dsa with its test and nemo-automodel extras into ./.venv (the README's commands
+# run .venv/bin/python, so an activated environment does not redirect it), keeping CPU machines
+# on the CPU build of torch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ -z "${VIRTUAL_ENV:-}" ]; then
-  [ -x .venv/bin/python ] || python3 -m venv .venv
-  py=.venv/bin/python
-else
-  py="$VIRTUAL_ENV/bin/python"
-fi
+[ -x .venv/bin/python ] || python3 -m venv .venv
+py=.venv/bin/python
 pip=("$py" -m pip install -q --disable-pip-version-check -c requirements/cpu-constraints.txt)
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   "${pip[@]}" torch==2.13.0
