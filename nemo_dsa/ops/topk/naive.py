@@ -63,35 +63,21 @@ def orderable_int32(scores: torch.Tensor) -> torch.Tensor:
     return orderable_image(scores.float()).to(torch.int64)
 
 
-def selection_keys(scores: torch.Tensor) -> torch.Tensor:
-    """Unique per-row keys of ``scores [N, W]``: descending key = descending score, then ascending index.
-
-    fp32: (int32 image) << 32 | (2^32 - 1 - j), int64. bf16: (int16 image) << 16 | (65535 - j),
-    int32 while the row holds at most 65536 keys (int64 beyond). Built in place, so the peak is
-    the key tensor plus the image.
-    """
-    width = scores.shape[-1]
-    image = orderable_image(scores)
-    if image.dtype == torch.int16 and width <= MAX_INT32_KEY_WIDTH:
-        key, shift, low = image.to(torch.int32), 16, MAX_INT32_KEY_WIDTH - 1
-    else:
-        key, shift, low = image.to(torch.int64), 32, 2**32 - 1
-    del image
-    key *= 1 << shift  # no overflow (the image has 16 / 32 bits); avoids shifting negative values
-    key |= low - torch.arange(width, device=scores.device, dtype=key.dtype)  # broadcast, no [N, W] copy
-    return key
-
-
-def candidate_keys(values: torch.Tensor, index: torch.Tensor, num_keys: int) -> torch.Tensor:
-    """Unique keys of candidate scores ``values`` at key indices ``index`` (same shape).
+def selection_keys(values: torch.Tensor, index: torch.Tensor | None = None, num_keys: int | None = None) -> torch.Tensor:
+    """Unique keys of scores ``values [N, m]`` at key indices ``index`` (default: a whole row, the
+    column numbers) in rows of ``num_keys`` keys (default m).
 
     Descending key = descending score, then ascending index; non-finite scores lowest. int32
-    (bf16 image << 16 | 65535 - index) when the scores are bf16 and the row has at most 65536
-    keys, int64 (fp32 image << 32 | 2^32 - 1 - index) otherwise.
+    (bf16 image << 16 | 65535 - index) when the scores are bf16 and a row has at most 65536 keys,
+    int64 (fp32 image << 32 | 2^32 - 1 - index) otherwise. Built in place: the peak is the key
+    tensor plus the image.
     """
+    if index is None:
+        index = torch.arange(values.shape[-1], device=values.device)  # broadcast, no [N, m] copy
+    num_keys = values.shape[-1] if num_keys is None else num_keys
     if values.dtype == torch.bfloat16 and num_keys <= MAX_INT32_KEY_WIDTH:
         key = orderable_image(values).to(torch.int32)
-        key *= 1 << 16
+        key *= 1 << 16  # no overflow (the image has 16 bits); avoids shifting negative values
         return key.bitwise_or_((MAX_INT32_KEY_WIDTH - 1) - index.to(torch.int32))
     key = orderable_int32(values)
     key *= 1 << 32
@@ -116,7 +102,7 @@ def select_rows(scores: torch.Tensor, count: int, order: str) -> tuple[torch.Ten
     width = min(count + TIE_MARGIN, num_keys)
     values, index = torch.topk(scores, width, dim=-1, largest=True, sorted=False)
     redo = (torch.isnan(values) | (values == float("inf"))).any(-1)
-    rank = candidate_keys(values, index, num_keys).sort(dim=-1, descending=True).indices[:, :count]
+    rank = selection_keys(values, index, num_keys).sort(dim=-1, descending=True).indices[:, :count]
     chosen = torch.gather(index, -1, rank)
     picked = torch.gather(values, -1, rank)
     cut = picked[:, -1]
