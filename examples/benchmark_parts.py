@@ -4,8 +4,9 @@
 
 H=64 index heads, D=128, R=4, T=512, causal, B=1. Medians of CUDA-event timings after one warm-up
 call (TileLang compiles on first use). Stages: the scoring kernels, the bare torch.topk on the
-materialised scores, nemo_dsa's exact selection on them (`select_topk`), the streamed scoring +
-selection (`v4_select_topk` / `v41_select_topk`) and the V4 top-k backward kernel.
+materialised scores, nemo_dsa's exact selection on them (the TileLang radix select through
+`ops.topk.interface.select_topk`, and the torch reference `naive.select_topk`), the streamed
+scoring + selection (`v4_select_topk` / `v41_select_topk`) and the V4 top-k backward kernel.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("benchmark_parts.py needs a CUDA GPU (Hopper): it times the TileLang kernels")
     from nemo_dsa.ops._visibility import causal_ks_ke
-    from nemo_dsa.ops.topk.naive import select_topk
+    from nemo_dsa.ops.topk import naive
+    from nemo_dsa.ops.topk.interface import select_topk
     from nemo_dsa.ops.topk.streaming import v4_select_topk, v41_select_topk
     from nemo_dsa.ops.v4_indexer.kernels import v4_logits_tilelang, v4_topk_backward_tilelang
     from nemo_dsa.ops.v41_indexer.kernels import v41_scores_tilelang
@@ -39,12 +41,13 @@ def main() -> None:
     w16 = w.bfloat16()
     ks, ke = causal_ks_ke(1, seq, keys, RATIO, q.device)
     logits = v4_logits_tilelang(q, k, w, ks, ke)
-    index = select_topk(logits, TOPK)
+    index = select_topk(logits, TOPK, ks=ks, ke=ke)
     grad = torch.ones(index.shape, device="cuda")
     stages = {
         "V4 logits kernel": lambda: v4_logits_tilelang(q, k, w, ks, ke, out=logits),
         "torch.topk on the fp32 logits": lambda: torch.topk(logits[0], TOPK, dim=-1),
-        "select_topk on the fp32 logits": lambda: select_topk(logits, TOPK),
+        "radix select kernel, fp32 logits": lambda: select_topk(logits, TOPK, ks=ks, ke=ke),
+        "reference select_topk, fp32 logits": lambda: naive.select_topk(logits, TOPK),
         "v4_select_topk (streamed)": lambda: v4_select_topk(q, k, w, ks, ke, TOPK),
         "V4 top-k backward kernel": lambda: v4_topk_backward_tilelang(q, k, w, index, grad, ks, ke),
     }
@@ -54,13 +57,14 @@ def main() -> None:
     stages = {
         "V4.1 scores kernel": lambda: v41_scores_tilelang(q, k, w16, ks, ke),
         "torch.topk on the bf16 scores": lambda: torch.topk(scores[0], TOPK, dim=-1),
-        "select_topk on the bf16 scores": lambda: select_topk(scores, TOPK, order="index"),
+        "radix select kernel, bf16 scores": lambda: select_topk(scores, TOPK, "index", ks=ks, ke=ke),
+        "reference select_topk, bf16 scores": lambda: naive.select_topk(scores, TOPK, order="index"),
         "v41_select_topk (streamed)": lambda: v41_select_topk(q, k, w16, ks, ke, TOPK),
     }
     results.update({name: measure(fn, args.reps, warmup=1)["ms"] for name, fn in stages.items()})
     print(f"{torch.cuda.get_device_name()}  S={seq} K={keys} H={HEADS} D={DIM} T={TOPK}")
     for name, ms in results.items():
-        print(f"{name:<34}{ms:9.3f} ms")
+        print(f"{name:<38}{ms:9.3f} ms")
 
 
 if __name__ == "__main__":

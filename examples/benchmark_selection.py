@@ -6,7 +6,8 @@
 Shapes: H=64 index heads, D=128, R=4, T=512, causal, B=1, K = S/4. Rows per S:
 - ``nemo_dsa stream v4`` / ``v41``: ``v4_select_topk`` / ``v41_select_topk`` (TileLang scorers,
   chunked so that the selection transients fit ``--chunk-mib``);
-- ``nemo_dsa materialise v4`` / ``v41``: the full-matrix kernel, then ``select_topk``;
+- ``nemo_dsa materialise v4`` / ``v41``: the full-matrix kernel, then ``select_topk`` (the
+  TileLang radix select; ``--check`` also compares with the torch reference selection);
 - ``built-in v4`` / ``v41`` (nemo-automodel 0.7.0, imported here only): ``batched_indexer_fwd``
   logits / ``indexer_scores`` with a dense allowed mask, then ``torch.topk`` (no tie rule).
 Times are medians of CUDA-event timings after one warm-up call (compiles). "extra" memory is the
@@ -39,7 +40,7 @@ def _inputs(seq: int, w_dtype: torch.dtype, seed: int = 0):
 
 def _rows(chunk_bytes: int):
     """name -> (w dtype, needs dense mask, fn(q, k, w, ks, ke, allowed) -> outputs)."""
-    from nemo_dsa.ops.topk.naive import select_topk
+    from nemo_dsa.ops.topk.interface import select_topk
     from nemo_dsa.ops.topk.streaming import v4_select_topk, v41_select_topk
     from nemo_dsa.ops.v4_indexer.interface import pytorch_extract_topk_scores
 
@@ -53,13 +54,13 @@ def _rows(chunk_bytes: int):
         from nemo_dsa.ops.v4_indexer.kernels import v4_logits_tilelang
 
         logits = v4_logits_tilelang(q, k, w, ks, ke)
-        index = select_topk(logits, TOPK)
+        index = select_topk(logits, TOPK, ks=ks, ke=ke)
         return pytorch_extract_topk_scores(logits, index), index
 
     def full_v41(q, k, w, ks, ke, allowed):
         from nemo_dsa.ops.v41_indexer.kernels import v41_scores_tilelang
 
-        return select_topk(v41_scores_tilelang(q, k, w, ks, ke), TOPK, order="index")
+        return select_topk(v41_scores_tilelang(q, k, w, ks, ke), TOPK, order="index", ks=ks, ke=ke)
 
     def builtin_v4(q, k, w, ks, ke, allowed):
         from nemo_automodel.components.models.deepseek_v4.kernels.tilelang_indexer_fwd import batched_indexer_fwd
@@ -81,6 +82,17 @@ def _rows(chunk_bytes: int):
         "built-in v4 + torch.topk": (torch.float32, False, builtin_v4),
         "built-in v41 + torch.topk": (torch.bfloat16, True, builtin_v41),
     }
+
+
+def _reference_selection(q, k, w, ks, ke, dtype):
+    """The torch reference selection (naive.select_topk) on the same kernel's full scores."""
+    from nemo_dsa.ops.topk import naive
+    from nemo_dsa.ops.v4_indexer.kernels import v4_logits_tilelang
+    from nemo_dsa.ops.v41_indexer.kernels import v41_scores_tilelang
+
+    if dtype == torch.float32:
+        return naive.select_topk(v4_logits_tilelang(q, k, w, ks, ke), TOPK)
+    return naive.select_topk(v41_scores_tilelang(q, k, w, ks, ke), TOPK, order="index")
 
 
 def _nbytes(result) -> int:
@@ -142,9 +154,13 @@ def main() -> None:
                 full = rows[f"nemo_dsa materialise {'v4' if dtype == torch.float32 else 'v41'}"][2]
                 a, b = stream(q, k, w, ks, ke, None), full(q, k, w, ks, ke, None)
                 same = all(torch.equal(x, y) for x, y in zip(a, b)) if isinstance(a, tuple) else torch.equal(a, b)
-                results.append({"S": seq, "row": f"check {dtype}", "streaming_equals_materialising": same})
-                print(json.dumps(results[-1]), flush=True)
+                kernel_index = b[1] if isinstance(b, tuple) else b
                 del a, b
+                reference = _reference_selection(q, k, w, ks, ke, dtype)
+                results.append({"S": seq, "row": f"check {dtype}", "streaming_equals_materialising": same,
+                                "kernel_equals_reference": torch.equal(kernel_index, reference)})
+                print(json.dumps(results[-1]), flush=True)
+                del kernel_index, reference
             del q, k, w, ks, ke, allowed
             torch.cuda.empty_cache()
     with open(args.out, "w") as handle:
@@ -157,7 +173,8 @@ def main() -> None:
             mib = "-" if r["extra_mib"] is None else f"{r['extra_mib']:.0f}"
             print(f"| {r['S']} | {r['K']} | {r['row']} | {ms} | {mib} |")
         else:
-            print(f"| {r['S']} | | {r['row']} | equal: {r['streaming_equals_materialising']} | |")
+            print(f"| {r['S']} | | {r['row']} | streamed == materialised: {r['streaming_equals_materialising']}, "
+                  f"kernel == reference: {r['kernel_equals_reference']} | |")
 
 
 if __name__ == "__main__":

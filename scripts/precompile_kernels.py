@@ -15,15 +15,29 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 
-def _jobs(heads: list[int], dims: list[int]) -> list[tuple[str, int, int]]:
-    return [(kind, h, d) for kind in ("v4_fwd", "v4_bwd", "v41") for h in heads for d in dims]
+def _jobs(heads: list[int], dims: list[int], counts: list[int]) -> list[tuple]:
+    scorers = [(kind, h, d) for kind in ("v4_fwd", "v4_bwd", "v41") for h in heads for d in dims]
+    # The selector per (dtype, order, T, index width): V4 sorts fp32 by score, V4.1 bf16 by index,
+    # the other two pairs serve the generic select_topk.
+    from nemo_dsa.ops.topk.kernels import sort_slots
+
+    selectors = [("select", dtype, slots, order, bits) for dtype in ("float32", "bfloat16")
+                 for order in ("score", "index") for slots in sorted({sort_slots(c) for c in counts}) for bits in (16, 32)]
+    return scorers + selectors
 
 
-def _compile(job: tuple[str, int, int]) -> str:
-    kind, heads, dim = job
+def _compile(job: tuple) -> str:
+    kind = job[0]
     from nemo_dsa.ops._tilelang import compile_cubin
 
     start = time.perf_counter()
+    if kind == "select":
+        from nemo_dsa.ops.topk.kernels import radix_select_kernel
+
+        _, dtype, slots, order, bits = job
+        compile_cubin(radix_select_kernel(dtype, slots, order, bits))
+        return f"select  {dtype} slots={slots} order={order} index_bits={bits} {time.perf_counter() - start:5.1f} s"
+    _, heads, dim = job
     if kind == "v41":
         from nemo_dsa.ops.v41_indexer import kernels
 
@@ -45,9 +59,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heads", type=int, nargs="+", default=list(SUPPORTED_HEADS))
     parser.add_argument("--dims", type=int, nargs="+", default=list(SUPPORTED_DIMS))
+    parser.add_argument("--counts", type=int, nargs="+", default=[512], help="top-k sizes the selector serves")
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args(argv)
-    jobs = _jobs(args.heads, args.dims)
+    jobs = _jobs(args.heads, args.dims, args.counts)
     start = time.perf_counter()
     with ProcessPoolExecutor(args.workers) as pool:
         for line in pool.map(_compile, jobs):

@@ -268,11 +268,11 @@ def test_selection_of_arbitrary_float_scores_is_independent_of_chunking(monkeypa
     fixed[torch.rand(fixed.shape, generator=g) < 0.05] = -0.0
     fixed = fixed.masked_fill(~visible_mask(ks, ke, num_keys), -INF)
     current = []  # the chunk being scored, recorded where its local ranges are formed
-    original_local_ranges = streaming._local_ranges
+    original_ranges = streaming.ChunkPlan.ranges
 
-    def local_ranges(ks_, ke_, chunk):
+    def ranges(plan, chunk):
         current[:] = [chunk]
-        return original_local_ranges(ks_, ke_, chunk)
+        return original_ranges(plan, chunk)
 
     def scorer_of(dtype):
         def scorer(backend, q, k, w, local_ks, local_ke, *rest):
@@ -281,7 +281,7 @@ def test_selection_of_arbitrary_float_scores_is_independent_of_chunking(monkeypa
             return fixed[:, chunk.rows, chunk.key_start : chunk.key_end].to(dtype)
         return scorer
 
-    monkeypatch.setattr(streaming, "_local_ranges", local_ranges)
+    monkeypatch.setattr(streaming.ChunkPlan, "ranges", ranges)
     monkeypatch.setattr(streaming, "_v4_chunk_logits", scorer_of(torch.float32))
     monkeypatch.setattr(streaming, "_v41_chunk_scores", scorer_of(torch.bfloat16))
     q, k, _ = _quantised(batch, queries, heads, dim, num_keys, seed=0, w_dtype=torch.float32)

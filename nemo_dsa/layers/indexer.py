@@ -130,7 +130,8 @@ class Indexer(nn.Module):
     @torch.no_grad()
     def _select_v41(self, x, query_latent, angles, meta, index_keys, candidate_source,
                     candidate_blocks, block_size, topk_blocks) -> Selection:
-        from nemo_dsa.ops.topk.naive import blocks_to_mask, candidate_blocks as find_blocks, select_topk
+        from nemo_dsa.ops.topk.interface import select_topk
+        from nemo_dsa.ops.topk.naive import blocks_to_mask, candidate_blocks as find_blocks
         from nemo_dsa.ops.v41_indexer.interface import indexer_scores
 
         q, weights = self._queries(x, query_latent, angles)
@@ -154,7 +155,7 @@ class Indexer(nn.Module):
         elif candidate_blocks is not None:
             keep = blocks_to_mask(candidate_blocks, meta.ks, meta.ke, block_size, scores.shape[-1])
             scores = scores.masked_fill(~keep, float("-inf"))
-        indices = select_topk(scores, self.topk, order="index")
+        indices = select_topk(scores, self.topk, order="index", backend=self.backend)
         return Selection(index_keys, indices.long(), None, blocks)
 
 

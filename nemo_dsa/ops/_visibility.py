@@ -11,6 +11,7 @@ import contextlib
 import torch
 
 from nemo_dsa._checks import check_tensor
+from nemo_dsa.ops._memo import memo_on_tensors
 
 
 def check_ks_ke(
@@ -23,8 +24,12 @@ def check_ks_ke(
     for name, value in (("ks", ks), ("ke", ke)):
         check_tensor(name, value, ndim=2, dtypes=(torch.int32,), shape=(batch, queries), device=device)
     if ks.numel():
-        # One device-to-host sync for all three checks (this runs on every indexer call).
-        below, above, reversed_ = torch.stack(((ks < 0).any(), (ke > num_keys).any(), (ke < ks).any())).tolist()
+        # One device-to-host sync for all three checks, once per (ks, ke) pair: every indexer
+        # layer of a step passes the same metadata tensors.
+        below, above, reversed_ = memo_on_tensors(
+            (ks, ke), ("ks_ke_checks", num_keys),
+            lambda: torch.stack(((ks < 0).any(), (ke > num_keys).any(), (ke < ks).any())).tolist(),
+        )
         if below:
             raise ValueError(f"ks must be >= 0, got minimum {int(ks.min())}")
         if above:

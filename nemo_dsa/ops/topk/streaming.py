@@ -12,10 +12,13 @@ chunk: true of the TileLang kernels (chunks start on their tile boundaries); CPU
 by matrix shape, so the torch references agree only to the last ulp on continuous inputs (exactly on
 exactly representable ones, as in the tests).
 
-Selection inside a window is ``naive.select_rows``: a radix select (torch.topk) of T + TIE_MARGIN
-candidates per query, ordered exactly by unique keys (score, then index j inside the window, whose
-first key is a constant offset, so local order equals global order). Rows the candidates cannot
-decide are flagged and redone after the loop, with a single host sync for the whole call.
+Selection inside a window: on the GPU the TileLang radix select (``kernels.select_rows_tilelang``)
+decides every row exactly, reading only the row's [ks, ke); elsewhere ``naive.select_rows`` takes
+T + TIE_MARGIN candidates per query with torch.topk and orders them by unique keys (score, then
+index j inside the window, whose first key is a constant offset, so local order equals global
+order), and rows the candidates cannot decide are redone after the loop, with a single host sync
+for the whole call. The chunk plan needs ks/ke on the host: it is remembered per (ks, ke) pair
+(``ops._memo``), so the layers of a step that share their metadata sync once, not each.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 
 from nemo_dsa._checks import check_positive_int, check_tensor
 from nemo_dsa.ops._dispatch import resolve_backend
+from nemo_dsa.ops._memo import memo_on_tensors
 from nemo_dsa.ops._visibility import check_ks_ke
 from nemo_dsa.ops.topk.naive import TIE_MARGIN, redo_rows, select_rows
 
@@ -39,17 +43,18 @@ DEFAULT_CHUNK_BYTES = 512 * 2**20
 # bit), so a chunk starting mid-tile would score some keys one ulp differently.
 ROW_ALIGN = 256
 KEY_ALIGN = 128
-# Bytes per (query, window key) element at the peak of a chunk: the scores themselves (torch.topk
-# reads them in place; its scratch and the candidates are per row), plus the redo of flagged rows,
-# run in groups of at most a quarter of the chunk at the key path's ~16 bytes per score.
-V4_BYTES_PER_KEY = 4 + 4  # fp32 logits
-V41_BYTES_PER_KEY = 2 + 4  # bf16 scores
+# Bytes per (query, window key) element at the peak of a chunk. With the TileLang selector: the
+# scores alone (it reads them in place). With select_rows: the scores (torch.topk reads them in
+# place; its scratch and the candidates are per row), plus the redo of flagged rows, run in
+# groups of at most a quarter of the chunk at the key path's ~16 bytes per score.
+V4_BYTES_PER_KEY = {"kernel": 4, "torch": 4 + 4}  # fp32 logits
+V41_BYTES_PER_KEY = {"kernel": 2, "torch": 2 + 4}  # bf16 scores
 # Candidate blocks (nemo_dsa.ops.topk.naive helpers): scores 2 + dense mask 1 + their 24 per key.
 V41_CANDIDATE_BYTES_PER_KEY = 27
-# Per selected slot: candidates (TIE_MARGIN more per row) as values, int64 indices, keys and
-# their sort, the gathered results and int32 copies.
-SELECTED_BYTES = 48
-
+# Per selected slot: the kernel's indices and scores, and their padded copies; select_rows'
+# candidates (TIE_MARGIN more per row) as values, int64 indices, keys and their sort, the
+# gathered results and int32 copies.
+SELECTED_BYTES = {"kernel": 16, "torch": 48}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -128,24 +133,61 @@ def plan_query_chunks(
     return chunks
 
 
-def v4_row_bytes(heads: int, dim: int, count: int) -> Callable[[np.ndarray], np.ndarray]:
-    """Transient bytes per query row of :func:`v4_select_topk` for window widths ``width``."""
+def _selection_path(on_gpu: bool) -> str:
+    return "kernel" if on_gpu else "torch"
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """The chunks of one call and every query's visible range relative to its chunk's window."""
+
+    chunks: tuple[QueryChunk, ...]
+    local_ks: torch.Tensor  # [B, S] int32; (0, 0) for queries that see nothing
+    local_ke: torch.Tensor
+
+    def ranges(self, chunk: QueryChunk) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.local_ks[:, chunk.rows], self.local_ke[:, chunk.rows]
+
+
+def _planned_chunks(ks, ke, row_key: tuple, row_bytes, chunk_bytes: int) -> ChunkPlan:
+    """:func:`plan_query_chunks` and the window-local ranges, remembered for this (ks, ke) pair
+    while it is unchanged: the plan's device-to-host copy would otherwise drain the GPU queue in
+    every indexer layer of a step. ``row_key`` names the ``row_bytes`` function (its arguments)."""
+
+    def plan() -> ChunkPlan:
+        chunks = tuple(plan_query_chunks(ks, ke, row_bytes, chunk_bytes))
+        starts = np.repeat([c.key_start for c in chunks], [c.end - c.start for c in chunks]).astype(np.int32)
+        offset = torch.from_numpy(starts).to(ks.device)
+        seen = ke > ks
+        return ChunkPlan(chunks, torch.where(seen, ks - offset, 0), torch.where(seen, ke - offset, 0))
+
+    return memo_on_tensors((ks, ke), ("query_chunks", row_key, chunk_bytes), plan)
+
+
+def v4_row_bytes(heads: int, dim: int, count: int, on_gpu: bool = False) -> Callable[[np.ndarray], np.ndarray]:
+    """Transient bytes per query row of :func:`v4_select_topk` for window widths ``width``
+    (``on_gpu``: selected by the TileLang kernel, else by select_rows)."""
+    path = _selection_path(on_gpu)
+    margin = 0 if on_gpu else TIE_MARGIN
     # A contiguous copy of the chunk's q and w, and the [rows, T] top-k results and temporaries.
-    per_row = heads * dim * 2 + heads * 4 + SELECTED_BYTES * (count + TIE_MARGIN) + 64
-    return lambda width: width * V4_BYTES_PER_KEY + per_row
+    per_row = heads * dim * 2 + heads * 4 + SELECTED_BYTES[path] * (count + margin) + 64
+    return lambda width: width * V4_BYTES_PER_KEY[path] + per_row
 
 
 def v41_row_bytes(
-    heads: int, dim: int, count: int, candidates: bool = False, block_size: int = 1
+    heads: int, dim: int, count: int, candidates: bool = False, block_size: int = 1, on_gpu: bool = False
 ) -> Callable[[np.ndarray], np.ndarray]:
     """Transient bytes per query row of :func:`v41_select_topk` for window widths ``width``."""
-    per_row = heads * dim * 2 + heads * 2 + SELECTED_BYTES * (count + TIE_MARGIN) + 64
+    path = _selection_path(on_gpu)
+    margin = 0 if on_gpu else TIE_MARGIN
+    per_row = heads * dim * 2 + heads * 2 + SELECTED_BYTES[path] * (count + margin) + 64
+    per_key = V41_BYTES_PER_KEY[path]
 
     def row_bytes(width: np.ndarray) -> np.ndarray:
         if candidates:  # the candidate phase precedes selection; its peak is the larger
             blocks = -(-width // block_size)
-            return np.maximum(V41_BYTES_PER_KEY * width, V41_CANDIDATE_BYTES_PER_KEY * width + 40 * blocks) + per_row
-        return V41_BYTES_PER_KEY * width + per_row
+            return np.maximum(per_key * width, V41_CANDIDATE_BYTES_PER_KEY * width + 40 * blocks) + per_row
+        return per_key * width + per_row
 
     return row_bytes
 
@@ -190,19 +232,32 @@ def _globalise(scores, chosen, key_start: int, count: int) -> tuple[torch.Tensor
     return index, values
 
 
-def _select_chunks(chunks, score_chunk, emit, count: int, order: str, chunk_bytes: int) -> None:
+def _select_chunks(chunks, score_chunk, emit, count: int, order: str, chunk_bytes: int, on_gpu: bool) -> None:
     """Score and select every chunk, ``emit(chunk, index, values)`` its global results.
 
-    The loop never waits for the GPU: rows that select_rows flags (ties beyond its candidates,
-    NaN/+inf) are collected, and after the loop (one host sync) only the chunks holding any are
-    scored again (same tiles, so the same scores) and those rows redone with full-row keys.
+    ``score_chunk(chunk, first_pass)`` returns the chunk's scores [B, rows, W] and its queries'
+    window-local ks/ke [B, rows]. On the GPU (``on_gpu``) the TileLang radix select decides
+    every row exactly, reading only [ks, ke). Otherwise the loop runs select_rows and never waits
+    for the device: rows it flags (ties beyond its candidates, NaN/+inf) are collected, and after
+    the loop (one host sync) only the chunks holding any are scored again (same tiles, so the
+    same scores) and those rows redone with full-row keys.
     """
     pending = []
     for chunk in chunks:
         if chunk.width == 0:
             emit(chunk, None, None)
             continue
-        scores = score_chunk(chunk, True).reshape(-1, chunk.width)
+        scores, local_ks, local_ke = score_chunk(chunk, True)
+        scores = scores.reshape(-1, chunk.width)
+        if on_gpu:
+            from nemo_dsa.ops.topk.kernels import select_rows_tilelang
+
+            take = min(count, chunk.width)
+            index, values = select_rows_tilelang(
+                scores, take, order, local_ks.reshape(-1), local_ke.reshape(-1), offset=chunk.key_start
+            )
+            emit(chunk, *_pad_columns(index, values, count))
+            continue
         chosen, redo = _select(scores, count, order)
         emit(chunk, *_globalise(scores, chosen, chunk.key_start, count))
         pending.append((chunk, redo))
@@ -212,10 +267,21 @@ def _select_chunks(chunks, score_chunk, emit, count: int, order: str, chunk_byte
     flagged = torch.stack([redo.any() for _, redo in pending]).tolist()
     for (chunk, redo), again in zip(pending, flagged):
         if again:
-            scores = score_chunk(chunk, False).reshape(-1, chunk.width)
+            scores = score_chunk(chunk, False)[0].reshape(-1, chunk.width)
             chosen, _ = _select(scores, count, order)
             redo_rows(scores, chosen, redo, chosen.shape[-1], order, chunk_bytes // 4)
             emit(chunk, *_globalise(scores, chosen, chunk.key_start, count))
+
+
+def _pad_columns(index: torch.Tensor, values: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Widen [N, take] results of a window narrower than ``count`` keys with -1 / -inf columns."""
+    if index.shape[-1] == count:
+        return index, values
+    wide_index = torch.full((index.shape[0], count), -1, dtype=index.dtype, device=index.device)
+    wide_values = torch.full((index.shape[0], count), float("-inf"), dtype=values.dtype, device=values.device)
+    wide_index[:, : index.shape[-1]] = index
+    wide_values[:, : index.shape[-1]] = values
+    return wide_index, wide_values
 
 
 # ----------------------------------------------------------------------------------------------
@@ -243,17 +309,19 @@ def _v41_chunk_scores(backend, q, k, w, ks, ke, chunk_bytes):
     return v41_scores(q, k, w, ks, ke, budget_bytes=chunk_bytes)
 
 
-def _local_ranges(ks, ke, chunk: QueryChunk) -> tuple[torch.Tensor, torch.Tensor]:
-    """ks/ke of the chunk's queries relative to its window; queries that see nothing get (0, 0)."""
-    start, end = ks[:, chunk.rows], ke[:, chunk.rows]
-    seen = end > start
-    return torch.where(seen, start - chunk.key_start, 0), torch.where(seen, end - chunk.key_start, 0)
+def _selects_on_gpu(backend: str, count: int) -> bool:
+    """Whether chunks are selected by the TileLang radix select (it sorts at most MAX_COUNT)."""
+    from nemo_dsa.ops.topk.kernels import MAX_COUNT
+
+    return backend == "tilelang" and count <= MAX_COUNT
 
 
 def _window_buffer(chunks, batch, device):
-    """One fp32 buffer for the kernels' chunk logits, NaN-poisoned so an unwritten element shows."""
+    """One fp32 buffer for the kernels' chunk logits. Not poisoned: the kernel writes every
+    element of its window (-inf outside [ks, ke)), which its own GPU tests check on poisoned
+    outputs; a fill here would cost a pass over up to chunk_bytes per call."""
     largest = max((batch * (c.end - c.start) * c.width for c in chunks), default=0)
-    return torch.full((largest,), float("nan"), dtype=torch.float32, device=device)
+    return torch.empty((largest,), dtype=torch.float32, device=device)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -292,7 +360,8 @@ def v4_select_topk(
         w: [B, S, H] fp32 head weights (scaling folded in).
         ks, ke: int32 [B, S] visible ranges on the global compressed axis.
         topk: keys per query; T = min(topk, K).
-        backend: "auto" | "tilelang" | "torch" (scoring only; selection is the same torch code).
+        backend: "auto" | "tilelang" | "torch": the TileLang scorer and radix select, or the
+            torch reference scoring and selection.
         chunk_bytes: budget of the per-chunk selection transients (default 512 MiB).
 
     Returns:
@@ -313,17 +382,20 @@ def v4_select_topk_validated(q, k, w, ks, ke, topk: int, backend: str, chunk_byt
     # Poisoned: every chunk overwrites its rows, so a sentinel left over is a bug the tests see.
     indices = torch.full((batch, queries, count), -2, dtype=torch.int32, device=q.device)
     scores = torch.full((batch, queries, count), float("nan"), dtype=torch.float32, device=q.device)
-    chunks = plan_query_chunks(ks, ke, v4_row_bytes(heads, dim, count), chunk_bytes)
+    on_gpu = _selects_on_gpu(backend, count)
+    plan = _planned_chunks(ks, ke, ("v4", heads, dim, count, on_gpu), v4_row_bytes(heads, dim, count, on_gpu), chunk_bytes)
+    chunks = plan.chunks
     buffer = _window_buffer(chunks, batch, q.device) if backend == "tilelang" else None
 
     def score_chunk(chunk, first_pass):
         rows = chunk.end - chunk.start
-        local_ks, local_ke = _local_ranges(ks, ke, chunk)
+        local_ks, local_ke = plan.ranges(chunk)
         out = None if buffer is None else buffer[: batch * rows * chunk.width].view(batch, rows, chunk.width)
-        return _v4_chunk_logits(
+        logits = _v4_chunk_logits(
             backend, q[:, chunk.rows], k[:, chunk.key_start : chunk.key_end], w[:, chunk.rows],
             local_ks, local_ke, out, chunk_bytes,
         )
+        return logits, local_ks, local_ke
 
     def emit(chunk, index, value):
         if index is None:
@@ -333,7 +405,7 @@ def v4_select_topk_validated(q, k, w, ks, ke, topk: int, backend: str, chunk_byt
             indices[:, chunk.rows] = index.view(batch, -1, count)
             scores[:, chunk.rows] = value.view(batch, -1, count)
 
-    _select_chunks(chunks, score_chunk, emit, count, "score", chunk_bytes)
+    _select_chunks(chunks, score_chunk, emit, count, "score", chunk_bytes, on_gpu)
     return scores, indices
 
 
@@ -402,10 +474,12 @@ def v41_select_topk(
     if source:
         num_blocks = min(candidate_topk_blocks, -(-num_keys // candidate_block_size))
         blocks_out = torch.full((batch, queries, num_blocks), -2, dtype=torch.int32, device=q.device)
-    row_bytes = v41_row_bytes(heads, dim, count, source or reindex, candidate_block_size or 1)
+    on_gpu = _selects_on_gpu(backend, count)
+    row_key = ("v41", heads, dim, count, source or reindex, candidate_block_size or 1, on_gpu)
+    row_bytes = v41_row_bytes(*row_key[1:])
 
     def score_chunk(chunk, first_pass):
-        local_ks, local_ke = _local_ranges(ks, ke, chunk)
+        local_ks, local_ke = plan.ranges(chunk)
         scores = _v41_chunk_scores(
             backend, q[:, chunk.rows], k[:, chunk.key_start : chunk.key_end], w[:, chunk.rows],
             local_ks, local_ke, chunk_bytes,
@@ -421,7 +495,7 @@ def v41_select_topk(
             kept = torch.where(kept < -(-chunk.width // candidate_block_size), kept, -1)
             keep = blocks_to_mask(kept, local_ks, local_ke, candidate_block_size, chunk.width, budget_bytes=chunk_bytes)
             scores.masked_fill_(~keep, float("-inf"))
-        return scores
+        return scores, local_ks, local_ke
 
     def emit(chunk, index, value):
         if index is None:
@@ -431,5 +505,6 @@ def v41_select_topk(
         else:
             indices[:, chunk.rows] = index.view(batch, -1, count)
 
-    _select_chunks(plan_query_chunks(ks, ke, row_bytes, chunk_bytes), score_chunk, emit, count, "index", chunk_bytes)
+    plan = _planned_chunks(ks, ke, row_key, row_bytes, chunk_bytes)
+    _select_chunks(plan.chunks, score_chunk, emit, count, "index", chunk_bytes, on_gpu)
     return (indices, blocks_out) if source else indices

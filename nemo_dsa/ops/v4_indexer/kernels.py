@@ -406,12 +406,16 @@ def v4_topk_backward_tilelang(
 
 def v4_indexer_forward(q, k, w, ks, ke, topk, topk_indices):
     """(index_score fp32 [B, S, T], topk_indices int32 [B, S, T]) with the kernel's logits."""
-    from nemo_dsa.ops.topk.naive import select_topk
+    from nemo_dsa.ops.topk.interface import select_topk
     from nemo_dsa.ops.v4_indexer.interface import pytorch_extract_topk_scores
 
     logits = v4_logits_tilelang(q, k, w, ks, ke)
     if topk_indices is None:
-        topk_indices = select_topk(logits, topk, order="score")
+        # Every finite logit lies in [ks, ke) (clamped to the key axis as the kernel does).
+        num_keys = logits.shape[-1]
+        topk_indices = select_topk(
+            logits, topk, order="score", ks=ks.clamp(0, num_keys), ke=ke.clamp(0, num_keys), backend="tilelang"
+        )
     return pytorch_extract_topk_scores(logits, topk_indices), topk_indices
 
 

@@ -1,0 +1,69 @@
+"""Top-k selection on a score matrix: the TileLang radix select on CUDA, the reference elsewhere.
+
+Both paths implement DSA-SPEC "Top-k selection" exactly (same indices, bit for bit); the
+reference (``naive.select_topk``) is the readable one, the kernel (``kernels``) the fast one.
+"""
+
+import math
+
+import torch
+
+from nemo_dsa._checks import check_positive_int, check_tensor
+from nemo_dsa.ops._dispatch import resolve_backend
+from nemo_dsa.ops.topk import naive
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def kernel_supports(scores: torch.Tensor, topk: int) -> bool:
+    """Whether the TileLang selector serves these scores (fp32/bf16, T within its sort width)."""
+    from nemo_dsa.ops.topk.kernels import MAX_COUNT
+
+    return scores.dtype in KERNEL_DTYPES and min(topk, scores.shape[-1]) <= MAX_COUNT
+
+
+def select_topk(
+    scores: torch.Tensor,
+    topk: int,
+    order: str = "score",
+    *,
+    ks: torch.Tensor | None = None,
+    ke: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Top-k key indices of ``scores [..., S, K]`` as int32 ``[..., S, min(topk, K)]``.
+
+    Same contract as :func:`nemo_dsa.ops.topk.naive.select_topk` (best finite scores, ties to
+    the smaller index, -1 padding; ``order`` "score" or "index"). ``ks``/``ke`` (int32, the
+    scores' leading shape) may name each row's visible range ``[ks, ke)`` when every finite score
+    lies inside it: the kernel then reads only those keys. ``backend="auto"`` takes the kernel
+    for CUDA fp32/bf16 scores with T <= 8192 and the reference otherwise.
+    """
+    check_tensor("scores", scores, dtypes=naive.SCORE_DTYPES)
+    if scores.ndim < 1:
+        raise ValueError("scores must have at least 1 dimension (the key axis)")
+    check_positive_int("topk", topk)
+    if order not in naive.ORDERS:
+        raise ValueError(f"order must be one of {naive.ORDERS}, got {order!r}")
+    if (ks is None) != (ke is None):
+        raise ValueError("give both ks and ke, or neither")
+    for name, value in (("ks", ks), ("ke", ke)):
+        if value is not None:
+            check_tensor(name, value, dtypes=(torch.int32,), shape=tuple(scores.shape[:-1]), device=scores.device)
+    if resolve_backend(backend, scores) == "torch" or not kernel_supports(scores, topk):
+        if backend == "tilelang":  # asked for explicitly: no silent fallback
+            if scores.dtype not in KERNEL_DTYPES:
+                raise TypeError(f"backend='tilelang' selects on float32 or bfloat16 scores, got {scores.dtype}")
+            raise ValueError("backend='tilelang' selects at most 8192 keys per row; use backend='torch'")
+        return naive.select_topk(scores, topk, order)
+    from nemo_dsa.ops.topk.kernels import select_rows_tilelang
+
+    num_keys = scores.shape[-1]
+    count = min(topk, num_keys)
+    rows = math.prod(scores.shape[:-1])
+    if count == 0 or rows == 0:
+        return torch.full((*scores.shape[:-1], count), -1, dtype=torch.int32, device=scores.device)
+    flat = scores.reshape(rows, num_keys)
+    ranges = (ks.reshape(rows), ke.reshape(rows)) if ks is not None else (None, None)
+    index, _ = select_rows_tilelang(flat, count, order, *ranges)
+    return index.view(*scores.shape[:-1], count)

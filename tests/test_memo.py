@@ -1,0 +1,46 @@
+"""Facts remembered on metadata tensors: reused while unchanged, recomputed after any change."""
+
+import pytest
+import torch
+
+from nemo_dsa.ops._memo import memo_on_tensors
+from nemo_dsa.ops._visibility import check_ks_ke
+from nemo_dsa.ops.topk import streaming
+
+
+def test_reused_for_the_same_tensors_and_recomputed_after_changes():
+    ks, ke = torch.zeros(1, 4, dtype=torch.int32), torch.arange(1, 5, dtype=torch.int32)[None]
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return int(ke.sum())
+
+    assert memo_on_tensors((ks, ke), "sum", compute) == 10
+    assert memo_on_tensors((ks, ke), "sum", compute) == 10 and len(calls) == 1
+    ke += 1  # in place: a new version
+    assert memo_on_tensors((ks, ke), "sum", compute) == 14 and len(calls) == 2
+    other = ke.clone()  # equal values, another object
+    assert memo_on_tensors((ks, other), "sum", compute) == 14 and len(calls) == 3
+    assert memo_on_tensors((ks, ke), "other key", compute) == 14 and len(calls) == 4
+
+
+def test_validation_still_rejects_after_an_in_place_change():
+    ks, ke = torch.zeros(1, 3, dtype=torch.int32), torch.ones(1, 3, dtype=torch.int32)
+    check_ks_ke(ks, ke, batch=1, queries=3, num_keys=2, device=ks.device)
+    ke[0, 1] = 5
+    with pytest.raises(ValueError, match="ke must be <= the number of keys 2"):
+        check_ks_ke(ks, ke, batch=1, queries=3, num_keys=2, device=ks.device)
+
+
+def test_streamed_selection_replans_when_ranges_change():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 300, 2, 16, generator=g).bfloat16()
+    k = torch.randn(1, 40, 16, generator=g).bfloat16()
+    w = torch.randn(1, 300, 2, generator=g)
+    ks = torch.zeros(1, 300, dtype=torch.int32)
+    ke = torch.full((1, 300), 40, dtype=torch.int32)
+    first = streaming.v4_select_topk(q, k, w, ks, ke, 8, chunk_bytes=2**14)[1]
+    ke[0, :150] = 10  # the same tensor object, new ranges: the cached plan must not be reused
+    second = streaming.v4_select_topk(q, k, w, ks, ke, 8, chunk_bytes=2**14)[1]
+    assert int(second[0, :150].max()) < 10 < int(first[0, :150].max())

@@ -1,0 +1,110 @@
+"""TileLang radix select against the reference selection on the GPU (pytest -m gpu on the H200).
+
+Bitwise equality of indices and picked scores with ``naive.select_topk`` (which implements the
+spec's rule with unique keys): fresh random rows of ragged widths, both dtypes and orders, T in
+{64, 100, 512, 1024, 2048}, visible ranges, quantised scores with long runs of ties at the cut,
+NaN/+-inf, signed zeros, rows with fewer finite scores than T and rows that see nothing, and rows
+long enough for 32-bit index digits. Outputs are poisoned before the kernel writes them.
+"""
+
+import zlib
+
+import pytest
+import torch
+
+from nemo_dsa.ops.topk import naive
+from nemo_dsa.ops.topk.interface import select_topk
+from nemo_dsa.ops.topk.kernels import select_rows_tilelang
+
+pytestmark = pytest.mark.gpu
+
+
+def _rows(kind: str, rows: int, width: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if kind == "continuous":
+        x = torch.randn(rows, width, generator=g) * 3
+    elif kind == "quantised":  # a handful of values: every cut falls inside a long run of ties
+        x = torch.randint(-3, 4, (rows, width), generator=g) / 2
+    else:  # "special": signed zeros, infinities and NaN among a few finite values
+        x = torch.randint(-2, 3, (rows, width), generator=g).float()
+        x[x == 0] = torch.where(torch.rand(int((x == 0).sum()), generator=g) < 0.5, 0.0, -0.0)
+        pick = torch.rand(rows, width, generator=g)
+        x[pick < 0.05] = float("nan")
+        x[(pick >= 0.05) & (pick < 0.1)] = float("inf")
+        x[(pick >= 0.1) & (pick < 0.2)] = float("-inf")
+    return x.to(dtype).cuda()
+
+
+def _ranges(rows: int, width: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random visible ranges incl. empty rows and full rows; scores outside become -inf."""
+    g = torch.Generator().manual_seed(seed + 1)
+    a = torch.randint(0, width + 1, (rows,), generator=g)
+    b = torch.randint(0, width + 1, (rows,), generator=g)
+    ks, ke = torch.minimum(a, b), torch.maximum(a, b)
+    ks[0], ke[0] = 0, width  # a whole row
+    ks[1], ke[1] = 5, 5  # a row that sees nothing
+    return ks.int().cuda(), ke.int().cuda()
+
+
+def _mask_outside(scores, ks, ke):
+    cols = torch.arange(scores.shape[-1], device=scores.device)
+    inside = (cols >= ks[:, None].long()) & (cols < ke[:, None].long())
+    return scores.masked_fill(~inside, float("-inf"))
+
+
+def _expected(scores, count, order):
+    index = naive.select_topk(scores, count, order)
+    picked = torch.where(index >= 0, torch.gather(scores, -1, index.clamp_min(0).long()), float("-inf"))
+    return index, picked.to(scores.dtype)
+
+
+def _poisoned(rows, count, dtype):
+    return (
+        torch.full((rows, count), -7, dtype=torch.int32, device="cuda"),
+        torch.full((rows, count), float("nan"), dtype=dtype, device="cuda"),
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("order", ["score", "index"])
+@pytest.mark.parametrize("kind", ["continuous", "quantised", "special"])
+@pytest.mark.parametrize("count,width", [(64, 300), (100, 1001), (512, 4097), (1024, 3000), (2048, 8191)])
+def test_kernel_equals_reference_on_ranges(dtype, order, kind, count, width):
+    rows = 67
+    seed = zlib.crc32(f"{dtype}{order}{kind}{count}".encode()) % 1000
+    ks, ke = _ranges(rows, width, seed)
+    scores = _mask_outside(_rows(kind, rows, width, dtype, seed), ks, ke)
+    index, picked = select_rows_tilelang(scores, count, order, ks, ke, offset=0, out=_poisoned(rows, count, dtype))
+    want_index, want_picked = _expected(scores, count, order)
+    assert torch.equal(index, want_index)
+    assert torch.equal(picked, want_picked)  # no NaN poison left: selected scores are finite
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_whole_rows_offset_and_count_equal_to_width(dtype):
+    rows, width = 33, 129
+    scores = _rows("quantised", rows, width, dtype, 5)
+    index, picked = select_rows_tilelang(scores, width, "score", offset=1000, out=_poisoned(rows, width, dtype))
+    want_index, want_picked = _expected(scores, width, "score")
+    assert torch.equal(index, torch.where(want_index >= 0, want_index + 1000, -1))
+    assert torch.equal(picked, want_picked)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_past_65536_keys_use_32_bit_index_digits(dtype):
+    rows, width, count = 5, 70_001, 512
+    scores = _rows("quantised", rows, width, dtype, 9)  # ties at the cut span the whole row
+    index, _ = select_rows_tilelang(scores, count, "index", out=_poisoned(rows, count, dtype))
+    assert torch.equal(index, naive.select_topk(scores, count, "index"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dispatcher_uses_ranges_and_matches_reference(dtype):
+    scores = _rows("continuous", 2 * 300, 777, dtype, 3).view(2, 300, 777)
+    ks, ke = _ranges(600, 777, 3)
+    scores = _mask_outside(scores.view(600, 777), ks, ke).view(2, 300, 777)
+    got = select_topk(scores, 128, "score", ks=ks.view(2, 300), ke=ke.view(2, 300))
+    assert torch.equal(got, naive.select_topk(scores, 128, "score"))
+    assert torch.equal(select_topk(scores, 128, "index", backend="tilelang"), naive.select_topk(scores, 128, "index"))
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        select_topk(scores.half(), 8, backend="tilelang")
