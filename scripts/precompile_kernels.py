@@ -16,13 +16,16 @@ from concurrent.futures import ProcessPoolExecutor
 
 
 def _jobs(heads: list[int], dims: list[int], counts: list[int]) -> list[tuple]:
-    scorers = [(kind, h, d) for kind in ("v4_fwd", "v4_bwd", "v41") for h in heads for d in dims]
-    # The selector per (dtype, order, T, index width): V4 sorts fp32 by score, V4.1 bf16 by index,
-    # the other two pairs serve the generic select_topk.
-    from nemo_dsa.ops.topk.kernels import sort_slots
+    import torch
 
-    selectors = [("select", dtype, slots, order, bits) for dtype in ("float32", "bfloat16")
-                 for order in ("score", "index") for slots in sorted({sort_slots(c) for c in counts}) for bits in (16, 32)]
+    from nemo_dsa.ops.topk.kernels import select_config
+
+    scorers = [(kind, h, d) for kind in ("v4_fwd", "v4_bwd", "v41") for h in heads for d in dims]
+    # Selectors for both dtypes and orders (V4 sorts fp32 by score, V4.1 bf16 by index; the other
+    # pairs serve the generic select_topk), rows of <= 2^16 keys (16-bit index digits) and longer.
+    configs = {select_config(dtype, count, order, width) for dtype in (torch.float32, torch.bfloat16)
+               for order in ("score", "index") for count in counts for width in (2**16, 2**16 + 1)}
+    selectors = [("select", c.score_dtype, c.slots, c.order, c.index_bits) for c in sorted(configs, key=str)]
     return scorers + selectors
 
 

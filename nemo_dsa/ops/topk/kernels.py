@@ -13,7 +13,8 @@ per pass: a 256-bin shared-memory histogram of the keys that share the digits de
 block scan over the bins, and the bin where the running count reaches T. The select stops as
 soon as the chosen bin holds exactly the keys still needed, so the index digits are visited
 only when a run of equal scores straddles the cut. The keys >= the cut (exactly T, or every
-finite key if fewer) are gathered into shared memory and bitonic-sorted.
+finite key if fewer) are then gathered from warp ballots: by score into shared memory and
+bitonic-sorted, by index written straight out in index order (no sort).
 
 Cost at S = 32768, K = 8192 causal (4096 visible keys a row on average), T = 512: each pass
 reads the row once (the first from HBM, the rest mostly from L1/L2: 512 MiB fp32 or 256 MiB bf16
@@ -45,7 +46,8 @@ MAX_COUNT = 8192
 
 
 # The sort widths a kernel is built for: T is a runtime size, so one build serves every T up to
-# its width (no compile per T: streamed windows narrower than T select fewer keys).
+# its width (no compile per T: streamed windows narrower than T select fewer keys). Index order
+# does not sort, so one build (MIN_SLOTS) serves every T.
 MIN_SLOTS = 128
 
 
@@ -54,7 +56,7 @@ class SelectConfig:
     """One compiled selector (all fields are arguments of :func:`radix_select_kernel`)."""
 
     score_dtype: str  # "float32" | "bfloat16"
-    slots: int  # sort width, a power of two >= T
+    slots: int  # sort width, a power of two >= T (score order; MIN_SLOTS for index order)
     order: str  # "score" | "index"
     index_bits: int  # 16 | 32: width of the index part of the key
 
@@ -77,17 +79,18 @@ def select_config(score_dtype: torch.dtype, count: int, order: str, width: int) 
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     if not 1 <= count <= MAX_COUNT:
         raise ValueError(f"count must be in [1, {MAX_COUNT}] for the TileLang selector, got {count}")
-    return SelectConfig(name, sort_slots(count), order, 16 if width <= MAX_SHORT_ROW else 32)
+    slots = sort_slots(count) if order == "score" else MIN_SLOTS
+    return SelectConfig(name, slots, order, 16 if width <= MAX_SHORT_ROW else 32)
 
 
 def dispatched_configs() -> list[SelectConfig]:
     """Every configuration the wrapper can build: dtypes, orders, sort widths and index widths."""
-    widths = [MIN_SLOTS << i for i in range((MAX_COUNT // MIN_SLOTS).bit_length())]
+    widths = {"score": [MIN_SLOTS << i for i in range((MAX_COUNT // MIN_SLOTS).bit_length())], "index": [MIN_SLOTS]}
     return [
         SelectConfig(dtype, slots, order, bits)
         for dtype in SCORE_BITS
         for order in ORDERS
-        for slots in widths
+        for slots in widths[order]
         for bits in (16, 32)
     ]
 
@@ -157,7 +160,8 @@ def radix_select_kernel(score_dtype: str, slots: int, order: str, index_bits: in
             wanted = T.alloc_var(i32)
             count_here = T.alloc_var(i32)
             base = T.alloc_var(i32)
-            written = T.alloc_var(i32)  # index order: keys written so far
+            if order == "index":
+                written = T.alloc_var(i32)  # keys written so far
             score = T.alloc_var(dtype)  # one load per key and pass
             image = T.alloc_var(u32)
             first = T.alloc_var(u64)  # the two keys a bitonic step compares
@@ -236,29 +240,49 @@ def radix_select_kernel(score_dtype: str, slots: int, order: str, index_bits: in
                             done[0] = 1
                     T.sync_threads()
 
+            # Gather the keys >= cut (exactly T, or every finite key if fewer) from warp ballots.
+            # Score order reserves sort slots with one shared atomic per warp; index order needs
+            # no sort: each key is written where the ballots of the warps before it leave off.
             final_image = cut_image[0]
             final_rev = cut_rev[0]
-            if order == "score":
-                # Gather the keys >= cut (at most count of them), one shared atomic per warp.
-                for it in T.serial(T.ceildiv(end - start, THREADS)):
-                    j = start + it * THREADS + tx
-                    image = 0
-                    if j < end:
-                        score = Scores[row, j]
-                        image = image_of(score)
-                    rev = T.cast(rev_max - j, u32)
-                    take = (image != 0) & ((image > final_image) | ((image == final_image) & (rev >= final_rev)))
-                    mask = T.cast(T.ballot_sync(take), u32)
-                    before = T.popcount(mask & lanes_below)
+            if order == "index":
+                written = 0
+            for it in T.serial(T.ceildiv(end - start, THREADS)):
+                j = start + it * THREADS + tx
+                image = 0
+                if j < end:
+                    score = Scores[row, j]
+                    image = image_of(score)
+                rev = T.cast(rev_max - j, u32)
+                take = (image != 0) & ((image > final_image) | ((image == final_image) & (rev >= final_rev)))
+                mask = T.cast(T.ballot_sync(take), u32)
+                before = T.cast(T.popcount(mask & lanes_below), i32)
+                if order == "score":
                     if lane == 0:
                         base = T.atomic_add(filled[0], T.cast(T.popcount(mask), i32), return_prev=True)
                     base = T.shfl_sync(base, 0)
-                    if take:
-                        position = base + T.cast(before, i32)
-                        if position < slots:
-                            keys[position] = T.shift_left(T.cast(image, u64), 32) | T.cast(rev, u64)
-                T.sync_threads()
+                    if take and base + before < slots:
+                        keys[base + before] = T.shift_left(T.cast(image, u64), 32) | T.cast(rev, u64)
+                else:
+                    if lane == 0:
+                        warp_sums[warp] = T.cast(T.popcount(mask), i32)
+                    T.sync_threads()
+                    earlier = sum(T.if_then_else(w < warp, warp_sums[w], 0) for w in range(warps))
+                    position = written + earlier + before
+                    if take and position < count:
+                        Index[row, position] = j + offset
+                        Picked[row, position] = score
+                    written = written + sum(warp_sums[w] for w in range(warps))
+                    T.sync_threads()
 
+            if order == "index":
+                for i in T.serial(T.ceildiv(count, THREADS)):
+                    s = i * THREADS + tx
+                    if s >= written and s < count:
+                        Index[row, s] = -1
+                        Picked[row, s] = -T.infinity(dtype)
+            else:
+                T.sync_threads()
                 # Bitonic sort, descending: the best key first, 0s (padding) last.
                 for level in T.serial(log_slots):
                     for step in T.serial(level + 1):
@@ -284,34 +308,6 @@ def radix_select_kernel(score_dtype: str, slots: int, order: str, index_bits: in
                         j = rev_max - T.cast(key & T.uint64(0xFFFFFFFF), i32)
                         Index[row, s] = T.if_then_else(key != 0, j + offset, -1)
                         Picked[row, s] = T.if_then_else(key != 0, Scores[row, T.max(T.min(j, width - 1), 0)], -T.infinity(dtype))
-            else:
-                # Index order needs no sort: one more pass in index order writes the keys >= cut
-                # where the ballots of the warps before them leave off (two barriers a step).
-                written = 0
-                for it in T.serial(T.ceildiv(end - start, THREADS)):
-                    j = start + it * THREADS + tx
-                    image = 0
-                    if j < end:
-                        score = Scores[row, j]
-                        image = image_of(score)
-                    rev = T.cast(rev_max - j, u32)
-                    take = (image != 0) & ((image > final_image) | ((image == final_image) & (rev >= final_rev)))
-                    mask = T.cast(T.ballot_sync(take), u32)
-                    if lane == 0:
-                        warp_sums[warp] = T.cast(T.popcount(mask), i32)
-                    T.sync_threads()
-                    earlier = sum(T.if_then_else(w < warp, warp_sums[w], 0) for w in range(warps))
-                    position = written + earlier + T.cast(T.popcount(mask & lanes_below), i32)
-                    if take and position < count:
-                        Index[row, position] = j + offset
-                        Picked[row, position] = score
-                    written = written + sum(warp_sums[w] for w in range(warps))
-                    T.sync_threads()
-                for i in T.serial(T.ceildiv(count, THREADS)):
-                    s = i * THREADS + tx
-                    if s >= written and s < count:
-                        Index[row, s] = -1
-                        Picked[row, s] = -T.infinity(dtype)
 
     return radix_select
 
