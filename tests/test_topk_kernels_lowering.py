@@ -3,13 +3,12 @@ sm_90a within Hopper's shared memory, with a shared-memory histogram and warp ba
 gather; one compiles to a cubin with nvcc; the wrapper and the dispatcher validate their
 inputs."""
 
-import multiprocessing
 import shutil
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 
 import pytest
 import torch
+from _lowering import map_in_workers
 
 from nemo_dsa.ops._tilelang import HOPPER_SMEM_LIMIT
 from nemo_dsa.ops.topk.interface import select_topk
@@ -34,8 +33,7 @@ def _lower(config):
 def test_every_config_lowers_within_shared_memory():
     configs = dispatched_configs()
     assert len(configs) == len(set(configs))
-    with ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("fork")) as pool:
-        results = list(pool.map(_lower, configs))
+    results = map_in_workers(_lower, configs)
     for config, source, smem in results:
         assert smem >= config.shared_memory_bytes(), f"{config}: the sort needs more than {smem} bytes"
         assert smem <= HOPPER_SMEM_LIMIT, f"{config}: {smem} bytes of dynamic shared memory"

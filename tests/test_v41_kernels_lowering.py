@@ -1,12 +1,11 @@
 """V4.1 scorer kernels on the CPU: every dispatchable configuration lowers for sm_90a with wgmma
 and fits Hopper's shared memory; a few compile to cubins with nvcc; the wrappers validate inputs."""
 
-import multiprocessing
 import shutil
-from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
+from _lowering import map_in_workers
 
 from nemo_dsa.ops.v41_indexer import kernels
 from nemo_dsa.ops.v41_indexer.kernels import (
@@ -37,9 +36,7 @@ def _lower(config):
 def test_every_dispatched_config_lowers_with_wgmma_and_fits_shared_memory():
     configs = dispatched_configs()
     assert len(configs) == len(set(configs)) == len(kernels.SUPPORTED_HEADS) * len(kernels.KERNEL_DIMS)
-    # Two worker processes: each lowering is a few seconds of single-threaded TVM passes.
-    with ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("fork")) as pool:
-        results = list(pool.map(_lower, configs))
+    results = map_in_workers(_lower, configs)
     for config, has_wgmma, smem in results:
         assert has_wgmma, f"{config}: no wgmma in the generated CUDA"
         assert 0 < smem <= HOPPER_SMEM_LIMIT, f"{config}: {smem} bytes of dynamic shared memory"
