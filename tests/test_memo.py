@@ -44,3 +44,25 @@ def test_streamed_selection_replans_when_ranges_change():
     ke[0, :150] = 10  # the same tensor object, new ranges: the cached plan must not be reused
     second = streaming.v4_select_topk(q, k, w, ks, ke, 8, chunk_bytes=2**14)[1]
     assert int(second[0, :150].max()) < 10 < int(first[0, :150].max())
+
+
+def test_inference_tensors_are_never_remembered():
+    with torch.inference_mode():
+        ks, ke = torch.zeros(1, 4, dtype=torch.int32), torch.full((1, 4), 2, dtype=torch.int32)
+    calls = []
+    for _ in range(2):
+        assert memo_on_tensors((ks, ke), "sum", lambda: calls.append(1) or int(ke.sum())) == 8
+    assert len(calls) == 2
+    check_ks_ke(ks, ke, batch=1, queries=4, num_keys=2, device=ks.device)
+
+
+def test_streamed_selection_under_inference_mode():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 64, 2, 16, generator=g).bfloat16()
+    k = torch.randn(1, 16, 16, generator=g).bfloat16()
+    w = torch.randn(1, 64, 2, generator=g)
+    with torch.inference_mode():
+        ks = torch.zeros(1, 64, dtype=torch.int32)
+        ke = torch.full((1, 64), 16, dtype=torch.int32)
+        scores, index = streaming.v4_select_topk(q, k, w, ks, ke, 4)
+    assert index.shape == (1, 64, 4) and bool((index >= 0).all())

@@ -269,3 +269,16 @@ def test_streamed_selection_matches_materialised(scoring, roles, monkeypatch):
     (logits0, loss0, grads0), (logits1, loss1, grads1) = runs
     assert torch.equal(logits0, logits1) and torch.equal(loss0, loss1)
     assert len(grads0) == len(grads1) and all(torch.equal(a, b) for a, b in zip(grads0, grads1))
+
+
+@pytest.mark.parametrize("scoring", ["v4", "v41"])
+@pytest.mark.parametrize("fused_topk", [True, False])
+def test_forward_under_inference_mode_equals_no_grad(scoring, fused_topk):
+    """Metadata made under torch.inference_mode has no version counter: nothing may rely on one."""
+    model = make_model(scoring=scoring, fused_topk=fused_topk).eval()
+    ids = torch.randint(0, 61, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = model(ids).logits
+    with torch.inference_mode():
+        got = model(ids).logits
+    assert torch.equal(got, expected)

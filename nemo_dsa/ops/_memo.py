@@ -19,7 +19,13 @@ _ATTRIBUTE = "_nemo_dsa_memo"
 
 
 def memo_on_tensors(tensors: Sequence[torch.Tensor], key: Hashable, compute: Callable[[], Any]) -> Any:
-    """``compute()``, or its remembered value for these very tensors at their current versions."""
+    """``compute()``, or its remembered value for these very tensors at their current versions.
+
+    Inference tensors (made under ``torch.inference_mode``) have no version counter, so nothing
+    is remembered for them: every call computes.
+    """
+    if any(t.is_inference() for t in tensors):
+        return compute()
     anchor = tensors[0]
     store = anchor.__dict__.setdefault(_ATTRIBUTE, {})
     versions = tuple(t._version for t in tensors)
