@@ -1,8 +1,12 @@
 """Facts remembered on metadata tensors: reused while unchanged, recomputed after any change."""
 
+import gc
+import io
+
 import pytest
 import torch
 
+from nemo_dsa.ops import _memo
 from nemo_dsa.ops._memo import memo_on_tensors
 from nemo_dsa.ops._visibility import check_ks_ke
 from nemo_dsa.ops.topk import streaming
@@ -66,3 +70,17 @@ def test_streamed_selection_under_inference_mode():
         ke = torch.full((1, 64), 16, dtype=torch.int32)
         scores, index = streaming.v4_select_topk(q, k, w, ks, ke, 4)
     assert index.shape == (1, 64, 4) and bool((index >= 0).all())
+
+
+def test_tensors_still_pickle_and_facts_go_with_them():
+    ks, ke = torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, 4, dtype=torch.int32)
+    check_ks_ke(ks, ke, batch=1, queries=4, num_keys=2, device=ks.device)
+    assert id(ks) in _memo._facts
+    buffer = io.BytesIO()
+    torch.save({"ks": ks, "ke": ke}, buffer)  # nothing unpicklable attached to the tensors
+    buffer.seek(0)
+    assert torch.equal(torch.load(buffer)["ke"], ke)
+    anchor = id(ks)
+    del ks
+    gc.collect()
+    assert anchor not in _memo._facts
