@@ -37,11 +37,16 @@ def test_validation_still_rejects_after_an_in_place_change():
         check_ks_ke(ks, ke, batch=1, queries=3, num_keys=2, device=ks.device)
 
 
+def _indexer_inputs(queries: int, keys: int, seed: int):
+    """q [1, S, 2, 16] bf16, k [1, K, 16] bf16, w [1, S, 2] fp32."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, queries, 2, 16, generator=g).bfloat16()
+    k = torch.randn(1, keys, 16, generator=g).bfloat16()
+    return q, k, torch.randn(1, queries, 2, generator=g)
+
+
 def test_streamed_selection_replans_when_ranges_change():
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 300, 2, 16, generator=g).bfloat16()
-    k = torch.randn(1, 40, 16, generator=g).bfloat16()
-    w = torch.randn(1, 300, 2, generator=g)
+    q, k, w = _indexer_inputs(300, 40, seed=0)
     ks = torch.zeros(1, 300, dtype=torch.int32)
     ke = torch.full((1, 300), 40, dtype=torch.int32)
     first = streaming.v4_select_topk(q, k, w, ks, ke, 8, chunk_bytes=2**14)[1]
@@ -61,10 +66,7 @@ def test_inference_tensors_are_never_remembered():
 
 
 def test_streamed_selection_under_inference_mode():
-    g = torch.Generator().manual_seed(1)
-    q = torch.randn(1, 64, 2, 16, generator=g).bfloat16()
-    k = torch.randn(1, 16, 16, generator=g).bfloat16()
-    w = torch.randn(1, 64, 2, generator=g)
+    q, k, w = _indexer_inputs(64, 16, seed=1)
     with torch.inference_mode():
         ks = torch.zeros(1, 64, dtype=torch.int32)
         ke = torch.full((1, 64), 16, dtype=torch.int32)
