@@ -10,54 +10,15 @@ import zlib
 
 import pytest
 import torch
+from causal_layouts import KERNEL_LAYOUTS, kernel_layout_ks_ke
+from causal_layouts import KERNEL_RATIO as RATIO
 
-from nemo_dsa.metadata import build_attention_metadata
 from nemo_dsa.ops._visibility import causal_ks_ke, visible_mask
 
 pytestmark = pytest.mark.gpu
 
-RATIO = 4
 # (heads, index_dim): every head count, both main dims, a padded dim (80 -> 128) and D = 256.
 HEAD_CONFIGS = [(8, 64), (16, 128), (32, 80), (64, 128), (128, 64), (64, 256)]
-# (layout, batch, local queries, keys or None = from the layout)
-LAYOUTS = [
-    ("causal", 2, 333, None),
-    ("causal_more_keys", 1, 190, 301),
-    ("packed", 2, 299, None),
-    ("cp_local", 2, 152, None),
-    ("cp_packed", 1, 200, None),
-    ("random_ranges", 3, 257, 517),
-]
-
-
-def _visibility(layout, batch, queries, num_keys, gen):
-    """(ks, ke, K) on the GPU; packed and CP layouts come from build_attention_metadata."""
-    if layout in ("causal", "causal_more_keys"):
-        num_keys = num_keys or queries // RATIO
-        ks, ke = causal_ks_ke(batch, queries, num_keys, RATIO, torch.device("cuda"))
-        return ks, ke, num_keys
-    if layout == "packed":  # documents starting off multiples of R, one padded tail
-        meta = build_attention_metadata(
-            compress_ratio=RATIO,
-            seq_lens=torch.tensor([[37, 101, 11, 140], [1, 250, 40, 0]]),
-            seq_lens_padded=torch.tensor([[37, 101, 11, 150], [1, 250, 48, 0]]),
-        )
-    elif layout == "cp_local":  # rank 1 of 2: local queries, global keys
-        pos = torch.arange(queries, 2 * queries).unsqueeze(0).expand(batch, queries)
-        meta = build_attention_metadata(compress_ratio=RATIO, position_ids=pos, cp_rank=1, cp_size=2)
-    elif layout == "cp_packed":  # rank 2 of 3 of a packed row
-        meta = build_attention_metadata(compress_ratio=RATIO, seq_lens=torch.tensor([[150, 93, 301, 56]]), cp_rank=2, cp_size=3)
-    elif layout == "random_ranges":  # arbitrary [ks, ke), including empty and full rows
-        a = torch.randint(0, num_keys + 1, (batch, queries), generator=gen)
-        b = torch.randint(0, num_keys + 1, (batch, queries), generator=gen)
-        ks, ke = torch.minimum(a, b), torch.maximum(a, b)
-        ks[0, :5], ke[0, :5] = 0, num_keys
-        ke[-1, 5:9] = ks[-1, 5:9]
-        return ks.int().cuda(), ke.int().cuda(), num_keys
-    else:
-        raise AssertionError(layout)
-    assert meta.ks.shape == (batch, queries), (layout, meta.ks.shape)
-    return meta.ks.cuda(), meta.ke.cuda(), meta.num_groups
 
 
 def _inputs(batch, queries, heads, dim, num_keys, gen):
@@ -115,12 +76,12 @@ def assert_v41_equal(got, reference, max_fraction: float = 5e-4) -> None:
 
 
 @pytest.mark.parametrize("heads,dim", HEAD_CONFIGS)
-@pytest.mark.parametrize("layout,batch,queries,num_keys", LAYOUTS)
+@pytest.mark.parametrize("layout,batch,queries,num_keys", KERNEL_LAYOUTS)
 def test_range_scores_match_formula(heads, dim, layout, batch, queries, num_keys):
     from nemo_dsa.ops.v41_indexer.kernels import v41_scores_tilelang
 
     gen = torch.Generator().manual_seed(zlib.crc32(f"{heads}/{dim}/{layout}".encode()))
-    ks, ke, num_keys = _visibility(layout, batch, queries, num_keys, gen)
+    ks, ke, num_keys = kernel_layout_ks_ke(layout, batch, queries, num_keys, "cuda", gen)
     q, k, w = _inputs(batch, queries, heads, dim, num_keys, gen)
     out = torch.full((batch, queries, num_keys), float("nan"), dtype=torch.bfloat16, device="cuda")
     got = v41_scores_tilelang(q, k, w, ks, ke, out=out)

@@ -11,54 +11,16 @@ import zlib
 
 import pytest
 import torch
+from causal_layouts import KERNEL_LAYOUTS, kernel_layout_ks_ke
+from causal_layouts import KERNEL_RATIO as RATIO
 
-from nemo_dsa.metadata import build_attention_metadata
 from nemo_dsa.ops._visibility import causal_ks_ke
 from nemo_dsa.ops.v4_indexer.naive import v4_logits
 
 pytestmark = pytest.mark.gpu
 
-RATIO = 4
 # (heads, index_dim): every head count the issue names, both head dims, few compiles in all.
 HEAD_CONFIGS = [(8, 64), (16, 128), (32, 64), (64, 128), (128, 64)]
-# (layout, batch, local queries, keys or None = from the layout)
-LAYOUTS = [
-    ("causal", 2, 333, None),
-    ("causal_more_keys", 1, 190, 301),
-    ("packed", 2, 299, None),
-    ("cp_local", 2, 152, None),
-    ("cp_packed", 1, 200, None),
-    ("random_ranges", 3, 257, 517),
-]
-
-
-def _visibility(layout: str, batch: int, queries: int, num_keys: int | None, device, gen):
-    """(ks, ke, K) for one layout; packed and CP layouts come from build_attention_metadata."""
-    if layout == "causal":
-        num_keys = queries // RATIO
-        return (*causal_ks_ke(batch, queries, num_keys, RATIO, device), num_keys)
-    if layout == "causal_more_keys":
-        return (*causal_ks_ke(batch, queries, num_keys, RATIO, device), num_keys)
-    if layout == "packed":  # documents that start off multiples of R, one padded tail
-        lens = torch.tensor([[37, 101, 11, 140], [1, 250, 40, 0]])
-        meta = build_attention_metadata(compress_ratio=RATIO, seq_lens=lens, seq_lens_padded=torch.tensor([[37, 101, 11, 150], [1, 250, 48, 0]]))
-    elif layout == "cp_local":  # rank 1 of 2: local queries, global keys
-        pos = torch.arange(queries, 2 * queries).unsqueeze(0).expand(batch, queries)
-        meta = build_attention_metadata(compress_ratio=RATIO, position_ids=pos, cp_rank=1, cp_size=2)
-    elif layout == "cp_packed":  # rank 2 of 3 of a packed row
-        lens = torch.tensor([[150, 93, 301, 56]])
-        meta = build_attention_metadata(compress_ratio=RATIO, seq_lens=lens, cp_rank=2, cp_size=3)
-    elif layout == "random_ranges":  # arbitrary [ks, ke), including empty and full rows
-        a = torch.randint(0, num_keys + 1, (batch, queries), generator=gen)
-        b = torch.randint(0, num_keys + 1, (batch, queries), generator=gen)
-        ks, ke = torch.minimum(a, b), torch.maximum(a, b)
-        ks[0, :5], ke[0, :5] = 0, num_keys
-        ke[-1, 5:9] = ks[-1, 5:9]
-        return ks.int().to(device), ke.int().to(device), num_keys
-    else:
-        raise AssertionError(layout)
-    assert meta.ks.shape == (batch, queries), (layout, meta.ks.shape)
-    return meta.ks.to(device), meta.ke.to(device), meta.num_groups
 
 
 def _inputs(batch, queries, heads, dim, num_keys, gen, device="cuda"):
@@ -69,12 +31,12 @@ def _inputs(batch, queries, heads, dim, num_keys, gen, device="cuda"):
 
 
 @pytest.mark.parametrize("heads,dim", HEAD_CONFIGS)
-@pytest.mark.parametrize("layout,batch,queries,num_keys", LAYOUTS)
+@pytest.mark.parametrize("layout,batch,queries,num_keys", KERNEL_LAYOUTS)
 def test_forward_matches_float64_reference(heads, dim, layout, batch, queries, num_keys):
     from nemo_dsa.ops.v4_indexer.kernels import v4_logits_tilelang
 
     gen = torch.Generator().manual_seed(zlib.crc32(f"{heads}-{dim}-{layout}".encode()))
-    ks, ke, num_keys = _visibility(layout, batch, queries, num_keys, "cuda", gen)
+    ks, ke, num_keys = kernel_layout_ks_ke(layout, batch, queries, num_keys, "cuda", gen)
     q, k, w = _inputs(batch, queries, heads, dim, num_keys, gen)
     out = torch.full((batch, queries, num_keys), float("nan"), device="cuda")
     got = v4_logits_tilelang(q, k, w, ks, ke, out=out)
@@ -118,12 +80,12 @@ def _assert_bf16_close(name, got, ref):
 
 
 @pytest.mark.parametrize("heads,dim", HEAD_CONFIGS)
-@pytest.mark.parametrize("layout,batch,queries,num_keys", [LAYOUTS[0], LAYOUTS[2], LAYOUTS[3], LAYOUTS[5]])
+@pytest.mark.parametrize("layout,batch,queries,num_keys", [KERNEL_LAYOUTS[i] for i in (0, 2, 3, 5)])
 def test_backward_matches_autograd(heads, dim, layout, batch, queries, num_keys):
     from nemo_dsa.ops.v4_indexer.kernels import v4_topk_backward_tilelang
 
     gen = torch.Generator().manual_seed(zlib.crc32(f"{heads}-{dim}-{layout}-bwd".encode()))
-    ks, ke, num_keys = _visibility(layout, batch, queries, num_keys, "cuda", gen)
+    ks, ke, num_keys = kernel_layout_ks_ke(layout, batch, queries, num_keys, "cuda", gen)
     q, k, w = _inputs(batch, queries, heads, dim, num_keys, gen)
     count = min(77, num_keys)  # ragged: not a multiple of the 64-key step
     # Distinct random keys per query, some visible and some not, plus -1 padding.
@@ -147,7 +109,7 @@ def test_shapes_outside_the_table_run_zero_padded(heads, dim):
     from nemo_dsa.ops.v4_indexer.kernels import v4_logits_tilelang, v4_topk_backward_tilelang
 
     gen = torch.Generator().manual_seed(heads * 1000 + dim)
-    ks, ke, num_keys = _visibility("packed", 2, 299, None, "cuda", gen)
+    ks, ke, num_keys = kernel_layout_ks_ke("packed", 2, 299, None, "cuda", gen)
     q, k, w = _inputs(2, 299, heads, dim, num_keys, gen)
     got = v4_logits_tilelang(q, k, w, ks, ke)
     ref = v4_logits(q.double(), k.double(), w.double(), ks, ke)
