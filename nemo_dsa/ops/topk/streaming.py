@@ -33,6 +33,7 @@ from nemo_dsa._checks import check_positive_int, check_tensor
 from nemo_dsa.ops._dispatch import resolve_backend
 from nemo_dsa.ops._memo import memo_on_tensors
 from nemo_dsa.ops._visibility import check_ks_ke
+from nemo_dsa.ops.topk.kernels import MAX_COUNT, select_rows_tilelang  # TileLang itself is imported lazily
 from nemo_dsa.ops.topk.naive import TIE_MARGIN, redo_rows, select_rows
 
 # Transient budget per chunk (issue #4): 512 MiB keeps Sc in the hundreds of rows at K = 32768.
@@ -250,8 +251,6 @@ def _select_chunks(chunks, score_chunk, emit, count: int, order: str, chunk_byte
         scores, local_ks, local_ke = score_chunk(chunk, True)
         scores = scores.reshape(-1, chunk.width)
         if on_gpu:
-            from nemo_dsa.ops.topk.kernels import select_rows_tilelang
-
             take = min(count, chunk.width)
             index, values = select_rows_tilelang(
                 scores, take, order, local_ks.reshape(-1), local_ke.reshape(-1), offset=chunk.key_start
@@ -311,8 +310,6 @@ def _v41_chunk_scores(backend, q, k, w, ks, ke, chunk_bytes):
 
 def _selects_on_gpu(backend: str, count: int) -> bool:
     """Whether chunks are selected by the TileLang radix select (it sorts at most MAX_COUNT)."""
-    from nemo_dsa.ops.topk.kernels import MAX_COUNT
-
     return backend == "tilelang" and count <= MAX_COUNT
 
 
