@@ -163,6 +163,11 @@ def radix_select_kernel(score_dtype: str, slots: int, order: str, index_bits: in
             if order == "index":
                 written = T.alloc_var(i32)  # keys written so far
             score = T.alloc_var(dtype)  # one load per key and pass
+            # The decided prefix, read into registers once a pass: read inline from shared memory
+            # in the key loop, it made TileLang put two barriers around every key of the index
+            # passes (the histogram atomics write the same shared buffer).
+            prefix_image = T.alloc_var(u32)
+            prefix_rev = T.alloc_var(u32)
             image = T.alloc_var(u32)
             first = T.alloc_var(u64)  # the two keys a bitonic step compares
             second = T.alloc_var(u64)
