@@ -1,6 +1,6 @@
 """TileLang radix select on the CPU: every configuration the lowering table names lowers for
-sm_90a within Hopper's shared memory, with a shared-memory histogram and warp ballots in the
-gather; one compiles to a cubin with nvcc; the wrapper and the dispatcher validate their
+sm_90a within Hopper's shared memory, with a shared-memory histogram, no barrier inside the
+histogram passes' key loops and warp ballots in the gather; one compiles to a cubin with nvcc; the wrapper and the dispatcher validate their
 inputs."""
 
 import shutil
@@ -23,6 +23,21 @@ from nemo_dsa.ops.topk.kernels import (
 )
 
 
+def _barriers_per_key_loop(source: str) -> list[int]:
+    """``__syncthreads`` count inside each per-key loop (``for (int it...``) of the kernel, in order."""
+    counts, depth, open_at = [], 0, None
+    for line in source.splitlines():
+        if open_at is None and "for (int it" in line:
+            open_at = depth
+            counts.append(0)
+        elif open_at is not None and "__syncthreads" in line:
+            counts[-1] += 1
+        depth += line.count("{") - line.count("}")
+        if open_at is not None and depth <= open_at:
+            open_at = None
+    return counts
+
+
 def _lower(config):
     from nemo_dsa.ops._tilelang import dynamic_shared_memory_bytes, lower
 
@@ -42,6 +57,11 @@ def test_every_config_lowers_within_shared_memory():
         assert "AtomicAdd((&(((int*)hist)" in source and "__ballot_sync" in source, config
         assert ("AtomicAddRet((&(((int*)filled)" in source) == (config.order == "score"), config
         assert "__launch_bounds__(256" in source, config
+        # The histogram passes' key loops hold no barrier (a shared read of the decided prefix
+        # inside them once made TileLang put two around every key); the gather is the last loop.
+        *passes, gather = _barriers_per_key_loop(source)
+        assert len(passes) == (32 if config.score_dtype == "float32" else 16) // 8 + config.index_bits // 8, config
+        assert passes and not any(passes), f"{config}: barriers inside the histogram passes' key loops: {passes}"
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found: cannot build cubins")
