@@ -1,7 +1,7 @@
 """TileLang radix select on the CPU: every configuration the lowering table names lowers for
 sm_90a within Hopper's shared memory, with a shared-memory histogram, no barrier inside the
-histogram passes' key loops and warp ballots in the gather; one compiles to a cubin with nvcc; the wrapper and the dispatcher validate their
-inputs."""
+histogram passes' key loops and warp ballots in the gather; one compiles to a cubin with nvcc;
+the wrapper and the dispatcher validate their inputs."""
 
 import shutil
 from dataclasses import asdict
