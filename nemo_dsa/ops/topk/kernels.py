@@ -21,9 +21,11 @@ reads the row once (the first from HBM, the rest mostly from L1/L2: 512 MiB fp32
 for the whole matrix, ~0.1 ms of HBM), typically 3-4 passes for fp32 and 2-4 for bf16, ~20
 instructions per key and pass; the sort is 45 compare-exchange steps of 512 slots. Predicted
 ~1 ms for fp32 and less for bf16, against 7.4 / 6.6 ms for ``naive.select_topk`` (torch.topk
-of T + 64 candidates, then a key sort). Measured on the H200 (2026-11-30): 1.70 ms fp32,
-1.76-1.79 ms bf16, of which the sort is 0.65 ms; staging the row in shared memory and
-aggregating equal digits per warp (__match_any_sync) both measured no faster (docs/performance.md).
+of T + 64 candidates, then a key sort). Measured on the H200 (2026-11-30): 1.49 ms fp32 (the
+sort holds its keys in registers: lane shuffles for strides below a warp; it cost 0.65 ms with
+every step in shared memory) and 1.24-1.30 ms bf16; staging the row in shared memory,
+aggregating equal digits per warp (__match_any_sync) and wider digits measured no faster
+(docs/performance.md v4, v5).
 """
 
 from dataclasses import asdict, dataclass
@@ -62,7 +64,7 @@ class SelectConfig:
 
     def shared_memory_bytes(self) -> int:
         """The histogram, and for score order the sort's 8-byte keys."""
-        return 4 * BINS + (8 * self.slots if self.order == "score" else 0)
+        return 4 * BINS + (8 * max(self.slots, THREADS) if self.order == "score" else 0)
 
 
 def sort_slots(count: int) -> int:
@@ -121,6 +123,8 @@ def radix_select_kernel(score_dtype: str, slots: int, order: str, index_bits: in
     passes += [("rev", s) for s in range(index_bits - RADIX_BITS, -1, -RADIX_BITS)]
     warps = THREADS // WARP
     log_slots = slots.bit_length() - 1
+    held_keys = max(slots, THREADS)  # below THREADS slots, the extra keys are 0s sorted among themselves
+    per_thread = held_keys // THREADS
     rows, width, count = T.dynamic("rows"), T.dynamic("width"), T.dynamic("count")
 
     def image_of(x):
@@ -153,7 +157,8 @@ def radix_select_kernel(score_dtype: str, slots: int, order: str, index_bits: in
             need = T.alloc_shared([1], i32)  # keys still to take inside the decided prefix
             done = T.alloc_shared([1], i32)
             filled = T.alloc_shared([1], i32)
-            keys = T.alloc_shared([slots], u64)
+            keys = T.alloc_shared([held_keys], u64)
+            held = T.alloc_local([per_thread], u64)  # sort: key r * THREADS + tx of the network
             start = T.alloc_var(i32)
             end = T.alloc_var(i32)
             running = T.alloc_var(i32)
@@ -181,9 +186,8 @@ def radix_select_kernel(score_dtype: str, slots: int, order: str, index_bits: in
                 done[0] = 0
                 filled[0] = 0
             if order == "score":
-                for i in T.serial(T.ceildiv(slots, THREADS)):
-                    if i * THREADS + tx < slots:
-                        keys[i * THREADS + tx] = T.uint64(0)  # 0 sorts last: the -1 padding
+                for r in T.serial(per_thread):
+                    keys[r * THREADS + tx] = T.uint64(0)  # 0 sorts last: the -1 padding
             T.sync_threads()
 
             for p, (part, shift) in enumerate(passes):
@@ -288,28 +292,49 @@ def radix_select_kernel(score_dtype: str, slots: int, order: str, index_bits: in
                         Picked[row, s] = -T.infinity(dtype)
             else:
                 T.sync_threads()
-                # Bitonic sort, descending: the best key first, 0s (padding) last.
-                for level in T.serial(log_slots):
-                    for step in T.serial(level + 1):
-                        size = T.shift_left(2, level)
-                        log_stride = level - step
-                        stride = T.shift_left(1, log_stride)
-                        for i in T.serial(T.ceildiv(slots // 2, THREADS)):
-                            # Threads past the last pair read pair 0 and write nothing: the reads
-                            # stay outside any branch, where the barrier before the writes can go.
-                            pair = T.if_then_else(i * THREADS + tx < slots // 2, i * THREADS + tx, 0)
-                            a = T.shift_left(T.shift_right(pair, log_stride), log_stride + 1) | (pair & (stride - 1))
-                            first = keys[a]
-                            second = keys[a + stride]
-                            if i * THREADS + tx < slots // 2 and first != second and (first < second) == ((a & size) == 0):
-                                keys[a] = second
-                                keys[a + stride] = first
-                        T.sync_threads()
+                # Bitonic sort, descending: the best key first, 0s (padding) last. Thread tx holds
+                # keys r * THREADS + tx in registers: strides below a warp are lane shuffles and
+                # strides of THREADS or more stay inside the thread, both without a barrier; only
+                # strides in [WARP, THREADS) go through shared memory (9 of the 45 steps at 512
+                # slots, where every step used to take three barriers).
+                for r in T.unroll(per_thread):
+                    held[r] = keys[r * THREADS + tx]
+                # Tuples, not range(): TileLang unrolls them in Python, so every stride is a
+                # constant and the register indices below stay static (no local memory).
+                for level in tuple(range(log_slots)):
+                    size = 2 << level
+                    for step in tuple(range(level + 1)):
+                        stride = 1 << (level - step)
+                        if stride >= THREADS:
+                            for r in T.unroll(per_thread):
+                                if r & (stride // THREADS) == 0:
+                                    partner = r | (stride // THREADS)
+                                    first = held[r]
+                                    second = held[partner]
+                                    descending = ((r * THREADS + tx) & size) == 0
+                                    held[r] = T.if_then_else(descending, T.max(first, second), T.min(first, second))
+                                    held[partner] = T.if_then_else(descending, T.min(first, second), T.max(first, second))
+                            continue
+                        if stride >= WARP:
+                            for r in T.unroll(per_thread):
+                                keys[r * THREADS + tx] = held[r]
+                            T.sync_threads()
+                        for r in T.unroll(per_thread):
+                            e = r * THREADS + tx
+                            if stride >= WARP:
+                                second = keys[e ^ stride]
+                            else:
+                                second = T.shfl_xor(held[r], stride)
+                            # The lower key of a pair keeps the larger one in descending blocks.
+                            keep_max = ((e & stride) == 0) == ((e & size) == 0)
+                            held[r] = T.if_then_else(keep_max, T.max(held[r], second), T.min(held[r], second))
+                        if stride >= WARP:
+                            T.sync_threads()
 
-                for i in T.serial(T.ceildiv(count, THREADS)):
-                    s = i * THREADS + tx
+                for r in T.unroll(per_thread):
+                    s = r * THREADS + tx
+                    key = held[r]
                     if s < count:
-                        key = keys[s]
                         j = rev_max - T.cast(key & T.uint64(0xFFFFFFFF), i32)
                         Index[row, s] = T.if_then_else(key != 0, j + offset, -1)
                         Picked[row, s] = T.if_then_else(key != 0, Scores[row, T.max(T.min(j, width - 1), 0)], -T.infinity(dtype))
