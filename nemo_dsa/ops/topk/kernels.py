@@ -123,7 +123,9 @@ def radix_select_kernel(score_dtype: str, slots: int, order: str, index_bits: in
     passes += [("rev", s) for s in range(index_bits - RADIX_BITS, -1, -RADIX_BITS)]
     warps = THREADS // WARP
     log_slots = slots.bit_length() - 1
-    held_keys = max(slots, THREADS)  # below THREADS slots, the extra keys are 0s sorted among themselves
+    # Every thread holds per_thread keys of the sort; below THREADS slots the extra keys are 0s,
+    # sorted among themselves.
+    held_keys = max(slots, THREADS)
     per_thread = held_keys // THREADS
     rows, width, count = T.dynamic("rows"), T.dynamic("width"), T.dynamic("count")
 
@@ -312,8 +314,9 @@ def radix_select_kernel(score_dtype: str, slots: int, order: str, index_bits: in
                                     first = held[r]
                                     second = held[partner]
                                     descending = ((r * THREADS + tx) & size) == 0
-                                    held[r] = T.if_then_else(descending, T.max(first, second), T.min(first, second))
-                                    held[partner] = T.if_then_else(descending, T.min(first, second), T.max(first, second))
+                                    larger, smaller = T.max(first, second), T.min(first, second)
+                                    held[r] = T.if_then_else(descending, larger, smaller)
+                                    held[partner] = T.if_then_else(descending, smaller, larger)
                             continue
                         if stride >= WARP:
                             for r in T.unroll(per_thread):
