@@ -7,6 +7,7 @@ when it exits.
 """
 
 import multiprocessing
+import re
 from concurrent.futures import ProcessPoolExecutor
 
 
@@ -14,3 +15,31 @@ def map_in_workers(fn, items, workers: int = 2) -> list:
     """``list(map(fn, items))`` in ``workers`` processes (``fn`` importable, results picklable)."""
     with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("forkserver")) as pool:
         return list(pool.map(fn, items))
+
+
+def pingpong_problems(source: str, rows: int, producer_registers: int, consumer_registers: int) -> list[str]:
+    """What generated CUDA lacks of the ping-pong schedule (``nemo_dsa/ops/_pingpong.py``): one
+    m64 x ``rows`` wgmma per consumer, the setmaxnreg split, and in each consumer the order turn,
+    issue, hand over, wait."""
+    from nemo_dsa.ops._pingpong import TURN_BARRIER
+
+    problems = []
+    if len(re.findall(rf"wgmma_ss<[^>]*\b64, {rows}, 16\b", source)) != 2:
+        problems.append(f"one m64n{rows}k16 wgmma per consumer")
+    if f"warpgroup_reg_dealloc<{producer_registers}>" not in source:
+        problems.append("producer setmaxnreg.dec")
+    if source.count(f"warpgroup_reg_alloc<{consumer_registers}>") != 2:
+        problems.append("consumers' setmaxnreg.inc")
+    for me in (0, 1):
+        steps = [
+            f"__sync_thread_partial({TURN_BARRIER + me}, 256)",
+            "wgmma_ss<",
+            f"__named_barrier_arrive({TURN_BARRIER + 1 - me}, 256)",
+            "wait_wgmma<0>",
+        ]
+        at = source.find(steps[0])
+        for step in steps[1:]:
+            at = -1 if at < 0 else source.find(step, at)
+        if at < 0:
+            problems.append(f"consumer {me}: turn, issue, hand over, wait")
+    return problems

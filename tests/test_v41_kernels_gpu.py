@@ -110,6 +110,26 @@ def test_masked_scores_honour_mask_elementwise(heads, dim, mask_kind):
     assert_v41_equal(got, _formula(q, k, w, allowed))
 
 
+@pytest.mark.parametrize("heads", [64, 8])
+def test_every_key_tile_count(heads):
+    """Query tiles that walk 0, 1, 2, ... 9 key tiles (both consumers' turns, odd and even counts,
+    partial last tiles; rows of one tile see different ranges) match the formula."""
+    from nemo_dsa.ops.v41_indexer.kernels import BLOCK_K, GEMM_COLUMNS, v41_scores_tilelang
+
+    gen = torch.Generator().manual_seed(heads)
+    block_q = GEMM_COLUMNS // heads
+    batch, queries, num_keys = 2, 10 * block_q + 3, 9 * BLOCK_K - 5
+    q_idx = torch.arange(queries)
+    tile, row = q_idx // block_q, q_idx % block_q
+    ks = (row * 3) % 50
+    ke = torch.where(tile == 0, ks, ks + tile * (BLOCK_K - 4) + row).clamp(max=num_keys)
+    ks, ke = (x.to(torch.int32).expand(batch, queries).contiguous().cuda() for x in (ks, ke))
+    q, k, w = _inputs(batch, queries, heads, 128, num_keys, gen)
+    out = torch.full((batch, queries, num_keys), float("nan"), dtype=torch.bfloat16, device="cuda")
+    got = v41_scores_tilelang(q, k, w, ks, ke, out=out)
+    assert_v41_equal(got, _formula(q, k, w, visible_mask(ks, ke, num_keys)))
+
+
 def test_large_causal_bitwise_fraction():
     """At the model's shape (H = 64, D = 128, 2M visible scores) >= 99.999 % are bitwise equal."""
     from nemo_dsa.ops.v41_indexer.kernels import v41_scores_tilelang

@@ -1,11 +1,13 @@
 """V4.1 scorer kernels on the CPU: every dispatchable configuration lowers for sm_90a with wgmma
-and fits Hopper's shared memory; a few compile to cubins with nvcc; the wrappers validate inputs."""
+in the hand-specialised ping-pong schedule and fits Hopper's shared memory; a few compile to
+cubins with nvcc; the wrappers validate inputs."""
 
+import re
 import shutil
 
 import pytest
 import torch
-from _lowering import map_in_workers
+from _lowering import map_in_workers, pingpong_problems
 
 from nemo_dsa.ops.v41_indexer import kernels
 from nemo_dsa.ops.v41_indexer.kernels import (
@@ -17,12 +19,13 @@ from nemo_dsa.ops.v41_indexer.kernels import (
     v41_scorer_kernel,
 )
 
-# nvcc builds for one representative of each tile shape (D = 64/128/256, few and many heads).
-CUBIN_CONFIGS = [(64, 128), (8, 256), (128, 64)]
+# nvcc builds for one representative of each tile shape (D = 64/128/256, few and many heads,
+# the head sum in registers).
+CUBIN_CONFIGS = [(64, 128), (8, 256), (128, 64), (2, 128)]
 
 
 def _lower(config):
-    """(config, wgmma in source, dynamic shared memory bytes) for one configuration."""
+    """(config, generated CUDA, dynamic shared memory bytes) for one configuration."""
     from nemo_dsa.ops._tilelang import lower
 
     artifact = lower(v41_scorer_kernel(**config.kernel_kwargs()), pass_configs=config.pass_configs())
@@ -30,17 +33,54 @@ def _lower(config):
     for _, func in artifact.device_mod.functions.items():
         if func.attrs is not None and "dyn_shared_memory_buf" in func.attrs:
             sizes.append(int(func.attrs["dyn_shared_memory_buf"]))
-    return config, "wgmma" in str(artifact.kernel_source), max(sizes)
+    return config, str(artifact.kernel_source), max(sizes)
 
 
-def test_every_dispatched_config_lowers_with_wgmma_and_fits_shared_memory():
+def _pingpong_problems(config, source: str) -> list[str]:
+    """The shared schedule, plus the head sum: a register-operand wgmma against E per consumer,
+    or none (register adds)."""
+    problems = pingpong_problems(source, config.block_q * config.heads, config.producer_registers, config.consumer_registers)
+    sum_columns = kernels.head_sum_columns(config.block_q)
+    head_sums = len(re.findall(rf"wgmma_rs<[^>]*\b64, {sum_columns}, 16\b", source))
+    if head_sums != (2 if config.head_sum_wgmma else 0) or source.count("wgmma_rs<") != head_sums:
+        problems.append("head-sum wgmma (m64 x sum columns, A from registers) iff head_sum_wgmma")
+    return problems
+
+
+def test_every_dispatched_config_lowers_to_the_pingpong_schedule_and_fits_shared_memory():
     configs = dispatched_configs()
+    assert {c.heads for c in configs if c.head_sum_wgmma} == {h for h in kernels.SUPPORTED_HEADS if h >= 8}
     assert len(configs) == len(set(configs)) == len(kernels.SUPPORTED_HEADS) * len(kernels.KERNEL_DIMS)
     results = map_in_workers(_lower, configs)
-    for config, has_wgmma, smem in results:
-        assert has_wgmma, f"{config}: no wgmma in the generated CUDA"
+    for config, source, smem in results:
+        assert not _pingpong_problems(config, source), f"{config}: missing {_pingpong_problems(config, source)}"
         assert 0 < smem <= HOPPER_SMEM_LIMIT, f"{config}: {smem} bytes of dynamic shared memory"
         assert smem >= config.shared_memory_bytes(), f"{config}: tiles need more than {smem} bytes"
+    budget = configs[0].producer_registers * 128 + configs[0].consumer_registers * 256
+    assert budget <= 65536, f"setmaxnreg budgets ask for {budget} registers"
+
+
+def test_pingpong_check_fails_on_the_automatic_schedule():
+    """The schedule check can fail: TileLang's own warp specialisation of a plain pipelined
+    scorer (no named barriers, no hand-over) does not pass it."""
+    from nemo_dsa.ops._tilelang import lower_to_cuda_source
+
+    T = kernels.tilelang().language
+    config = scorer_config(64, 64)
+
+    @T.prim_func
+    def plain(Q: T.Tensor([256, 64], T.bfloat16), K: T.Tensor([512, 64], T.bfloat16), S: T.Tensor([512, 256], T.float32)):
+        with T.Kernel(1, threads=256):
+            q_shared = T.alloc_shared([256, 64], T.bfloat16)
+            k_shared = T.alloc_shared([64, 64], T.bfloat16)
+            acc = T.alloc_fragment([64, 256], T.float32)
+            T.copy(Q, q_shared)
+            for t in T.Pipelined(8, num_stages=2):
+                T.copy(K[t * 64 : t * 64 + 64, :], k_shared)
+                T.gemm(k_shared, q_shared, acc, transpose_B=True, clear_accum=True)
+                T.copy(acc, S[t * 64 : t * 64 + 64, :])
+
+    assert _pingpong_problems(config, lower_to_cuda_source(plain))
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found: cannot build cubins")
@@ -50,7 +90,7 @@ def test_representative_configs_compile_to_cubin(heads, dim):
 
     config = scorer_config(heads, dim)
     kernel = compile_cubin(v41_scorer_kernel(**config.kernel_kwargs()), pass_configs=config.pass_configs())
-    assert "wgmma" in kernel.get_kernel_source()
+    assert not _pingpong_problems(config, kernel.get_kernel_source())
 
 
 def test_index_dims_map_to_kernel_dims():

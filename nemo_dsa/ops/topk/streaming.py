@@ -39,9 +39,9 @@ from nemo_dsa.ops.topk.naive import TIE_MARGIN, redo_rows, select_rows
 # Transient budget per chunk (issue #4): 512 MiB keeps Sc in the hundreds of rows at K = 32768.
 DEFAULT_CHUNK_BYTES = 512 * 2**20
 # Chunks start on multiples of these so that the scoring kernels' query tiles (block_q <= 256
-# queries: 256 // H) and key tiles (128 keys) line up with those of an unchunked run. Measured on
-# the H200: a query's fp32 head sum depends on its position inside the kernel's tile (in the last
-# bit), so a chunk starting mid-tile would score some keys one ulp differently.
+# queries: 256 // H) and key tiles (64 or 128 keys) line up with those of an unchunked run.
+# Measured on the H200: a query's fp32 head sum depends on its position inside the kernel's tile
+# (in the last bit), so a chunk starting mid-tile would score some keys one ulp differently.
 ROW_ALIGN = 256
 KEY_ALIGN = 128
 # Bytes per (query, window key) element at the peak of a chunk. With the TileLang selector: the

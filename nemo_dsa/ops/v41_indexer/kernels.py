@@ -3,26 +3,37 @@
 Math (DSA-SPEC "Scoring", V4.1), per visible (query i, key j):
     s_h = bf16(q_h . k_j)            one rounding of the fp32-accumulated wgmma result
     r_h = bf16(relu(s_h) * w_h)      bf16 x bf16 product is exact in fp32, so the packed
-                                     bf16x2 multiply (mul.rn.bf16x2) rounds it exactly once
-    score = bf16(sum_h r_h)          fp32 sum in register/quad order
-and -inf where j is outside the query's visible set. The per-head values never leave registers.
-Only fp32 accumulation orders differ from the torch formula (the tensor cores' dot product and
-the head sum), so rare scores sit one rounding step away (tests/test_v41_kernels_gpu.py).
+                                     bf16x2 multiply (mul.bf16x2) rounds it exactly once
+    score = bf16(sum_h r_h)          fp32 sum: a second wgmma, r [keys, (query, head)] times
+                                     the 0/1 matrix E[(query, head), query] (8+ heads), or
+                                     register adds and quad shuffles (1 to 4 heads)
+and -inf where j is outside the query's visible set. The per-head values never leave registers
+(r is the second wgmma's A operand, in the accumulator's own register layout). Only fp32
+accumulation differs from the torch formula (the tensor cores' dot products and their sum of
+r_h x 1, which are exact products in an fp32 accumulator with its own rounding), so rare
+scores sit one rounding step away (tests/test_v41_kernels_gpu.py: 0 of 2.1M at S = 4096).
 
 Cost model (S = 32768, K = 8192, H = 64, D = 128, causal, B = 1):
 - GEMM: 2*H*D = 16 KFLOP per visible (query, key) pair, S*K/2 pairs -> 2.2e12 FLOP, 2.9 ms at
-  the card's measured 766 TFLOP/s.
-- Epilogue: S*K/2*H = 8.6e9 per-head values; per pair of heads one cvt.bf16x2, one hmax2, one
-  hmul2, two unpacks and two fadds (~3.5 instructions a value) -> ~3e10 lane-instructions,
-  ~0.9 ms of issue on 132 SMs. Within a warpgroup it runs after the wgmma, not under it.
+  the card's measured 766 TFLOP/s. The head sum adds 1/16 of it (k = 256 against 128 per
+  column group of 8 queries), run at wgmma's smallest N = 8.
+- Epilogue: 64 x 256 per-head values a tile. In registers, each pair of heads is one
+  cvt.bf16x2, hmax2 and hmul2, then two unpacks and two fp32 adds, plus shuffles and eight
+  predicated stores a thread: measured at 3.2 ms for the whole problem with 1/8 of the GEMM
+  left in, longer than the GEMM itself. On the tensor cores only the three packed ops remain.
 - Memory: scores are S*K*2 = 512 MiB written once (~0.15 ms of HBM); keys (2 MiB) are re-read
-  from L2 by every query tile: 32 KiB per 8.4 MFLOP with 256 (query, head) columns.
-Prediction: GEMM at ~90 % of peak plus the serial epilogue, ~4.3 ms. Measured on the H200
-(2026-11-30): 5.1-5.3 ms, 410-430 TFLOP/s on the visible work (54-56 % of 766), 3.3x the
-built-in scorer's 17.3 ms; the -inf pattern and all finite scores bitwise equal to it.
-Keys sit in the GEMM's M dimension (wgmma m64) and the block_q * heads (query, head) pairs in N,
-so one key row of a query's heads lives in one thread quad: the head sum is in-register adds and
-two shuffles, where the transposed layout would need a cross-warp reduction.
+  from L2 by every query tile: 16 KiB per 4.2 MFLOP tile.
+
+Schedule (hand warp-specialised, 384 threads; "ping-pong" as CUTLASS's Hopper kernels call it):
+a producer warpgroup loads the queries and the 64-key tiles with TMA into a ring of shared
+buffers (full/empty mbarriers) and writes the -inf outside the tile's key range; two consumer
+warpgroups take alternate key tiles, each a whole m64n256 GEMM, and pass a turn to each other
+through two named barriers right after issuing their wgmma, so one group's epilogue runs while
+the other's GEMM occupies the tensor cores. Measured on the H200 (2026-11-30, S = 32768): 3.66-3.72
+ms, 590-600 TFLOP/s on the visible work (77-79 % of 766); the same schedule with the head sum in
+registers took 4.49-4.61 ms, and TileLang's automatic warp specialisation of that math 5.06 ms.
+Keys sit in the GEMM's M dimension and the block_q * heads (query, head) pairs in N, so one key
+row of a query's heads lives in one thread quad.
 """
 
 from dataclasses import asdict, dataclass
@@ -30,6 +41,15 @@ from dataclasses import asdict, dataclass
 import torch
 
 from nemo_dsa._checks import check_tensor
+from nemo_dsa.ops._pingpong import (
+    BLOCK_K,
+    CONSUMER_REGISTERS,
+    PASS_CONFIGS,
+    PRODUCER_REGISTERS,
+    THREADS,
+    pingpong_macros,
+    pingpong_shared_memory_bytes,
+)
 from nemo_dsa.ops._tilelang import HOPPER_SMEM_LIMIT, compile_cached, tilelang
 
 # ----------------------------------------------------------------------------------------------
@@ -51,23 +71,28 @@ class ScorerConfig:
     heads: int
     index_dim: int
     block_q: int  # queries per tile; block_q * heads columns of the GEMM
-    block_k: int  # keys per pipeline step (GEMM M)
-    num_stages: int
-    threads: int
-    min_blocks_per_sm: int
-    warp_specialized: bool
+    num_stages: int  # key tiles in flight (shared-memory ring)
+    head_sum_wgmma: bool  # head sum on the tensor cores (else register adds and shuffles)
+    producer_registers: int = PRODUCER_REGISTERS
+    consumer_registers: int = CONSUMER_REGISTERS
 
     def kernel_kwargs(self) -> dict:
-        kwargs = asdict(self)
-        kwargs.pop("warp_specialized")
-        return kwargs
+        return asdict(self)
 
     def pass_configs(self) -> dict:
-        return {} if self.warp_specialized else {"tl.disable_warp_specialized": True}
+        return dict(PASS_CONFIGS)
 
     def shared_memory_bytes(self) -> int:
-        """Shared memory the tiles need (queries stay resident, keys are multi-buffered)."""
-        return 2 * self.index_dim * (self.block_q * self.heads + self.num_stages * self.block_k)
+        """Shared memory the tiles need (queries stay resident, keys are multi-buffered, the
+        head-sum matrix E is [sum columns, block_q * heads] bf16)."""
+        rows = self.block_q * self.heads
+        head_sum = 2 * head_sum_columns(self.block_q) * rows if self.head_sum_wgmma else 0
+        return pingpong_shared_memory_bytes(rows, self.index_dim, self.num_stages) + head_sum
+
+
+def head_sum_columns(block_q: int) -> int:
+    """N of the head-sum wgmma: one column per query of the tile, at least wgmma's minimum 8."""
+    return max(8, block_q)
 
 
 def kernel_index_dim(index_dim: int) -> int:
@@ -81,22 +106,17 @@ def kernel_index_dim(index_dim: int) -> int:
 def scorer_config(heads: int, index_dim: int) -> ScorerConfig:
     """Tile shape for ``heads`` x ``index_dim`` (index_dim one of KERNEL_DIMS).
 
-    256 (query, head) columns split over two consumer warpgroups (wgmma m64n128, 2 x 64 keys
-    each per step: 128 accumulator registers a thread) fed by TileLang's TMA producer warpgroup.
-    Single-warpgroup m64n256 tiles with two blocks per SM were the other candidate: TileLang
-    0.1.15 needs minutes to lower them, so they are not used.
+    Stages: 4 key tiles in flight at D <= 128 (3, 6 and 8 measured the same, within 1 %); at
+    D = 256 the queries take 128 KiB, so 2 tiles of 32 KiB keep it under 227 KiB. With 1 to 4
+    heads a tile holds 64 to 256 queries: E would take up to 128 KiB and its wgmma as many
+    FLOPs as the scores, while there are only 1 to 4 terms to add, so those sum in registers.
     """
     if heads not in SUPPORTED_HEADS:
         raise ValueError(f"heads must be a power of two <= 128, got {heads}")
     if index_dim not in KERNEL_DIMS:
         raise ValueError(f"index_dim must be one of {KERNEL_DIMS} for a kernel, got {index_dim}")
-    block_q = GEMM_COLUMNS // heads
-    # Shared memory: 64 KiB of queries and 3 x 32 KiB of keys at D = 128; at D = 256 the
-    # queries take 128 KiB, so 64-key steps, double-buffered, keep it under 227 KiB.
-    block_k, num_stages = (128, 3) if index_dim <= 128 else (64, 2)
     return ScorerConfig(
-        heads, index_dim, block_q, block_k=block_k, num_stages=num_stages, threads=256,
-        min_blocks_per_sm=1, warp_specialized=True,
+        heads, index_dim, GEMM_COLUMNS // heads, num_stages=4 if index_dim <= 128 else 2, head_sum_wgmma=heads >= 8
     )
 
 
@@ -114,22 +134,52 @@ def v41_scorer_kernel(
     heads: int,
     index_dim: int,
     block_q: int,
-    block_k: int,
     num_stages: int,
-    threads: int,
-    min_blocks_per_sm: int,
+    head_sum_wgmma: bool,
+    producer_registers: int,
+    consumer_registers: int,
 ):
     """PrimFunc of the V4.1 scores for one configuration. Grid: (query tiles, batch).
 
     A tile of ``block_q`` queries keeps its [block_q * heads, D] queries in shared memory and
-    walks only the keys in [min ks, max ke) of its queries, heaviest (latest) query tiles first.
-    Columns outside that range get -inf from the same block, so every output is written once.
+    walks only the 64-key tiles in [min ks, max ke) of its queries, heaviest (latest) query tiles
+    first. Columns outside that range get -inf from the producer, so every output is written once.
     """
     T = tilelang().language
     rows = block_q * heads
-    fill = 256  # -inf fill chunk per query row
+    sum_columns = head_sum_columns(block_q)
     bf16, f32, i32 = T.bfloat16, T.float32, T.int32
     batch, seq_len, num_keys = T.dynamic("batch"), T.dynamic("seq_len"), T.dynamic("num_keys")
+
+    producer, first_turn, multiply = pingpong_macros(heads, block_q, num_stages)
+
+    @T.macro
+    def consumer(me, acc, r, e_shared, sums, w_frag, q_shared, k_shared, full, empty, q_ready, ks_s, ke_s, W, Scores, by, q0, first, tiles):
+        """Consumer ``me`` (0 or 1) scores key tiles me, me + 2, ... of the query tile."""
+        for i, h in T.Parallel(block_q, heads):
+            w_frag[i, h] = T.if_then_else(q0 + i < seq_len, W[by, T.min(q0 + i, seq_len - 1), h], 0)
+        first_turn(me, q_ready)
+        for j in T.serial(T.ceildiv(tiles - me, 2)):
+            t = 2 * j + me
+            multiply(me, t, acc, q_shared, k_shared, full, empty)
+            # bf16 boundaries: round the dot product, relu, bf16 x bf16 weight (packed ops).
+            per_head = T.reshape(acc, (BLOCK_K, block_q, heads))
+            if head_sum_wgmma:
+                terms = T.reshape(r, (BLOCK_K, block_q, heads))
+                for n, i, h in T.Parallel(BLOCK_K, block_q, heads):
+                    terms[n, i, h] = T.max(T.cast(per_head[n, i, h], bf16), T.cast(0, bf16)) * w_frag[i, h]
+                T.gemm(r, e_shared, sums, transpose_B=True, clear_accum=True)
+            else:
+                for n, i, h in T.Parallel(BLOCK_K, block_q, heads):
+                    per_head[n, i, h] = T.cast(
+                        T.max(T.cast(per_head[n, i, h], bf16), T.cast(0, bf16)) * w_frag[i, h], f32
+                    )
+                T.reduce_sum(per_head, sums, dim=2)
+            for n, i in T.Parallel(BLOCK_K, block_q):
+                col = (first + t) * BLOCK_K + n
+                if q0 + i < seq_len and col < num_keys:
+                    visible = (col >= ks_s[i]) & (col < ke_s[i])
+                    Scores[by, q0 + i, col] = T.if_then_else(visible, T.cast(sums[n, i], bf16), -T.infinity(bf16))
 
     @T.prim_func
     def v41_scores(
@@ -140,14 +190,23 @@ def v41_scorer_kernel(
         KE: T.Tensor([batch, seq_len], i32),
         Scores: T.Tensor([batch, seq_len, num_keys], bf16),
     ):
-        with T.Kernel(T.ceildiv(seq_len, block_q), batch, threads=threads) as (bx, by):
-            T.annotate_min_blocks_per_sm(min_blocks_per_sm)
+        with T.Kernel(T.ceildiv(seq_len, block_q), batch, threads=THREADS) as (bx, by):
+            tx = T.get_thread_binding()
             q_shared = T.alloc_shared([rows, index_dim], bf16)
-            k_shared = T.alloc_shared([block_k, index_dim], bf16)
-            w_frag = T.alloc_fragment([block_q, heads], bf16)
-            products = T.alloc_fragment([block_k, rows], f32)
-            per_head = T.reshape(products, (block_k, block_q, heads))
-            sums = T.alloc_fragment([block_k, block_q], f32)
+            k_shared = T.alloc_shared([num_stages, BLOCK_K, index_dim], bf16)
+            q_ready = T.alloc_barrier([128])  # the producer warpgroup arrives
+            full = T.alloc_barrier([128] * num_stages)
+            empty = T.alloc_barrier([128] * num_stages)  # the consumer warpgroup of the tile arrives
+            acc_0 = T.alloc_fragment([BLOCK_K, rows], f32)
+            acc_1 = T.alloc_fragment([BLOCK_K, rows], f32)
+            # Per-head terms r (bf16, the head-sum wgmma's A operand) and E (its B operand).
+            r_0 = T.alloc_fragment([BLOCK_K, rows], bf16) if head_sum_wgmma else None
+            r_1 = T.alloc_fragment([BLOCK_K, rows], bf16) if head_sum_wgmma else None
+            e_shared = T.alloc_shared([sum_columns, rows], bf16) if head_sum_wgmma else None
+            sums_0 = T.alloc_fragment([BLOCK_K, sum_columns if head_sum_wgmma else block_q], f32)
+            sums_1 = T.alloc_fragment([BLOCK_K, sum_columns if head_sum_wgmma else block_q], f32)
+            w_0 = T.alloc_fragment([block_q, heads], bf16)
+            w_1 = T.alloc_fragment([block_q, heads], bf16)
             ks_s = T.alloc_shared([block_q], i32)
             ke_s = T.alloc_shared([block_q], i32)
             lo = T.alloc_var(i32)
@@ -164,45 +223,28 @@ def v41_scorer_kernel(
                     if start < end:
                         lo = T.min(lo, start)
                         hi = T.max(hi, end)
+            if head_sum_wgmma:
+                for i, c in T.Parallel(sum_columns, rows):
+                    e_shared[i, c] = T.if_then_else(c // heads == i, T.cast(1, bf16), T.cast(0, bf16))
             for i in T.Parallel(block_q):
                 inside = q0 + i < seq_len
                 ks_s[i] = T.if_then_else(inside, KS[by, T.min(q0 + i, seq_len - 1)], 0)
                 ke_s[i] = T.if_then_else(inside, KE[by, T.min(q0 + i, seq_len - 1)], 0)
-            for i, h in T.Parallel(block_q, heads):
-                w_frag[i, h] = T.if_then_else(q0 + i < seq_len, W[by, T.min(q0 + i, seq_len - 1), h], 0)
-            # Rows past the last query load as zeros and are never stored.
-            T.copy(Q[by, q0 * heads : q0 * heads + rows, :], q_shared)
+            # Key tiles aligned to BLOCK_K: at most one partial tile per query tile.
+            first = lo // BLOCK_K
+            last = T.if_then_else(hi > lo, T.ceildiv(hi, BLOCK_K), first)
+            tiles = last - first
+            T.sync_threads()
 
-            # Key tiles aligned to block_k: a [first, last) pipelined loop lowers in every TileLang
-            # pipeline mode we tried; it costs at most one partial tile per query tile.
-            first = lo // block_k
-            last = T.if_then_else(hi > lo, T.ceildiv(hi, block_k), first)
-            for t in T.Pipelined(first, last, num_stages=num_stages):
-                k0 = t * block_k
-                T.copy(K[by, k0 : k0 + block_k, :], k_shared)
-                T.gemm(k_shared, q_shared, products, transpose_B=True, clear_accum=True)
-                # bf16 boundaries: round the dot product, relu, bf16 x bf16 weight (packed ops).
-                for n, i, h in T.Parallel(block_k, block_q, heads):
-                    per_head[n, i, h] = T.cast(
-                        T.max(T.cast(per_head[n, i, h], bf16), T.cast(0, bf16)) * w_frag[i, h], f32
-                    )
-                T.reduce_sum(per_head, sums, dim=2)
-                for n, i in T.Parallel(block_k, block_q):
-                    col = k0 + n
-                    if q0 + i < seq_len and col < num_keys:
-                        visible = (col >= ks_s[i]) & (col < ke_s[i])
-                        Scores[by, q0 + i, col] = T.if_then_else(visible, T.cast(sums[n, i], bf16), -T.infinity(bf16))
-
-            head = first * block_k
-            tail = last * block_k
-            for t in T.serial(T.ceildiv(head, fill)):
-                for i, n in T.Parallel(block_q, fill):
-                    if q0 + i < seq_len and t * fill + n < head:
-                        Scores[by, q0 + i, t * fill + n] = -T.infinity(bf16)
-            for t in T.serial(T.ceildiv(T.max(num_keys - tail, 0), fill)):
-                for i, n in T.Parallel(block_q, fill):
-                    if q0 + i < seq_len and tail + t * fill + n < num_keys:
-                        Scores[by, q0 + i, tail + t * fill + n] = -T.infinity(bf16)
+            if tx < 128:
+                T.dec_max_nreg(producer_registers)
+                producer(Q, K, Scores, q_shared, k_shared, q_ready, full, empty, by, q0, first, last, seq_len, num_keys)
+            elif tx < 256:
+                T.inc_max_nreg(consumer_registers)
+                consumer(0, acc_0, r_0, e_shared, sums_0, w_0, q_shared, k_shared, full, empty, q_ready, ks_s, ke_s, W, Scores, by, q0, first, tiles)
+            else:
+                T.inc_max_nreg(consumer_registers)
+                consumer(1, acc_1, r_1, e_shared, sums_1, w_1, q_shared, k_shared, full, empty, q_ready, ks_s, ke_s, W, Scores, by, q0, first, tiles)
 
     return v41_scores
 
