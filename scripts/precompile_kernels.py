@@ -50,7 +50,8 @@ def _compile(job: tuple) -> str:
         from nemo_dsa.ops.v4_indexer import kernels
 
         if kind == "v4_fwd":
-            compile_cubin(kernels.v4_logits_kernel(**kernels.forward_config(heads, dim).as_kwargs()))
+            config = kernels.forward_config(heads, dim)
+            compile_cubin(kernels.v4_logits_kernel(**config.as_kwargs()), pass_configs=config.pass_configs())
         else:
             compile_cubin(kernels.v4_topk_backward_kernel(**kernels.backward_config(heads, dim).as_kwargs()))
     return f"{kind:7s} heads={heads:<3d} dim={dim:<3d} {time.perf_counter() - start:5.1f} s"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
+from _lowering import pingpong_problems
 
 from nemo_dsa.ops import _tilelang as tlh
 from nemo_dsa.ops.v4_indexer import kernels
@@ -29,16 +30,22 @@ def test_table_covers_supported_shapes():
         assert bwd.threads in (128, 256, 512)
 
 
-def _check_lowering(prim_func):
-    artifact = tlh.lower(prim_func)
+def _check_lowering(prim_func, pass_configs=None):
+    artifact = tlh.lower(prim_func, pass_configs=pass_configs)
     assert "tl::wgmma_ss" in str(artifact.kernel_source), "expected Hopper wgmma GEMMs"
     smem = tlh.dynamic_shared_memory_bytes(artifact)
     assert 0 < smem <= tlh.HOPPER_SMEM_LIMIT, f"{smem} bytes of dynamic shared memory"
+    return str(artifact.kernel_source), smem
 
 
 @pytest.mark.parametrize("heads,dim", FORWARD_CASES)
-def test_forward_lowers_with_wgmma_within_shared_memory(heads, dim):
-    _check_lowering(kernels.v4_logits_kernel(**TABLE[(heads, dim)][0].as_kwargs()))
+def test_forward_lowers_to_the_pingpong_schedule_within_shared_memory(heads, dim):
+    config = TABLE[(heads, dim)][0]
+    source, smem = _check_lowering(kernels.v4_logits_kernel(**config.as_kwargs()), config.pass_configs())
+    rows = config.block_q * config.heads
+    problems = pingpong_problems(source, rows, config.producer_registers, config.consumer_registers)
+    assert not problems, f"{config}: missing {problems}"
+    assert smem >= config.shared_memory_bytes(), f"{config}: tiles need more than {smem} bytes"
 
 
 @pytest.mark.parametrize("heads,dim", BACKWARD_CASES)
@@ -54,10 +61,10 @@ def test_backward_cases_cover_every_block_size():
 @pytest.mark.parametrize("which", ["forward", "backward"])
 def test_nvcc_builds_cubin_for_benchmark_shape(which):
     fwd, bwd = TABLE[(64, 128)]
-    prim_func = (
-        kernels.v4_logits_kernel(**fwd.as_kwargs()) if which == "forward" else kernels.v4_topk_backward_kernel(**bwd.as_kwargs())
-    )
-    kernel = tlh.compile_cubin(prim_func)
+    if which == "forward":
+        kernel = tlh.compile_cubin(kernels.v4_logits_kernel(**fwd.as_kwargs()), pass_configs=fwd.pass_configs())
+    else:
+        kernel = tlh.compile_cubin(kernels.v4_topk_backward_kernel(**bwd.as_kwargs()))
     assert "wgmma" in kernel.get_kernel_source()
 
 

@@ -30,6 +30,15 @@ from dataclasses import dataclass
 import torch
 
 from nemo_dsa._checks import check_tensor
+from nemo_dsa.ops._pingpong import (
+    BLOCK_K,
+    CONSUMER_REGISTERS,
+    PASS_CONFIGS,
+    PRODUCER_REGISTERS,
+    THREADS,
+    pingpong_macros,
+    pingpong_shared_memory_bytes,
+)
 from nemo_dsa.ops._tilelang import compile_cached, tilelang
 
 # ----------------------------------------------------------------------------------------------
@@ -49,12 +58,20 @@ class ForwardConfig:
     heads: int
     index_dim: int
     block_q: int  # queries per tile: block_q * heads rows form the GEMM's N
-    block_n: int  # keys per tile (GEMM M, one wgmma m64 per consumer warpgroup)
-    num_stages: int
-    threads: int  # consumer threads; TileLang adds a TMA producer warpgroup
+    num_stages: int  # 64-key tiles in flight (shared-memory ring)
+    producer_registers: int = PRODUCER_REGISTERS
+    consumer_registers: int = CONSUMER_REGISTERS
 
     def as_kwargs(self) -> dict:
         return dict(self.__dict__)
+
+    def pass_configs(self) -> dict:
+        return dict(PASS_CONFIGS)
+
+    def shared_memory_bytes(self) -> int:
+        """Queries, the key ring and the tile's fp32 weights."""
+        rows = self.block_q * self.heads
+        return pingpong_shared_memory_bytes(rows, self.index_dim, self.num_stages) + 4 * rows
 
 
 @dataclass(frozen=True)
@@ -72,9 +89,9 @@ class BackwardConfig:
 
 
 def forward_config(heads: int, index_dim: int) -> ForwardConfig:
-    """Tile shape for ``heads`` x ``index_dim``: ~256 (query, head) rows, 128 keys, 2 warpgroups.
+    """Tile shape for ``heads`` x ``index_dim``: ~256 (query, head) rows, 64-key tiles, 4 in flight.
 
-    256 rows is wgmma's widest N: each 32 KiB key tile read from L2 feeds 8.4 MFLOP (128 rows
+    256 rows is wgmma's widest N: each 16 KiB key tile read from L2 feeds 4.2 MFLOP (128 rows
     measured 3.5 % slower on the H200 at the benchmark shape). D = 256 uses 128 rows.
     """
     # wgmma N must be a multiple of 8: grow the query tile until block_q * heads is.
@@ -84,7 +101,7 @@ def forward_config(heads: int, index_dim: int) -> ForwardConfig:
     block_q = _round_up(max(1, -(-rows // heads)), step)
     if block_q * heads > 256:  # heads that do not divide 256: stay within one wgmma N
         block_q = max(step, (256 // heads) // step * step)
-    return ForwardConfig(heads, index_dim, block_q, block_n=128, num_stages=2, threads=256)
+    return ForwardConfig(heads, index_dim, block_q, num_stages=4)
 
 
 def backward_config(heads: int, index_dim: int) -> BackwardConfig:
@@ -112,19 +129,41 @@ def dispatched_configs() -> list[tuple[ForwardConfig, BackwardConfig]]:
 # ----------------------------------------------------------------------------------------------
 
 
-def v4_logits_kernel(heads: int, index_dim: int, block_q: int, block_n: int, num_stages: int, threads: int):
+def v4_logits_kernel(
+    heads: int, index_dim: int, block_q: int, num_stages: int, producer_registers: int, consumer_registers: int
+):
     """PrimFunc of the V4 logits for one (heads, index_dim, tile) configuration.
 
     Grid: (query tiles, batch). A tile of ``block_q`` queries keeps its [block_q * heads, D]
-    queries in shared memory and walks only the key tiles of [min ks, max ke) of its queries,
-    heaviest tiles first (causal rows grow with the query index). Columns outside that range are
-    filled with -inf by the same block, so every output element is written exactly once.
+    queries in shared memory and walks only the 64-key tiles of [min ks, max ke) of its queries,
+    heaviest tiles first (causal rows grow with the query index), in the ping-pong schedule of
+    ``ops/_pingpong.py``. Columns outside that range get -inf from the producer warpgroup, so
+    every output element is written exactly once.
     """
     T = tilelang().language
     rows = block_q * heads
-    fill_n = 256  # -inf fill chunk per query row
     bf16, f32, i32 = T.bfloat16, T.float32, T.int32
     batch, seq_len, num_keys = T.dynamic("batch"), T.dynamic("seq_len"), T.dynamic("num_keys")
+    producer, first_turn, multiply = pingpong_macros(heads, block_q, num_stages)
+
+    @T.macro
+    def consumer(me, acc, logits, w_shared, q_shared, k_shared, full, empty, q_ready, ks_s, ke_s, Logits, by, q0, first, tiles):
+        """Consumer ``me`` (0 or 1) scores key tiles me, me + 2, ... of the query tile."""
+        first_turn(me, q_ready)
+        for j in T.serial(T.ceildiv(tiles - me, 2)):
+            t = 2 * j + me
+            multiply(me, t, acc, q_shared, k_shared, full, empty)
+            per_head = T.reshape(acc, (BLOCK_K, block_q, heads))
+            for n, i, h in T.Parallel(BLOCK_K, block_q, heads):
+                per_head[n, i, h] = T.max(per_head[n, i, h], 0) * w_shared[i, h]
+            # A key row of a query's heads lives in one thread quad: in-thread adds, two shuffles.
+            T.reduce_sum(per_head, logits, dim=2)
+            for n, i in T.Parallel(BLOCK_K, block_q):
+                col = (first + t) * BLOCK_K + n
+                if q0 + i < seq_len and col < num_keys:
+                    Logits[by, q0 + i, col] = T.if_then_else(
+                        (col >= ks_s[i]) & (col < ke_s[i]), logits[n, i], -T.infinity(f32)
+                    )
 
     @T.prim_func
     def v4_logits_fwd(
@@ -135,13 +174,20 @@ def v4_logits_kernel(heads: int, index_dim: int, block_q: int, block_n: int, num
         KE: T.Tensor([batch, seq_len], i32),
         Logits: T.Tensor([batch, seq_len, num_keys], f32),
     ):
-        with T.Kernel(T.ceildiv(seq_len, block_q), batch, threads=threads) as (bx, by):
+        with T.Kernel(T.ceildiv(seq_len, block_q), batch, threads=THREADS) as (bx, by):
+            tx = T.get_thread_binding()
             q_shared = T.alloc_shared([rows, index_dim], bf16)
-            k_shared = T.alloc_shared([block_n, index_dim], bf16)
-            scores = T.alloc_fragment([block_n, rows], f32)
-            scores_3d = T.reshape(scores, (block_n, block_q, heads))
-            logits = T.alloc_fragment([block_n, block_q], f32)
-            w_frag = T.alloc_fragment([block_q, heads], f32)
+            k_shared = T.alloc_shared([num_stages, BLOCK_K, index_dim], bf16)
+            q_ready = T.alloc_barrier([128])  # the producer warpgroup arrives
+            full = T.alloc_barrier([128] * num_stages)
+            empty = T.alloc_barrier([128] * num_stages)  # the consumer warpgroup of the tile arrives
+            acc_0 = T.alloc_fragment([BLOCK_K, rows], f32)
+            acc_1 = T.alloc_fragment([BLOCK_K, rows], f32)
+            logits_0 = T.alloc_fragment([BLOCK_K, block_q], f32)
+            logits_1 = T.alloc_fragment([BLOCK_K, block_q], f32)
+            # fp32 weights in registers would take 64 a thread next to the 128 accumulators and
+            # spill (ptxas): both consumers read them from shared memory instead.
+            w_shared = T.alloc_shared([block_q, heads], f32)
             ks_s = T.alloc_shared([block_q], i32)
             ke_s = T.alloc_shared([block_q], i32)
             lo = T.alloc_var(i32)
@@ -163,35 +209,22 @@ def v4_logits_kernel(heads: int, index_dim: int, block_q: int, block_n: int, num
                 ks_s[i] = T.if_then_else(inside, KS[by, T.min(q0 + i, seq_len - 1)], 0)
                 ke_s[i] = T.if_then_else(inside, KE[by, T.min(q0 + i, seq_len - 1)], 0)
             for i, h in T.Parallel(block_q, heads):
-                w_frag[i, h] = T.if_then_else(q0 + i < seq_len, W[by, T.min(q0 + i, seq_len - 1), h], 0)
-            # Rows past the last query come back as zeros (TMA out-of-bounds fill) and are never stored.
-            T.copy(Q[by, q0 * heads : q0 * heads + rows, :], q_shared)
+                w_shared[i, h] = T.if_then_else(q0 + i < seq_len, W[by, T.min(q0 + i, seq_len - 1), h], 0)
+            # Key tiles aligned to BLOCK_K: at most one partial tile per query tile.
+            first = lo // BLOCK_K
+            last = T.if_then_else(hi > lo, T.ceildiv(hi, BLOCK_K), first)
+            tiles = last - first
+            T.sync_threads()
 
-            num_tiles = T.if_then_else(hi > lo, T.ceildiv(hi - lo, block_n), 0)
-            for t in T.Pipelined(num_tiles, num_stages=num_stages):
-                n0 = lo + t * block_n
-                T.copy(K[by, n0 : n0 + block_n, :], k_shared)
-                T.gemm(k_shared, q_shared, scores, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                for n, i, h in T.Parallel(block_n, block_q, heads):
-                    scores_3d[n, i, h] = T.max(scores_3d[n, i, h], 0) * w_frag[i, h]
-                # FullRow keeps a key row inside one warp: the head sum is in-thread plus a quad shuffle.
-                T.reduce_sum(scores_3d, logits, dim=2)
-                for n, i in T.Parallel(block_n, block_q):
-                    col = n0 + n
-                    if q0 + i < seq_len and col < num_keys:
-                        Logits[by, q0 + i, col] = T.if_then_else(
-                            (col >= ks_s[i]) & (col < ke_s[i]), logits[n, i], -T.infinity(f32)
-                        )
-
-            tail = lo + num_tiles * block_n
-            for t in T.serial(T.ceildiv(lo, fill_n)):
-                for i, n in T.Parallel(block_q, fill_n):
-                    if q0 + i < seq_len and t * fill_n + n < lo:
-                        Logits[by, q0 + i, t * fill_n + n] = -T.infinity(f32)
-            for t in T.serial(T.ceildiv(T.max(num_keys - tail, 0), fill_n)):
-                for i, n in T.Parallel(block_q, fill_n):
-                    if q0 + i < seq_len and tail + t * fill_n + n < num_keys:
-                        Logits[by, q0 + i, tail + t * fill_n + n] = -T.infinity(f32)
+            if tx < 128:
+                T.dec_max_nreg(producer_registers)
+                producer(Q, K, Logits, q_shared, k_shared, q_ready, full, empty, by, q0, first, last, seq_len, num_keys)
+            elif tx < 256:
+                T.inc_max_nreg(consumer_registers)
+                consumer(0, acc_0, logits_0, w_shared, q_shared, k_shared, full, empty, q_ready, ks_s, ke_s, Logits, by, q0, first, tiles)
+            else:
+                T.inc_max_nreg(consumer_registers)
+                consumer(1, acc_1, logits_1, w_shared, q_shared, k_shared, full, empty, q_ready, ks_s, ke_s, Logits, by, q0, first, tiles)
 
     return v4_logits_fwd
 
@@ -352,7 +385,8 @@ def v4_logits_tilelang(q, k, w, ks, ke, *, out: torch.Tensor | None = None) -> t
         return out
     heads_to, dim_to = _padded_shape(heads, dim)
     q, k, w = _pad_inputs(q, k, w, heads_to, dim_to)
-    kernel = compile_cached(v4_logits_kernel, **forward_config(heads_to, dim_to).as_kwargs())
+    config = forward_config(heads_to, dim_to)
+    kernel = compile_cached(v4_logits_kernel, pass_configs=config.pass_configs(), **config.as_kwargs())
     q_rows = q.contiguous().view(batch, queries * heads_to, dim_to)
     kernel(q_rows, k.contiguous(), w.contiguous(), ks.contiguous(), ke.contiguous(), out)
     return out
