@@ -30,8 +30,10 @@ buffers (full/empty mbarriers) and writes the -inf outside the tile's key range;
 warpgroups take alternate key tiles, each a whole m64n256 GEMM, and pass a turn to each other
 through two named barriers right after issuing their wgmma, so one group's epilogue runs while
 the other's GEMM occupies the tensor cores. Measured on the H200 (2026-11-30, S = 32768): 3.66-3.72
-ms, 590-600 TFLOP/s on the visible work (77-79 % of 766); the same schedule with the head sum in
-registers took 4.49-4.61 ms, and TileLang's automatic warp specialisation of that math 5.06 ms.
+ms in an A/B run (590-600 TFLOP/s on the visible work, 77-79 % of 766) and 3.8-4.2 ms in the
+benchmarks (525-580 TFLOP/s), against 17.5 ms for the built-in indexer_scores; the same schedule
+with the head sum in registers took 4.49-4.61 ms, TileLang's automatic warp specialisation of
+that math 5.06 ms.
 Keys sit in the GEMM's M dimension and the block_q * heads (query, head) pairs in N, so one key
 row of a query's heads lives in one thread quad.
 """

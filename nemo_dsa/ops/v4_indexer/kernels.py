@@ -7,10 +7,13 @@ scores to q, k and w (relu' = 1 where q.k > 0; nothing for -1 or invisible indic
 Cost model (S = 32768, K = 8192, H = 64, D = 128, causal, B = 1), then H200 measurements:
 - forward: 2*H*D = 16 KFLOP per visible (query, key) pair, S*K/2 pairs -> 2.2e12 FLOP (2.9 ms at
   766 TFLOP/s); the fp32 logits are S*K*4 = 1 GiB written once (~0.25 ms of HBM, measured as a
-  fill). Every query tile re-reads keys from L2: 256 (query, head) rows per tile make that 32 KiB
-  of K per 8.4 MFLOP, ~2.9 TB/s of L2 at peak. Keys sit in the GEMM's M (wgmma m64 per consumer
-  warpgroup) and (query, head) rows in N, so the head sum is in-thread plus a quad shuffle.
-  Measured 4.65 ms = 473 TFLOP/s (62 % of peak); built-in batched_indexer_fwd: 10.0 ms.
+  fill). Every query tile re-reads keys from L2: 256 (query, head) rows per tile make that 16 KiB
+  of K per 4.2 MFLOP 64-key tile. Keys sit in the GEMM's M and (query, head) rows in N, so the
+  head sum is in-thread plus a quad shuffle. The schedule is the V4.1 scorer's ping-pong
+  (``ops/_pingpong.py``); the epilogue (relu, weight, fp32 head sum, stores) is shorter than
+  V4.1's register version, so the overlap gained less: 4.62-4.70 ms against 4.77-4.80 ms for
+  TileLang's automatic warp specialisation in the same A/B run; in the benchmark 4.69 ms = 469
+  TFLOP/s (61 % of 766), built-in batched_indexer_fwd 9.95 ms.
 - backward (T = 512): three [T, H] x D products per query, 3*2*H*T*D = 25 MFLOP, 8.2e11 FLOP in
   all; T*D*2 = 128 KiB of gathered keys per query from L2 (K is only 2 MiB); dk receives S*T*D
   = 2.1e9 fp32 additions. Queries select overlapping but unaligned key sets, so there is no
