@@ -17,8 +17,9 @@ from nemo_dsa.ops._visibility import causal_ks_ke, visible_mask
 
 pytestmark = pytest.mark.gpu
 
-# (heads, index_dim): every head count, both main dims, a padded dim (80 -> 128) and D = 256.
-HEAD_CONFIGS = [(8, 64), (16, 128), (32, 80), (64, 128), (128, 64), (64, 256)]
+# (heads, index_dim): every head count, both main dims, a padded dim (80 -> 128) and D = 256;
+# 2 and 4 heads take the register head sum, 8 and more the tensor-core one.
+HEAD_CONFIGS = [(2, 128), (4, 64), (8, 64), (16, 128), (32, 80), (64, 128), (128, 64), (64, 256)]
 
 
 def _inputs(batch, queries, heads, dim, num_keys, gen):
