@@ -4,13 +4,17 @@
     python examples/benchmark_selection.py --sizes 32768 --reps 5 --check
 
 Shapes: H=64 index heads, D=128, R=4, T=512, causal, B=1, K = S/4. Rows per S:
+- ``nemo_dsa scores only v4`` / ``v41``: the scoring kernel alone (the [S, K] matrix is its
+  output), the yardstick of the "scores + top-k within 1.3x of scores only" target;
 - ``nemo_dsa stream v4`` / ``v41``: ``v4_select_topk`` / ``v41_select_topk`` (TileLang scorers,
   chunked so that the selection transients fit ``--chunk-mib``);
 - ``nemo_dsa materialise v4`` / ``v41``: the full-matrix kernel, then ``select_topk`` (the
   TileLang radix select; ``--check`` also compares with the torch reference selection);
 - ``built-in v4`` / ``v41`` (nemo-automodel 0.7.0, imported here only): ``batched_indexer_fwd``
   logits / ``indexer_scores`` with a dense allowed mask, then ``torch.topk`` (no tie rule).
-Times are medians of CUDA-event timings after one warm-up call (compiles). "extra" memory is the
+Times are medians of CUDA-event timings after one warm-up call (compiles): "ms" synchronises
+before each call (so it holds the host's work before the first kernel), "queued ms" times calls
+enqueued back to back (the GPU's time, as inside a training step). "extra" memory is the
 peak allocation during the call beyond what was allocated before it (inputs, the built-in's dense
 mask) and the call's outputs. Rows that do not fit report OOM. JSON to --out, table on stdout.
 """
@@ -50,6 +54,16 @@ def _rows(chunk_bytes: int):
     def stream_v41(q, k, w, ks, ke, allowed):
         return v41_select_topk(q, k, w, ks, ke, TOPK, backend="tilelang", chunk_bytes=chunk_bytes)
 
+    def scores_v4(q, k, w, ks, ke, allowed):
+        from nemo_dsa.ops.v4_indexer.kernels import v4_logits_tilelang
+
+        return v4_logits_tilelang(q, k, w, ks, ke)
+
+    def scores_v41(q, k, w, ks, ke, allowed):
+        from nemo_dsa.ops.v41_indexer.kernels import v41_scores_tilelang
+
+        return v41_scores_tilelang(q, k, w, ks, ke)
+
     def full_v4(q, k, w, ks, ke, allowed):
         from nemo_dsa.ops.v4_indexer.kernels import v4_logits_tilelang
 
@@ -75,6 +89,8 @@ def _rows(chunk_bytes: int):
         return torch.topk(scores, min(TOPK, k.shape[1]), dim=-1).indices.sort(dim=-1).values
 
     return {
+        "nemo_dsa scores only v4": (torch.float32, False, scores_v4),
+        "nemo_dsa scores only v41": (torch.bfloat16, False, scores_v41),
         "nemo_dsa stream v4": (torch.float32, False, stream_v4),
         "nemo_dsa stream v41": (torch.bfloat16, False, stream_v41),
         "nemo_dsa materialise v4": (torch.float32, False, full_v4),
@@ -116,7 +132,17 @@ def _measure(fn, args, reps: int) -> dict:
         times.append(start.elapsed_time(end))
         extra = max(extra, torch.cuda.max_memory_allocated() - before - _nbytes(result))
         del result
-    return {"ms": statistics.median(times), "extra_mib": extra / 2**20}
+    # The same calls queued back to back, as in a training step: the host prepares the next call
+    # while the GPU runs this one, so the time between a call's events is the GPU's alone (the
+    # synchronised time above also holds the host work before a call's first kernel).
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps + 1)]
+    for start, end in events:
+        start.record()
+        fn(*args)
+        end.record()
+    torch.cuda.synchronize()
+    queued = [start.elapsed_time(end) for start, end in events[1:]]  # the first starts on an idle GPU
+    return {"ms": statistics.median(times), "queued_ms": statistics.median(queued), "extra_mib": extra / 2**20}
 
 
 def main() -> None:
@@ -166,15 +192,37 @@ def main() -> None:
     with open(args.out, "w") as handle:
         json.dump({"heads": HEADS, "dim": DIM, "ratio": RATIO, "topk": TOPK, "chunk_mib": args.chunk_mib,
                    "device": torch.cuda.get_device_name(), "results": results}, handle, indent=1)
-    print(f"\n| S | K | row | median ms | extra MiB |\n|---|---|---|---|---|")
+    print(f"\n| S | K | row | median ms | queued ms | extra MiB |\n|---|---|---|---|---|---|")
     for r in results:
         if "ms" in r:
             ms = "OOM" if r["ms"] is None else f"{r['ms']:.2f}"
+            queued = "-" if r.get("queued_ms") is None else f"{r['queued_ms']:.2f}"
             mib = "-" if r["extra_mib"] is None else f"{r['extra_mib']:.0f}"
-            print(f"| {r['S']} | {r['K']} | {r['row']} | {ms} | {mib} |")
+            print(f"| {r['S']} | {r['K']} | {r['row']} | {ms} | {queued} | {mib} |")
         else:
             print(f"| {r['S']} | | {r['row']} | streamed == materialised: {r['streaming_equals_materialising']}, "
-                  f"kernel == reference: {r['kernel_equals_reference']} | |")
+                  f"kernel == reference: {r['kernel_equals_reference']} | | |")
+    _print_ratios(results)
+
+
+def _print_ratios(results: list[dict]) -> None:
+    """Streamed scores + top-k against the scores alone and against the built-in path, per S,
+    synchronised and queued."""
+    for column in ("ms", "queued_ms"):
+        times = {(r["S"], r["row"]): r[column] for r in results if r.get(column)}
+        for seq in sorted({r["S"] for r in results}):
+            for mode in ("v4", "v41"):
+                stream = times.get((seq, f"nemo_dsa stream {mode}"))
+                scores = times.get((seq, f"nemo_dsa scores only {mode}"))
+                builtin = times.get((seq, f"built-in {mode} + torch.topk"))
+                if stream is None:
+                    continue
+                parts = [f"{column:9s} S={seq} {mode}: streamed scores + top-{TOPK} {stream:.2f} ms"]
+                if scores:
+                    parts.append(f"{stream / scores:.2f}x the scores alone ({scores:.2f} ms)")
+                if builtin:
+                    parts.append(f"{builtin / stream:.2f}x faster than built-in + torch.topk ({builtin:.2f} ms)")
+                print("; ".join(parts))
 
 
 if __name__ == "__main__":

@@ -22,10 +22,10 @@ def _jobs(heads: list[int], dims: list[int], counts: list[int]) -> list[tuple]:
 
     scorers = [(kind, h, d) for kind in ("v4_fwd", "v4_bwd", "v41") for h in heads for d in dims]
     # Selectors for both dtypes and orders (V4 sorts fp32 by score, V4.1 bf16 by index; the other
-    # pairs serve the generic select_topk), rows of <= 2^16 keys (16-bit index digits) and longer.
-    configs = {select_config(dtype, count, order, width) for dtype in (torch.float32, torch.bfloat16)
-               for order in ("score", "index") for count in counts for width in (2**16, 2**16 + 1)}
-    selectors = [("select", c.score_dtype, c.slots, c.order, c.index_bits) for c in sorted(configs, key=str)]
+    # pairs serve the generic select_topk).
+    configs = {select_config(dtype, count, order) for dtype in (torch.float32, torch.bfloat16)
+               for order in ("score", "index") for count in counts}
+    selectors = [("select", c.score_dtype, c.slots, c.order) for c in sorted(configs, key=str)]
     return scorers + selectors
 
 
@@ -37,9 +37,9 @@ def _compile(job: tuple) -> str:
     if kind == "select":
         from nemo_dsa.ops.topk.kernels import radix_select_kernel
 
-        _, dtype, slots, order, bits = job
-        compile_cubin(radix_select_kernel(dtype, slots, order, bits))
-        return f"select  {dtype} slots={slots} order={order} index_bits={bits} {time.perf_counter() - start:5.1f} s"
+        _, dtype, slots, order = job
+        compile_cubin(radix_select_kernel(dtype, slots, order))
+        return f"select  {dtype} slots={slots} order={order} {time.perf_counter() - start:5.1f} s"
     _, heads, dim = job
     if kind == "v41":
         from nemo_dsa.ops.v41_indexer import kernels

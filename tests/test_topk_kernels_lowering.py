@@ -1,8 +1,10 @@
 """TileLang radix select on the CPU: every configuration the lowering table names lowers for
-sm_90a within Hopper's shared memory, with a shared-memory histogram, no barrier inside the
-histogram passes' key loops and warp ballots in the gather; one compiles to a cubin with nvcc;
-the wrapper and the dispatcher validate their inputs."""
+sm_90a within Hopper's shared memory, with the row's images cached in registers, a shared-memory
+histogram with no barrier inside the passes' key loops, an ordered warp-ballot gather, no barrier
+under a thread-dependent branch (that hangs the GPU); one compiles to a cubin with nvcc; the
+wrapper and the dispatcher validate their inputs."""
 
+import re
 import shutil
 from dataclasses import asdict
 
@@ -13,9 +15,12 @@ from _lowering import map_in_workers
 from nemo_dsa.ops._tilelang import HOPPER_SMEM_LIMIT
 from nemo_dsa.ops.topk.interface import select_topk
 from nemo_dsa.ops.topk.kernels import (
+    CACHED_STEPS,
+    DIGIT_BITS,
     MAX_COUNT,
-    RADIX_BITS,
+    MIN_BLOCKS_PER_SM,
     SCORE_BITS,
+    UNROLL,
     SelectConfig,
     dispatched_configs,
     radix_select_kernel,
@@ -25,11 +30,11 @@ from nemo_dsa.ops.topk.kernels import (
 )
 
 
-def _barriers_per_key_loop(source: str) -> list[int]:
-    """``__syncthreads`` count inside each per-key loop (``for (int it...``) of the kernel, in order."""
+def _barriers_per_step_loop(source: str) -> list[int]:
+    """``__syncthreads`` count inside each loop over a row's steps (``for (int step...``), in order."""
     counts, depth, open_at = [], 0, None
     for line in source.splitlines():
-        if open_at is None and "for (int it" in line:
+        if open_at is None and re.search(r"for \(int step(_\d+)? = 0; step(_\d+)? < steps;", line):
             open_at = depth
             counts.append(0)
         elif open_at is not None and "__syncthreads" in line:
@@ -40,10 +45,27 @@ def _barriers_per_key_loop(source: str) -> list[int]:
     return counts
 
 
-def _lower(config):
+def _barriers_under_thread_branches(source: str) -> list[str]:
+    """Barriers inside an ``if`` (or its ``else``) whose condition depends on the thread: not
+    every thread reaches them, so the block waits forever."""
+    bad, stack = [], []
+    for line in source.splitlines():
+        stripped = line.strip()
+        if "__syncthreads" in stripped and any("threadIdx" in opener for opener in stack if opener.startswith("if")):
+            bad.append(stripped)
+        closes = stripped.count("}")
+        popped = [stack.pop() for _ in range(min(closes, len(stack)))]
+        if stripped.startswith("} else") and popped:
+            stack.append(popped[-1])  # the else branch inherits its if's condition
+        elif stripped.endswith("{"):
+            stack.append(stripped)
+    return bad
+
+
+def _lower(config, **knobs):
     from nemo_dsa.ops._tilelang import dynamic_shared_memory_bytes, lower
 
-    artifact = lower(radix_select_kernel(**asdict(config)))
+    artifact = lower(radix_select_kernel(**asdict(config), **knobs))
     return config, str(artifact.kernel_source), dynamic_shared_memory_bytes(artifact)
 
 
@@ -52,43 +74,55 @@ def test_every_config_lowers_within_shared_memory():
     assert len(configs) == len(set(configs))
     results = map_in_workers(_lower, configs)
     for config, source, smem in results:
-        assert smem >= config.shared_memory_bytes(), f"{config}: the sort needs more than {smem} bytes"
+        assert smem >= config.shared_memory_bytes(), f"{config}: the kernel needs more than {smem} bytes"
         assert smem <= HOPPER_SMEM_LIMIT, f"{config}: {smem} bytes of dynamic shared memory"
-        # Histogram atomics on shared memory; the gather works on warp ballots: score order
-        # reserves sort slots with one atomic per warp, index order writes in place (no sort).
+        # The images of the first CACHED_STEPS steps live in registers; histogram atomics on
+        # shared memory; the gather ranks keys with warp ballots, not atomics.
+        assert f"uint cached[{CACHED_STEPS * UNROLL}];" in source, config
         assert "AtomicAdd((&(((int*)hist)" in source and "__ballot_sync" in source, config
-        assert ("AtomicAddRet((&(((int*)filled)" in source) == (config.order == "score"), config
-        assert "__launch_bounds__(256" in source, config
-        # The histogram passes' key loops hold no barrier (a shared read of the decided prefix
-        # inside them once made TileLang put two around every key); the gather is the last loop.
-        *passes, gather = _barriers_per_key_loop(source)
-        assert len(passes) == (SCORE_BITS[config.score_dtype] + config.index_bits) // RADIX_BITS, config
-        assert not any(passes), f"{config}: barriers inside the histogram passes' key loops: {passes}"
+        assert "AtomicAddRet" not in source, config
+        blocks = MIN_BLOCKS_PER_SM if max(config.slots, 256) // 256 <= 8 else 1
+        assert f"__launch_bounds__(256, {blocks})" in source, config
+        # One histogram pass per digit of the score (no index digits: ties are ranked in the
+        # gather), then the gather's counting and writing walks: no barrier inside any of them
+        # but one per step of the score-order writes, which TileLang puts before the sort keys'
+        # stores (at data-dependent places in the shared allocation).
+        *passes, counting, writing = _barriers_per_step_loop(source)
+        assert len(passes) == len(DIGIT_BITS[config.score_dtype]), config
+        assert not any(passes) and counting == 0, f"{config}: barriers inside the key loops: {passes}, {counting}"
+        assert writing == (1 if config.order == "score" else 0), config
+        assert not _barriers_under_thread_branches(source), config
         # Score order sorts in registers: lane shuffles for the strides below a warp.
         assert ("__shfl_xor_sync" in source) == (config.order == "score"), config
+
+
+def test_barrier_check_sees_a_thread_dependent_branch():
+    source = "if (((int)threadIdx.x) == 0) {\n  x = 1;\n} else {\n  __syncthreads();\n}\n__syncthreads();\n"
+    assert _barriers_under_thread_branches(source) == ["__syncthreads();"]
+    assert not _barriers_under_thread_branches("if (done[0] == 0) {\n  __syncthreads();\n}\n")
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found: cannot build cubins")
 def test_a_config_compiles_to_cubin():
     from nemo_dsa.ops._tilelang import compile_cubin
 
-    config = select_config(torch.bfloat16, 512, "index", 8192)
+    config = select_config(torch.bfloat16, 512, "index")
     kernel = compile_cubin(radix_select_kernel(**asdict(config)))
     assert "__ballot_sync" in kernel.get_kernel_source()
 
 
 def test_config_choice_and_limits():
-    assert select_config(torch.float32, 512, "score", 8192) == SelectConfig("float32", 512, "score", 16)
-    assert select_config(torch.bfloat16, 100, "index", 65_537) == SelectConfig("bfloat16", 128, "index", 32)
+    assert select_config(torch.float32, 512, "score") == SelectConfig("float32", 512, "score")
+    assert select_config(torch.bfloat16, 100, "index") == SelectConfig("bfloat16", 128, "index")
     assert [sort_slots(c) for c in (1, 100, 128, 129, 2048, 2049)] == [128, 128, 128, 256, 2048, 4096]
     assert {c.slots for c in dispatched_configs() if c.order == "score"} == {128, 256, 512, 1024, 2048, 4096, 8192}
-    assert select_config(torch.bfloat16, 2048, "index", 8192).slots == 128  # no sort: one build for every T
+    assert select_config(torch.bfloat16, 2048, "index").slots == 128  # no sort: one build for every T
     with pytest.raises(TypeError, match="float32 or bfloat16"):
-        select_config(torch.float16, 8, "score", 64)
+        select_config(torch.float16, 8, "score")
     with pytest.raises(ValueError, match="order"):
-        select_config(torch.float32, 8, "random", 64)
+        select_config(torch.float32, 8, "random")
     with pytest.raises(ValueError, match="count"):
-        select_config(torch.float32, MAX_COUNT + 1, "score", 10**5)
+        select_config(torch.float32, MAX_COUNT + 1, "score")
 
 
 def test_wrapper_and_dispatcher_validate():
@@ -109,3 +143,22 @@ def test_dispatcher_on_cpu_is_the_reference():
     g = torch.Generator().manual_seed(0)
     scores = (torch.randint(-3, 4, (3, 50, 70), generator=g) / 2).to(torch.bfloat16)
     assert torch.equal(select_topk(scores, 20, "index"), naive.select_topk(scores, 20, "index"))
+
+
+def test_tuning_knobs_lower_and_are_checked():
+    # Wider first digits and a smaller register cache (measured in docs/performance.md v7) lower
+    # to the same structure: one pass per digit, no barrier in a key loop or a thread branch.
+    for kwargs in (dict(digit_bits=(11, 5)), dict(digit_bits=(12, 12, 8)), dict(cached_steps=2, min_blocks=3)):
+        dtype = "float32" if sum(kwargs.get("digit_bits", (16,))) == 32 else "bfloat16"
+        _, source, _ = _lower(SelectConfig(dtype, 128, "index"), **kwargs)
+        *passes, counting, writing = _barriers_per_step_loop(source)
+        assert len(passes) == len(kwargs.get("digit_bits", DIGIT_BITS[dtype])), kwargs
+        assert not any(passes) and counting == 0 and writing == 0, kwargs
+        assert not _barriers_under_thread_branches(source), kwargs
+    with pytest.raises(ValueError, match="digit_bits"):
+        radix_select_kernel("bfloat16", 128, "index", digit_bits=(8, 4))
+    with pytest.raises(ValueError, match="digit_bits"):
+        radix_select_kernel("float32", 128, "index", digit_bits=(16, 16))
+    with pytest.raises(ValueError, match="cached_steps"):
+        radix_select_kernel("float32", 128, "index", cached_steps=0)
+

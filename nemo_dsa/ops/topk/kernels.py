@@ -5,27 +5,29 @@ T = min(count, W) *finite* scores of each row, ties to the smaller key index, -1
 come out by descending score (``order="score"``, V4) or by ascending index (``order="index"``,
 V4.1). Only keys in the row's ``[ks, ke)`` are read: the scoring kernels write -inf outside it.
 
-Every selectable score gets the unique key (image, rev): ``image`` the score's bits mapped to an
-unsigned integer of the same order (negatives bit-flipped, +-0 merged, 0 for NaN/+-inf: never
-selected), ``rev = 2^b - 1 - index`` so that a larger key is a better score, then a smaller
-index. A block of 256 threads owns one row and finds the T-th largest key digit by digit, 8 bits
-per pass: a 256-bin shared-memory histogram of the keys that share the digits decided so far, a
-block scan over the bins, and the bin where the running count reaches T. The select stops as
-soon as the chosen bin holds exactly the keys still needed, so the index digits are visited
-only when a run of equal scores straddles the cut. The keys >= the cut (exactly T, or every
-finite key if fewer) are then gathered from warp ballots: by score into shared memory and
-bitonic-sorted, by index written straight out in index order (no sort).
+Every score gets an ``image``: its bits mapped to an unsigned integer of the same order
+(negatives bit-flipped, +-0 merged, 0 for NaN/+-inf: never selected). A block of 256 threads
+owns one row; warp w owns a contiguous segment of it, lane l every 32nd key from l (coalesced
+loads). The block loads the row once, 32 loads in flight per thread, and keeps the images of
+the first 8192 keys in registers (32 a thread; longer rows read the rest again in each pass).
+It then finds the T-th largest image 8 bits per pass: a 256-bin shared-memory histogram of the
+keys that share the digits decided so far, a block scan over the bins, and the bin where the
+running count reaches T; it stops early when that bin holds exactly the keys still needed. The
+result is a cut: every key with a larger image is taken, and of the keys equal to the T-th image
+the first ``need`` in index order (the tie rule, so no pass over index digits). Two walks gather
+them: each warp counts its taken and equal keys (ballots), one barrier gives every warp the
+counts of the warps before it, and the second walk ranks each key among the taken ones in index
+order. Index order writes it there (no sort); score order places (image, reversed index) keys
+in shared memory and sorts them with a bitonic network held in registers.
 
-Cost at S = 32768, K = 8192 causal (4096 visible keys a row on average), T = 512: each pass
-reads the row once (the first from HBM, the rest mostly from L1/L2: 512 MiB fp32 or 256 MiB bf16
-for the whole matrix, ~0.1 ms of HBM), typically 3-4 passes for fp32 and 2-4 for bf16, ~20
-instructions per key and pass; the sort is 45 compare-exchange steps of 512 slots. Predicted
-~1 ms for fp32 and less for bf16, against 7.4 / 6.6 ms for ``naive.select_topk`` (torch.topk
-of T + 64 candidates, then a key sort). Measured on the H200 (2026-11-30): 1.49 ms fp32 (the
-sort holds its keys in registers: lane shuffles for strides below a warp; it cost 0.65 ms with
-every step in shared memory) and 1.24-1.30 ms bf16; staging the row in shared memory,
-aggregating equal digits per warp (__match_any_sync) and wider digits measured no faster
-(docs/performance.md v4, v5).
+Cost at S = 32768, K = 8192 causal (4096 visible keys a row on average), T = 512: one read of the
+row (256 MiB bf16 / 512 MiB fp32 for the whole matrix, ~0.1 ms of HBM), 2 histogram passes for
+bf16 and 3-4 for fp32 and the two gather walks from registers, and for score order the sort (45
+compare-exchange steps of 512 slots). Measured on the H200 (docs/performance.md v7): 0.89-0.92
+ms bf16 and 1.25-1.26 ms fp32, against 1.21 / 1.40 ms for the previous kernel, which re-read the
+row from memory in every pass (one load in flight per thread) and walked the index digits in two
+more passes whenever equal scores straddled the cut (for bf16 scores nearly every row). Where
+the rest goes (probe variants): the first pass's shared atomics ~0.2 ms, the gather ~0.4 ms.
 """
 
 from dataclasses import asdict, dataclass
@@ -35,14 +37,25 @@ import torch
 from nemo_dsa._checks import check_positive_int, check_tensor
 from nemo_dsa.ops._tilelang import compile_cached, tilelang
 
-RADIX_BITS = 8
-BINS = 1 << RADIX_BITS
-THREADS = BINS  # one histogram bin per thread in the scan
+# Digit widths of the radix passes, most significant first (default: 8 bits, one histogram bin per
+# thread in the scan; 10-12-bit first digits measured no faster, v5 and v7); at most 4096 bins.
+DIGIT_BITS = {"float32": (8, 8, 8, 8), "bfloat16": (8, 8)}
+MAX_DIGIT_BITS = 12
+THREADS = 256
 WARP = 32
+WARPS = THREADS // WARP
+# A step: every lane loads UNROLL keys of its warp's segment (32 apart, so each warp load reads
+# 32 consecutive keys) before it uses any of them: UNROLL loads per thread in flight at once.
+UNROLL = 8
+# The images of a row's first CACHED_STEPS steps stay in registers (32 a thread): rows up to
+# CACHED_KEYS keys are read from memory once; keys past it are read again in every pass (L2).
+CACHED_STEPS = 4
+CACHED_KEYS = THREADS * UNROLL * CACHED_STEPS
+# Blocks an SM holds at once (__launch_bounds__): 4 caps a thread at 64 registers (ptxas spills
+# at most 8 bytes; measured faster than 3 blocks, docs/performance.md v7).
+MIN_BLOCKS_PER_SM = 4
 SCORE_BITS = {"float32": 32, "bfloat16": 16}
 ORDERS = ("score", "index")
-# Rows up to this many keys use 16-bit index digits (two passes at most), longer ones 32-bit.
-MAX_SHORT_ROW = 1 << 16
 # The sort holds the selected keys in shared memory: 8 bytes per slot.
 MAX_COUNT = 8192
 
@@ -60,11 +73,11 @@ class SelectConfig:
     score_dtype: str  # "float32" | "bfloat16"
     slots: int  # sort width, a power of two >= T (score order; MIN_SLOTS for index order)
     order: str  # "score" | "index"
-    index_bits: int  # 16 | 32: width of the index part of the key
 
     def shared_memory_bytes(self) -> int:
-        """The histogram, and for score order the sort's 8-byte keys."""
-        return 4 * BINS + (8 * max(self.slots, THREADS) if self.order == "score" else 0)
+        """The buffers live together during the gather: the per-warp counts and, for score
+        order, the sort's 8-byte keys (the histogram passes may reuse these bytes earlier)."""
+        return 4 * 2 * WARPS + (8 * max(self.slots, THREADS) if self.order == "score" else 0)
 
 
 def sort_slots(count: int) -> int:
@@ -72,8 +85,8 @@ def sort_slots(count: int) -> int:
     return max(MIN_SLOTS, 1 << (count - 1).bit_length())
 
 
-def select_config(score_dtype: torch.dtype, count: int, order: str, width: int) -> SelectConfig:
-    """The selector for rows of ``width`` keys of ``score_dtype`` keeping ``count`` per row."""
+def select_config(score_dtype: torch.dtype, count: int, order: str) -> SelectConfig:
+    """The selector for scores of ``score_dtype`` keeping ``count`` per row in ``order``."""
     name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(score_dtype)
     if name is None:
         raise TypeError(f"scores must be float32 or bfloat16 for the TileLang selector, got {score_dtype}")
@@ -82,19 +95,13 @@ def select_config(score_dtype: torch.dtype, count: int, order: str, width: int) 
     if not 1 <= count <= MAX_COUNT:
         raise ValueError(f"count must be in [1, {MAX_COUNT}] for the TileLang selector, got {count}")
     slots = sort_slots(count) if order == "score" else MIN_SLOTS
-    return SelectConfig(name, slots, order, 16 if width <= MAX_SHORT_ROW else 32)
+    return SelectConfig(name, slots, order)
 
 
 def dispatched_configs() -> list[SelectConfig]:
-    """Every configuration the wrapper can build: dtypes, orders, sort widths and index widths."""
+    """Every configuration the wrapper can build: dtypes, orders and sort widths."""
     widths = {"score": [MIN_SLOTS << i for i in range((MAX_COUNT // MIN_SLOTS).bit_length())], "index": [MIN_SLOTS]}
-    return [
-        SelectConfig(dtype, slots, order, bits)
-        for dtype in SCORE_BITS
-        for order in ORDERS
-        for slots in widths[order]
-        for bits in (16, 32)
-    ]
+    return [SelectConfig(dtype, slots, order) for dtype in SCORE_BITS for order in ORDERS for slots in widths[order]]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -102,31 +109,46 @@ def dispatched_configs() -> list[SelectConfig]:
 # ----------------------------------------------------------------------------------------------
 
 
-def radix_select_kernel(score_dtype: str, slots: int, order: str, index_bits: int):
-    """PrimFunc selecting ``count`` (<= slots, the outputs' width) keys per row. Grid: one block
-    of 256 threads per row.
+def radix_select_kernel(
+    score_dtype: str,
+    slots: int,
+    order: str,
+    *,
+    cached_steps: int = CACHED_STEPS,
+    min_blocks: int | None = None,
+    digit_bits: tuple[int, ...] | None = None,
+):
+    """PrimFunc selecting ``count`` (<= slots in score order, the outputs' width) keys per row.
+    Grid: one block of 256 threads per row.
 
     Scores [rows, width] (row-major), ks/ke int32 [rows] (clamped to [0, width]), Index int32
     [rows, count] (window-local key numbers + ``offset``, -1 padding), Picked [rows, count] (the
     scores at Index, -inf at -1), offset: added to every selected index (a window's first key).
+    ``cached_steps``, ``min_blocks`` (blocks an SM must hold: caps the registers) and
+    ``digit_bits`` (the passes' digit widths) are tuning knobs; the defaults are the measured
+    best (docs/performance.md v7).
     """
     T = tilelang().language
     dtype = T.float32 if score_dtype == "float32" else T.bfloat16
     score_bits = SCORE_BITS[score_dtype]
     u32, u64, i32 = T.uint32, T.uint64, T.int32
-    rev_max = (1 << index_bits) - 1
     sign, magnitude, exponent = (
         (0x80000000, 0x7FFFFFFF, 0x7F800000) if score_bits == 32 else (0x8000, 0x7FFF, 0x7F80)
     )
-    # (digits of image, most significant first), then (digits of rev): (part, shift) per pass.
-    passes = [("image", s) for s in range(score_bits - RADIX_BITS, -1, -RADIX_BITS)]
-    passes += [("rev", s) for s in range(index_bits - RADIX_BITS, -1, -RADIX_BITS)]
-    warps = THREADS // WARP
+    digit_bits = DIGIT_BITS[score_dtype] if digit_bits is None else tuple(digit_bits)
+    if sum(digit_bits) != score_bits or not all(1 <= bits <= MAX_DIGIT_BITS for bits in digit_bits):
+        raise ValueError(f"digit_bits must add up to {score_bits} bits, each in [1, {MAX_DIGIT_BITS}], got {digit_bits}")
+    if cached_steps < 1:
+        raise ValueError(f"cached_steps must be >= 1, got {cached_steps}")
+    # (shift, bits) of each pass's digit of the image, most significant first
+    passes = [(score_bits - sum(digit_bits[: i + 1]), bits) for i, bits in enumerate(digit_bits)]
     log_slots = slots.bit_length() - 1
     # Every thread holds per_thread keys of the sort; below THREADS slots the extra keys are 0s,
     # sorted among themselves.
     held_keys = max(slots, THREADS)
     per_thread = held_keys // THREADS
+    if min_blocks is None:  # sorts of more than 2048 keys hold 32+ registers of keys a thread
+        min_blocks = MIN_BLOCKS_PER_SM if per_thread <= 8 else 1
     rows, width, count = T.dynamic("rows"), T.dynamic("width"), T.dynamic("count")
 
     def image_of(x):
@@ -136,6 +158,27 @@ def radix_select_kernel(score_dtype: str, slots: int, order: str, index_bits: in
         image = bits ^ (((bits >> (score_bits - 1)) * magnitude) | sign)
         image = image + T.cast(bits == sign, u32)
         return image * T.cast((bits & exponent) != exponent, u32)
+
+    @T.macro
+    def load_step(Scores, row, first_key, segment_end, step, raw, base):
+        """raw[base + u] = this lane's key of slot step * UNROLL + u (-inf past ``segment_end``)."""
+        for u in T.unroll(UNROLL):
+            j = first_key + (step * UNROLL + u) * WARP
+            raw[base + u] = T.if_then_else(j < segment_end, Scores[row, T.min(j, width - 1)], -T.infinity(dtype))
+
+    @T.macro
+    def fetch_step(Scores, row, first_key, segment_end, step, raw, cached, images):
+        """images[u] for the keys of ``step``: from the registers for the first ``cached_steps``
+        steps, loaded again for later ones (all loads issued before the first image)."""
+        if step < cached_steps:
+            for c in T.unroll(cached_steps):
+                if step == c:
+                    for u in T.unroll(UNROLL):
+                        images[u] = cached[c * UNROLL + u]
+        else:
+            load_step(Scores, row, first_key, segment_end, step, raw, 0)
+            for u in T.unroll(UNROLL):
+                images[u] = image_of(raw[u])
 
     @T.prim_func
     def radix_select(
@@ -147,83 +190,104 @@ def radix_select_kernel(score_dtype: str, slots: int, order: str, index_bits: in
         offset: i32,
     ):
         with T.Kernel(rows, threads=THREADS) as row:
+            T.annotate_min_blocks_per_sm(min_blocks)
             tx = T.get_thread_binding()
             lane = tx % WARP
             lanes_below = T.shift_left(T.uint32(1), T.cast(lane, u32)) - T.uint32(1)
             warp = tx // WARP
-            hist = T.alloc_shared([BINS], i32)
-            warp_sums = T.alloc_shared([warps], i32)
-            # cut = (cut_image, cut_rev): the decided key prefix, finally the T-th best key.
-            cut_image = T.alloc_shared([1], u32)
-            cut_rev = T.alloc_shared([1], u32)
-            need = T.alloc_shared([1], i32)  # keys still to take inside the decided prefix
+            hist = T.alloc_shared([1 << max(digit_bits)], i32)
+            warp_sums = T.alloc_shared([WARPS], i32)
+            warp_taken = T.alloc_shared([2 * WARPS], i32)  # the gather's (taken-above, equal) keys per warp
+            written = T.alloc_shared([1], i32)  # index order: selected keys of the row
+            # The cut: keys with image >= above are taken, and of those with image == equal the
+            # first ``need`` in index order. While digits remain, ``decided`` holds those fixed so
+            # far and ``need`` the keys still to take among the keys that share them.
+            decided = T.alloc_shared([1], u32)
+            above = T.alloc_shared([1], u32)
+            equal = T.alloc_shared([1], u32)
+            need = T.alloc_shared([1], i32)
             done = T.alloc_shared([1], i32)
-            filled = T.alloc_shared([1], i32)
             keys = T.alloc_shared([held_keys], u64)
+            cached = T.alloc_local([cached_steps * UNROLL], u32)
+            images = T.alloc_local([UNROLL], u32)
+            raw = T.alloc_local([cached_steps * UNROLL], dtype)  # scores as loaded, before their images
             held = T.alloc_local([per_thread], u64)  # sort: key r * THREADS + tx of the network
             start = T.alloc_var(i32)
             end = T.alloc_var(i32)
+            segment = T.alloc_var(i32)
+            first_key = T.alloc_var(i32)
+            segment_end = T.alloc_var(i32)
+            steps = T.alloc_var(i32)
             running = T.alloc_var(i32)
             wanted = T.alloc_var(i32)
             count_here = T.alloc_var(i32)
-            base = T.alloc_var(i32)
-            if order == "index":
-                written = T.alloc_var(i32)  # keys written so far
-            score = T.alloc_var(dtype)  # one load per key and pass
-            # The decided prefix, read into registers once a pass: read inline from shared memory
-            # in the key loop, it made TileLang put two barriers around every key of the index
-            # passes (the histogram atomics write the same shared buffer).
-            prefix_image = T.alloc_var(u32)
-            prefix_rev = T.alloc_var(u32)
-            image = T.alloc_var(u32)
+            before = T.alloc_var(i32)  # the bin walk: keys in the bins above, the cut bin's count
+            cut_bin = T.alloc_var(i32)
+            cut_count = T.alloc_var(i32)
+            cut_left = T.alloc_var(i32)
+            # Read into registers once a pass / once for the gather: read inline from shared
+            # memory next to the histogram atomics, TileLang put barriers around every key.
+            prefix = T.alloc_var(u32)
+            above_cut = T.alloc_var(u32)
+            equal_cut = T.alloc_var(u32)
+            take_equal = T.alloc_var(i32)
+            taken_above = T.alloc_var(i32)  # keys before this slot taken for image >= above_cut
+            seen_equal = T.alloc_var(i32)  # keys before this slot with image == equal_cut
             first = T.alloc_var(u64)  # the two keys a bitonic step compares
             second = T.alloc_var(u64)
 
             start = T.min(T.max(KS[row], 0), width)
             end = T.max(T.min(KE[row], width), start)
+            # Warp w owns the ``segment`` keys from start + w * segment (a multiple of 32, so
+            # every load of a warp reads 32 consecutive keys); lane l its keys l, l + 32, ...
+            segment = T.ceildiv(end - start, WARPS * WARP) * WARP
+            first_key = start + warp * segment + lane
+            segment_end = T.min(end, start + (warp + 1) * segment)
+            steps = T.ceildiv(segment, UNROLL * WARP)
             if tx == 0:
-                cut_image[0] = 0
-                cut_rev[0] = 0
+                decided[0] = 0
+                above[0] = 0
+                equal[0] = 0
                 need[0] = count
                 done[0] = 0
-                filled[0] = 0
             if order == "score":
                 for r in T.serial(per_thread):
                     keys[r * THREADS + tx] = T.uint64(0)  # 0 sorts last: the -1 padding
+            # The row's first CACHED_KEYS keys, read once: 32 loads in flight per thread.
+            for s in T.unroll(cached_steps):
+                load_step(Scores, row, first_key, segment_end, s, raw, s * UNROLL)
+            for i in T.unroll(cached_steps * UNROLL):
+                cached[i] = image_of(raw[i])
             T.sync_threads()
 
-            for p, (part, shift) in enumerate(passes):
+            for p, (shift, bits) in enumerate(passes):
+                bins = 1 << bits
+                per = max(1, bins // THREADS)  # bins a thread clears and scans
+                owners = bins // per  # threads that own bins
+                last_digit = shift == 0
                 if done[0] == 0:
-                    hist[tx] = 0
+                    for i in tuple(range(per)):
+                        if tx < owners:
+                            hist[i * owners + tx] = 0
                     T.sync_threads()
-                    prefix_image = cut_image[0]
-                    prefix_rev = cut_rev[0]
-                    for it in T.serial(T.ceildiv(end - start, THREADS)):
-                        j = start + it * THREADS + tx
-                        image = 0
-                        if j < end:
-                            score = Scores[row, j]
-                            image = image_of(score)
-                        rev = T.cast(rev_max - j, u32)
-                        if part == "image":
-                            digit = (image >> shift) & (BINS - 1)
-                            match = image != 0
+                    prefix = decided[0]
+                    for s in T.serial(steps):
+                        fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images)
+                        for u in T.unroll(UNROLL):
+                            hit = images[u] != 0
                             if p > 0:
-                                match = match & ((image >> (shift + RADIX_BITS)) == (prefix_image >> (shift + RADIX_BITS)))
-                        else:
-                            digit = (rev >> shift) & (BINS - 1)
-                            match = (image != 0) & (image == prefix_image)
-                            if shift + RADIX_BITS < index_bits:
-                                match = match & ((rev >> (shift + RADIX_BITS)) == (prefix_rev >> (shift + RADIX_BITS)))
-                        # Plain shared atomics: measured faster than aggregating equal digits
-                        # per warp first (__match_any_sync), 1.70 against 1.91 ms at S = 32768.
-                        if match:
-                            T.atomic_add(hist[T.cast(digit, i32)], 1)
+                                hit = hit & ((images[u] >> (shift + bits)) == (prefix >> (shift + bits)))
+                            # Plain shared atomics: measured faster than aggregating equal digits
+                            # per warp (__match_any_sync, v4) and than wider digits (v5, v7).
+                            if hit:
+                                T.atomic_add(hist[T.cast((images[u] >> shift) & (bins - 1), i32)], 1)
                     T.sync_threads()
-                    # Thread tx holds bin 255 - tx: its inclusive scan is the count of keys in
-                    # bins >= that bin (warp shuffles, then the warps' totals).
+                    # Thread tx owns bins top, top - 1, ... (per of them, from the highest): its
+                    # inclusive scan is the count of keys in bins >= its lowest (warp shuffles,
+                    # then the warps' totals).
+                    top = T.max(bins - 1 - tx * per, 0)
                     wanted = need[0]
-                    count_here = hist[BINS - 1 - tx]
+                    count_here = T.if_then_else(tx < owners, sum(hist[top - i] for i in range(per)), 0)
                     running = count_here
                     for d in (1, 2, 4, 8, 16):
                         other = T.shfl_up(running, d)
@@ -232,66 +296,93 @@ def radix_select_kernel(score_dtype: str, slots: int, order: str, index_bits: in
                     if lane == WARP - 1:
                         warp_sums[warp] = running
                     T.sync_threads()
-                    for w in range(warps - 1):
+                    for w in range(WARPS - 1):
                         if w < warp:
                             running = running + warp_sums[w]
-                    bin_ = BINS - 1 - tx
                     if p == 0 and tx == THREADS - 1 and running < wanted:
-                        # Fewer finite keys than T: take them all (every key >= (1, 0)).
-                        cut_image[0] = 1
+                        # Fewer finite keys than T: take them all (every image >= 1).
+                        above[0] = 1
+                        need[0] = 0
                         done[0] = 1
                     if running >= wanted and running - count_here < wanted:
-                        left = wanted - (running - count_here)
-                        if part == "image":
-                            cut_image[0] = prefix_image | T.shift_left(T.cast(bin_, u32), shift)
-                        else:
-                            cut_rev[0] = prefix_rev | T.shift_left(T.cast(bin_, u32), shift)
-                        need[0] = left
-                        if count_here == left:
+                        # This thread's bin where the count reaches ``wanted``.
+                        before = running - count_here
+                        for i in tuple(range(per)):
+                            if before < wanted and before + hist[top - i] >= wanted:
+                                cut_bin = top - i
+                                cut_count = hist[top - i]
+                                cut_left = wanted - before
+                            before = before + hist[top - i]
+                        digits = prefix | T.shift_left(T.cast(cut_bin, u32), shift)
+                        if cut_count == cut_left:  # the whole bin: every key from ``digits`` up
+                            above[0] = digits
+                            need[0] = 0
                             done[0] = 1
+                        elif last_digit:  # ``digits`` is the T-th image: ``cut_left`` of its keys
+                            above[0] = digits + 1
+                            equal[0] = digits
+                            need[0] = cut_left
+                            done[0] = 1
+                        else:
+                            decided[0] = digits
+                            need[0] = cut_left
                     T.sync_threads()
 
-            # Gather the keys >= cut (exactly T, or every finite key if fewer) from warp ballots.
-            # Score order reserves sort slots with one shared atomic per warp; index order needs
-            # no sort: each key is written where the ballots of the warps before it leave off.
-            final_image = cut_image[0]
-            final_rev = cut_rev[0]
-            if order == "index":
-                written = 0
-            for it in T.serial(T.ceildiv(end - start, THREADS)):
-                j = start + it * THREADS + tx
-                image = 0
-                if j < end:
-                    score = Scores[row, j]
-                    image = image_of(score)
-                rev = T.cast(rev_max - j, u32)
-                take = (image != 0) & ((image > final_image) | ((image == final_image) & (rev >= final_rev)))
-                mask = T.cast(T.ballot_sync(take), u32)
-                before = T.cast(T.popcount(mask & lanes_below), i32)
-                if order == "score":
-                    if lane == 0:
-                        base = T.atomic_add(filled[0], T.cast(T.popcount(mask), i32), return_prev=True)
-                    base = T.shfl_sync(base, 0)
-                    if take and base + before < slots:
-                        keys[base + before] = T.shift_left(T.cast(image, u64), 32) | T.cast(rev, u64)
-                else:
-                    if lane == 0:
-                        warp_sums[warp] = T.cast(T.popcount(mask), i32)
-                    T.sync_threads()
-                    earlier = sum(T.if_then_else(w < warp, warp_sums[w], 0) for w in range(warps))
-                    position = written + earlier + before
-                    if take and position < count:
-                        Index[row, position] = j + offset
-                        Picked[row, position] = score
-                    written = written + sum(warp_sums[w] for w in range(warps))
-                    T.sync_threads()
+            # Gather the cut's keys in index order: each warp counts its segment's keys taken for
+            # image >= above and those equal to the cut's image (ballots), one barrier, then
+            # walks its segment again: a key's rank among the taken ones is the taken-above keys
+            # before it + min(equal keys before it, need), and an equal key is taken while fewer
+            # than ``need`` equal keys precede it (the tie rule).
+            above_cut = above[0]
+            equal_cut = equal[0]
+            take_equal = need[0]
+            taken_above = 0
+            seen_equal = 0
+            for s in T.serial(steps):
+                fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images)
+                for u in T.unroll(UNROLL):
+                    above_mask = T.cast(T.ballot_sync((images[u] >= above_cut) & (images[u] != 0)), u32)
+                    equal_mask = T.cast(T.ballot_sync((images[u] == equal_cut) & (images[u] != 0)), u32)
+                    taken_above = taken_above + T.cast(T.popcount(above_mask), i32)
+                    seen_equal = seen_equal + T.cast(T.popcount(equal_mask), i32)
+            if lane == 0:
+                warp_taken[warp] = taken_above
+                warp_taken[WARPS + warp] = seen_equal
+            T.sync_threads()
+            taken_above = sum(T.if_then_else(w < warp, warp_taken[w], 0) for w in range(WARPS))
+            seen_equal = sum(T.if_then_else(w < warp, warp_taken[WARPS + w], 0) for w in range(WARPS))
+            for s in T.serial(steps):
+                fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images)
+                for u in T.unroll(UNROLL):
+                    j = first_key + (s * UNROLL + u) * WARP
+                    above_mask = T.cast(T.ballot_sync((images[u] >= above_cut) & (images[u] != 0)), u32)
+                    equal_mask = T.cast(T.ballot_sync((images[u] == equal_cut) & (images[u] != 0)), u32)
+                    above_before = taken_above + T.cast(T.popcount(above_mask & lanes_below), i32)
+                    equal_before = seen_equal + T.cast(T.popcount(equal_mask & lanes_below), i32)
+                    is_above = (images[u] >= above_cut) & (images[u] != 0)
+                    take = is_above | ((images[u] == equal_cut) & (images[u] != 0) & (equal_before < take_equal))
+                    rank = above_before + T.min(equal_before, take_equal)
+                    if take and rank < count:
+                        if order == "score":
+                            keys[rank] = T.shift_left(T.cast(images[u], u64), 32) | T.cast(
+                                T.uint32(0xFFFFFFFF) - T.cast(j, u32), u64
+                            )
+                        else:
+                            Index[row, rank] = j + offset
+                            Picked[row, rank] = Scores[row, j]
+                    taken_above = taken_above + T.cast(T.popcount(above_mask), i32)
+                    seen_equal = seen_equal + T.cast(T.popcount(equal_mask), i32)
 
             if order == "index":
+                # After the walk, the last warp's counters hold the row's totals.
+                if tx == THREADS - 1:
+                    written[0] = taken_above + T.min(seen_equal, take_equal)
+                T.sync_threads()
                 for i in T.serial(T.ceildiv(count, THREADS)):
-                    s = i * THREADS + tx
-                    if s >= written and s < count:
-                        Index[row, s] = -1
-                        Picked[row, s] = -T.infinity(dtype)
+                    slot = i * THREADS + tx
+                    if slot >= written[0] and slot < count:
+                        Index[row, slot] = -1
+                        Picked[row, slot] = -T.infinity(dtype)
             else:
                 T.sync_threads()
                 # Bitonic sort, descending: the best key first, 0s (padding) last. Thread tx holds
@@ -338,7 +429,7 @@ def radix_select_kernel(score_dtype: str, slots: int, order: str, index_bits: in
                     s = r * THREADS + tx
                     key = held[r]
                     if s < count:
-                        j = rev_max - T.cast(key & T.uint64(0xFFFFFFFF), i32)
+                        j = T.cast(T.uint32(0xFFFFFFFF) - T.cast(key & T.uint64(0xFFFFFFFF), u32), i32)
                         Index[row, s] = T.if_then_else(key != 0, j + offset, -1)
                         Picked[row, s] = T.if_then_else(key != 0, Scores[row, T.max(T.min(j, width - 1), 0)], -T.infinity(dtype))
 
@@ -388,7 +479,7 @@ def select_rows_tilelang(
     check_tensor("out[0]", index, dtypes=(torch.int32,), shape=(rows, count), device=scores.device)
     check_tensor("out[1]", picked, dtypes=(scores.dtype,), shape=(rows, count), device=scores.device)
     if rows:
-        config = select_config(scores.dtype, count, order, width)
+        config = select_config(scores.dtype, count, order)
         kernel = compile_cached(radix_select_kernel, **asdict(config))
         kernel(scores.contiguous(), ks.contiguous(), ke.contiguous(), index, picked, offset)
     return index, picked

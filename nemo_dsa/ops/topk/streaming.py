@@ -165,23 +165,37 @@ def _planned_chunks(ks, ke, row_key: tuple, row_bytes, chunk_bytes: int) -> Chun
     return memo_on_tensors((ks, ke), ("query_chunks", row_key, chunk_bytes), plan)
 
 
-def v4_row_bytes(heads: int, dim: int, count: int, on_gpu: bool = False) -> Callable[[np.ndarray], np.ndarray]:
+def _query_copy_bytes(heads: int, dim: int, batched: bool) -> int:
+    """A chunk's queries q[:, rows] are a contiguous view for one sequence; with several the
+    scorer copies them (bf16 [B, rows, H, D])."""
+    return heads * dim * 2 if batched else 0
+
+
+def v4_row_bytes(
+    heads: int, dim: int, count: int, on_gpu: bool = False, batched: bool = True
+) -> Callable[[np.ndarray], np.ndarray]:
     """Transient bytes per query row of :func:`v4_select_topk` for window widths ``width``
-    (``on_gpu``: selected by the TileLang kernel, else by select_rows)."""
+    (``on_gpu``: selected by the TileLang kernel, else by select_rows; ``batched``: B > 1)."""
     path = _selection_path(on_gpu)
     margin = 0 if on_gpu else TIE_MARGIN
-    # A contiguous copy of the chunk's q and w, and the [rows, T] top-k results and temporaries.
-    per_row = heads * dim * 2 + heads * 4 + SELECTED_BYTES[path] * (count + margin) + 64
+    # The chunk's q (copied when B > 1) and w, and the [rows, T] top-k results and temporaries.
+    per_row = _query_copy_bytes(heads, dim, batched) + heads * 4 + SELECTED_BYTES[path] * (count + margin) + 64
     return lambda width: width * V4_BYTES_PER_KEY[path] + per_row
 
 
 def v41_row_bytes(
-    heads: int, dim: int, count: int, candidates: bool = False, block_size: int = 1, on_gpu: bool = False
+    heads: int,
+    dim: int,
+    count: int,
+    candidates: bool = False,
+    block_size: int = 1,
+    on_gpu: bool = False,
+    batched: bool = True,
 ) -> Callable[[np.ndarray], np.ndarray]:
     """Transient bytes per query row of :func:`v41_select_topk` for window widths ``width``."""
     path = _selection_path(on_gpu)
     margin = 0 if on_gpu else TIE_MARGIN
-    per_row = heads * dim * 2 + heads * 2 + SELECTED_BYTES[path] * (count + margin) + 64
+    per_row = _query_copy_bytes(heads, dim, batched) + heads * 2 + SELECTED_BYTES[path] * (count + margin) + 64
     per_key = V41_BYTES_PER_KEY[path]
 
     def row_bytes(width: np.ndarray) -> np.ndarray:
@@ -233,8 +247,14 @@ def _globalise(scores, chosen, key_start: int, count: int) -> tuple[torch.Tensor
     return index, values
 
 
-def _select_chunks(chunks, score_chunk, emit, count: int, order: str, chunk_bytes: int, on_gpu: bool) -> None:
+def _select_chunks(
+    chunks, score_chunk, emit, count: int, order: str, chunk_bytes: int, on_gpu: bool, targets=None
+) -> None:
     """Score and select every chunk, ``emit(chunk, index, values)`` its global results.
+
+    ``targets(chunk)``, where given (one sequence: a chunk's rows of the outputs are contiguous),
+    returns [rows, count] (index, values) tensors the TileLang select writes into directly,
+    saving the copy through ``emit``.
 
     ``score_chunk(chunk, first_pass)`` returns the chunk's scores [B, rows, W] and its queries'
     window-local ks/ke [B, rows]. On the GPU (``on_gpu``) the TileLang radix select decides
@@ -252,10 +272,12 @@ def _select_chunks(chunks, score_chunk, emit, count: int, order: str, chunk_byte
         scores = scores.reshape(-1, chunk.width)
         if on_gpu:
             take = min(count, chunk.width)
+            out = targets(chunk) if targets is not None and take == count else None
             index, values = select_rows_tilelang(
-                scores, take, order, local_ks.reshape(-1), local_ke.reshape(-1), offset=chunk.key_start
+                scores, take, order, local_ks.reshape(-1), local_ke.reshape(-1), offset=chunk.key_start, out=out
             )
-            emit(chunk, *_pad_columns(index, values, count))
+            if out is None:
+                emit(chunk, *_pad_columns(index, values, count))
             continue
         chosen, redo = _select(scores, count, order)
         emit(chunk, *_globalise(scores, chosen, chunk.key_start, count))
@@ -380,7 +402,8 @@ def v4_select_topk_validated(q, k, w, ks, ke, topk: int, backend: str, chunk_byt
     indices = torch.full((batch, queries, count), -2, dtype=torch.int32, device=q.device)
     scores = torch.full((batch, queries, count), float("nan"), dtype=torch.float32, device=q.device)
     on_gpu = _selects_on_gpu(backend, count)
-    plan = _planned_chunks(ks, ke, ("v4", heads, dim, count, on_gpu), v4_row_bytes(heads, dim, count, on_gpu), chunk_bytes)
+    row_key = ("v4", heads, dim, count, on_gpu, batch > 1)
+    plan = _planned_chunks(ks, ke, row_key, v4_row_bytes(*row_key[1:]), chunk_bytes)
     chunks = plan.chunks
     buffer = _window_buffer(chunks, batch, q.device) if backend == "tilelang" else None
 
@@ -402,7 +425,8 @@ def v4_select_topk_validated(q, k, w, ks, ke, topk: int, backend: str, chunk_byt
             indices[:, chunk.rows] = index.view(batch, -1, count)
             scores[:, chunk.rows] = value.view(batch, -1, count)
 
-    _select_chunks(chunks, score_chunk, emit, count, "score", chunk_bytes, on_gpu)
+    targets = (lambda chunk: (indices[0, chunk.rows], scores[0, chunk.rows])) if batch == 1 else None
+    _select_chunks(chunks, score_chunk, emit, count, "score", chunk_bytes, on_gpu, targets)
     return scores, indices
 
 
@@ -472,7 +496,7 @@ def v41_select_topk(
         num_blocks = min(candidate_topk_blocks, -(-num_keys // candidate_block_size))
         blocks_out = torch.full((batch, queries, num_blocks), -2, dtype=torch.int32, device=q.device)
     on_gpu = _selects_on_gpu(backend, count)
-    row_key = ("v41", heads, dim, count, source or reindex, candidate_block_size or 1, on_gpu)
+    row_key = ("v41", heads, dim, count, source or reindex, candidate_block_size or 1, on_gpu, batch > 1)
     row_bytes = v41_row_bytes(*row_key[1:])
 
     def score_chunk(chunk, first_pass):
@@ -502,6 +526,10 @@ def v41_select_topk(
         else:
             indices[:, chunk.rows] = index.view(batch, -1, count)
 
+    def targets(chunk):  # the selected scores are not returned: a transient receives them
+        picked = torch.empty((chunk.end - chunk.start, count), dtype=torch.bfloat16, device=q.device)
+        return indices[0, chunk.rows], picked
+
     plan = _planned_chunks(ks, ke, row_key, row_bytes, chunk_bytes)
-    _select_chunks(plan.chunks, score_chunk, emit, count, "index", chunk_bytes, on_gpu)
+    _select_chunks(plan.chunks, score_chunk, emit, count, "index", chunk_bytes, on_gpu, targets if batch == 1 else None)
     return (indices, blocks_out) if source else indices
