@@ -19,7 +19,6 @@ from nemo_dsa.ops.topk.kernels import (
     DIGIT_BITS,
     MAX_COUNT,
     MIN_BLOCKS_PER_SM,
-    SCORE_BITS,
     UNROLL,
     SelectConfig,
     dispatched_configs,
