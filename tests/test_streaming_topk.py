@@ -193,6 +193,16 @@ def test_planner_covers_rows_windows_hold_visible_keys_and_fit_the_budget(layout
             assert len(chunks) == 1
 
 
+def test_row_bytes_count_the_query_copy_only_for_several_sequences():
+    # q[:, rows] is a view for B = 1 and a copy the scorer makes for B > 1: H * D bf16 per row.
+    widths = np.array([0, 100, 4096])
+    for one, several in (
+        (v4_row_bytes(8, 64, 512, on_gpu=True, batched=False), v4_row_bytes(8, 64, 512, on_gpu=True, batched=True)),
+        (v41_row_bytes(8, 64, 512, on_gpu=True, batched=False), v41_row_bytes(8, 64, 512, on_gpu=True, batched=True)),
+    ):
+        assert (several(widths) - one(widths) == 8 * 64 * 2).all()
+
+
 # ----------------------------------------------------------------------------------------------
 # End to end (torch backend) against the full-matrix references
 # ----------------------------------------------------------------------------------------------
