@@ -11,7 +11,7 @@ import torch
 import nemo_dsa
 from causal_layouts import random_ks_ke
 from nemo_dsa.ops.topk.naive import select_topk
-from nemo_dsa.ops.v4_indexer.interface import V4IndexerFunction, pytorch_extract_topk_scores, v4_lighting_indexer
+from nemo_dsa.ops.v4_indexer import V4IndexerFunction, pytorch_extract_topk_scores, v4_indexer_bshd, v4_lighting_indexer
 from nemo_dsa.ops.v4_indexer.naive import v4_logits
 from nemo_dsa.ops.v41_indexer.interface import indexer_scores
 
@@ -178,3 +178,33 @@ def test_v4_streamed_selection_equals_materialised(b, s, h, d, k, topk):
         results.append((score, idx, qg.grad, kg.grad, wg.grad))
     for a, c in zip(*results):
         assert torch.equal(a, c)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("b, s, h, d, k, topk, explicit", [(2, 29, 4, 32, 8, 5, True), (3, 17, 2, 16, 5, 8, False)])
+def test_v4_bshd_entry_point_equals_sbhd_seed_api(b, s, h, d, k, topk, explicit, fused):
+    """v4_indexer_bshd on BSHD tensors returns what the SBHD seed API returns on their transposes,
+    and the same gradients (in each caller's layout)."""
+    g = torch.Generator().manual_seed(b * 1000 + s)
+    q = torch.randn(b, s, h, d, generator=g).bfloat16()
+    key = torch.randn(b, k, d, generator=g).bfloat16()
+    w = torch.randn(b, s, h, generator=g) * h**-0.5
+    ks, ke = random_ks_ke(b, s, k, g) if explicit else (None, None)
+    upstream = torch.randn(b, s, min(topk, k), generator=g)
+    outputs = []
+    for bshd in (True, False):
+        leaves = [x.clone().requires_grad_() for x in (q, key, w)]
+        if bshd:
+            score, idx = v4_indexer_bshd(*leaves, 4, topk, ks=ks, ke=ke, backend="torch", fused_topk=fused)
+            grads = lambda: [x.grad for x in leaves]  # noqa: E731
+        else:
+            sbhd = [x.detach().transpose(0, 1).contiguous().requires_grad_() for x in leaves]
+            score, idx = v4_lighting_indexer(*sbhd, 4, topk, ks=ks, ke=ke, backend="torch", fused_topk=fused)
+            grads = lambda: [x.grad.transpose(0, 1) for x in sbhd]  # noqa: E731
+        torch.where(idx >= 0, score, 0.0).mul(upstream).sum().backward()
+        outputs.append((score, idx, *grads()))
+    for a, c in zip(*outputs):
+        assert torch.equal(a, c)
+    given = outputs[0][1]
+    score, idx = v4_indexer_bshd(q, key, w, 4, topk, topk_indices=given, ks=ks, ke=ke)
+    assert torch.equal(score, outputs[0][0]) and torch.equal(idx, given)
