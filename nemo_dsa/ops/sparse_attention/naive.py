@@ -99,6 +99,9 @@ def _attend_chunk(q, kv, indices, sink, bias, scale):
     idx = indices.long()
     valid = idx >= 0
     keys = torch.gather(kv, 1, idx.clamp_min(0).flatten(1).unsqueeze(-1).expand(-1, -1, dim))
+    # Select, never multiply by a zero probability: the row gathered for a -1 slot may hold
+    # NaN or inf, and 0 * inf is NaN in the output and in every gradient.
+    keys = torch.where(valid.flatten(1).unsqueeze(-1), keys, torch.zeros((), dtype=keys.dtype, device=keys.device))
     keys = keys.view(batch, chunk, width, dim).float()
     logits = torch.einsum("bchd,bcmd->bchm", q.float(), keys) * scale
     if bias is not None:
@@ -117,3 +120,56 @@ def _attend_chunk(q, kv, indices, sink, bias, scale):
     lse = safe_lse.masked_fill(empty.squeeze(-1), float("-inf"))
     probs = torch.exp(logits - safe_lse.unsqueeze(-1))
     return torch.einsum("bchm,bcmd->bchd", probs, keys).to(q.dtype), lse
+
+
+def window_key_indices(window_start: torch.Tensor, window: int, seq_len: int, num_raw: int) -> torch.Tensor:
+    """Raw-row indices ``[B, S, window]`` of each query's sliding window, -1 where not visible.
+
+    Query i owns raw row ``own = i + num_raw - seq_len`` (the rows in front are history, e.g. the
+    previous context-parallel rank's tail) and sees rows ``[max(window_start, own - window + 1),
+    own]``: none when ``window_start > own`` (a padding query).
+    """
+    own = torch.arange(seq_len, device=window_start.device) + (num_raw - seq_len)
+    rows = own[:, None] - window + 1 + torch.arange(window, device=window_start.device)  # [S, W]
+    seen = (rows[None] >= window_start[..., None].long()) & (rows[None] >= 0)
+    return torch.where(seen, rows[None], -1)
+
+
+def range_key_indices(ks: torch.Tensor, ke: torch.Tensor) -> torch.Tensor:
+    """Index lists ``[B, S, max(ke - ks)]`` of every key j with ks <= j < ke, -1 padded."""
+    width = int((ke - ks).max()) if ks.numel() else 0
+    slots = ks[..., None].long() + torch.arange(width, device=ks.device)
+    return torch.where(slots < ke[..., None].long(), slots, -1)
+
+
+def window_compressed_attention_reference(
+    q: torch.Tensor,
+    raw_kv: torch.Tensor,
+    window_start: torch.Tensor,
+    window: int,
+    compressed_kv: torch.Tensor | None,
+    *,
+    indices: torch.Tensor | None = None,
+    ks: torch.Tensor | None = None,
+    ke: torch.Tensor | None = None,
+    sink: torch.Tensor | None = None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The window + compressed attention contract, written as one index-list attention.
+
+    Each query's keys are its sliding window of ``raw_kv`` (:func:`window_key_indices`) and the
+    compressed rows of ``compressed_kv`` named by ``indices [B, S, T]`` (-1 = none; a repeated
+    index counts once per slot) or the range ``[ks, ke)``; one softmax over all of them with the
+    sink in the denominator only. Returns (out [B, S, H, D] in q's dtype, lse fp32 [B, S, H]).
+    Differentiable in q, raw_kv, compressed_kv and sink (autograd through the gather).
+    """
+    batch, seq_len = q.shape[:2]
+    num_raw = raw_kv.shape[1]
+    lists = [window_key_indices(window_start, window, seq_len, num_raw)]
+    kv = raw_kv
+    if compressed_kv is not None:
+        selected = indices.long() if indices is not None else range_key_indices(ks, ke)
+        lists.append(torch.where(selected >= 0, selected + num_raw, -1))
+        kv = torch.cat((raw_kv, compressed_kv), dim=1)
+    all_indices = torch.cat(lists, dim=-1)
+    return sparse_attention(q, kv, all_indices, sink, scale)

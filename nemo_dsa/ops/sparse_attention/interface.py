@@ -1,0 +1,149 @@
+"""Window + compressed sparse attention: the public op, its validation and backend dispatch.
+
+``backend="torch"`` (and ``"auto"`` on CPU) runs the readable reference
+(:func:`naive.window_compressed_attention_reference`); ``"tilelang"`` (``"auto"`` on CUDA)
+runs the Hopper kernels of ``kernels.py`` through :class:`SparseWindowAttentionFunction`.
+TileLang is imported only when the kernels are first used.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nemo_dsa._checks import check_positive_int, check_tensor
+from nemo_dsa.ops.dispatch import resolve_backend
+from nemo_dsa.visibility import check_ks_ke
+from nemo_dsa.ops.sparse_attention.naive import window_compressed_attention_reference
+
+# Limits of the kernels (the reference has none).
+KERNEL_MAX_HEADS = 128
+KERNEL_MAX_DIM = 512
+KERNEL_MAX_SELECTED = 2048
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+class SparseWindowAttentionFunction(torch.autograd.Function):
+    """Autograd over the TileLang kernels: gradients for q, raw_kv, compressed_kv and sink.
+
+    ``lse`` is returned as a non-differentiable output (its consumers use it detached).
+    """
+
+    @staticmethod
+    def forward(ctx, q, raw_kv, window_start, window, compressed_kv, indices, ks, ke, sink, scale):
+        from nemo_dsa.ops.sparse_attention import kernels
+
+        inputs = kernels.KernelInputs(q, raw_kv, window_start, window, compressed_kv, indices, ks, ke, sink, scale)
+        out, lse = kernels.sparse_window_forward(inputs)
+        ctx.inputs = inputs
+        ctx.has_compressed = compressed_kv is not None
+        ctx.save_for_backward(out, lse)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_lse):
+        from nemo_dsa.ops.sparse_attention import kernels
+
+        out, lse = ctx.saved_tensors
+        inputs = ctx.inputs
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        dq, d_raw, d_comp, delta = kernels.sparse_window_backward(inputs, out, lse, grad_out)
+        d_sink = None
+        if inputs.has_sink and ctx.needs_input_grad[8]:
+            # d lse / d sink = p_sink; d out / d sink = -p_sink * out, so dL/dsink = -p_sink * delta.
+            p_sink = torch.exp(inputs.sink.view(1, 1, -1) - lse)
+            d_sink = -(p_sink * delta).sum(dim=(0, 1))
+        return dq, d_raw, None, None, d_comp if ctx.has_compressed else None, None, None, None, d_sink, None
+
+
+def _validate(q, raw_kv, window_start, window, compressed_kv, indices, ks, ke, sink, scale):
+    check_tensor("q", q, ndim=4, dtypes=_FLOAT_DTYPES)
+    batch, seq_len, heads, dim = q.shape
+    device = q.device
+    check_tensor("raw_kv", raw_kv, ndim=3, dtypes=(q.dtype,), shape=(batch, None, dim), device=device)
+    if raw_kv.shape[1] < seq_len:
+        raise ValueError(f"raw_kv must hold at least one row per query ({seq_len}), got {raw_kv.shape[1]}")
+    check_tensor("window_start", window_start, ndim=2, dtypes=(torch.int32,), shape=(batch, seq_len), device=device)
+    check_positive_int("window", window)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float, got {type(scale).__name__}")
+    if sink is not None:
+        check_tensor("sink", sink, ndim=1, dtypes=(torch.float32,), shape=(heads,), device=device)
+    if compressed_kv is None:
+        if indices is not None or ks is not None or ke is not None:
+            raise ValueError("indices / ks / ke need compressed_kv: got compressed_kv=None")
+        return
+    check_tensor("compressed_kv", compressed_kv, ndim=3, dtypes=(q.dtype,), shape=(batch, None, dim), device=device)
+    num_keys = compressed_kv.shape[1]
+    if indices is not None:
+        if ks is not None or ke is not None:
+            raise ValueError("give either indices or (ks, ke), not both")
+        check_tensor("indices", indices, ndim=3, dtypes=(torch.int32,), shape=(batch, seq_len, None), device=device)
+        if indices.numel():
+            low, high = (int(v) for v in torch.stack((indices.min(), indices.max())).tolist())
+            if low < -1 or high >= num_keys:
+                raise ValueError(f"indices must lie in [-1, {num_keys}) (compressed_kv has {num_keys} rows), got [{low}, {high}]")
+    elif ks is None and ke is None:
+        raise ValueError("compressed_kv needs indices or (ks, ke) to say which rows each query sees")
+    else:
+        check_ks_ke(ks, ke, batch=batch, queries=seq_len, num_keys=num_keys, device=device)
+
+
+def _check_kernel_limits(q, indices) -> None:
+    heads, dim = q.shape[2], q.shape[3]
+    if q.dtype != torch.bfloat16:
+        raise TypeError(f"q must have dtype bfloat16 for the TileLang kernels, got {str(q.dtype).replace('torch.', '')}")
+    if heads > KERNEL_MAX_HEADS:
+        raise ValueError(f"q must have at most {KERNEL_MAX_HEADS} heads for the TileLang kernels, got {heads}")
+    if dim > KERNEL_MAX_DIM:
+        raise ValueError(f"q's head dim must be <= {KERNEL_MAX_DIM} for the TileLang kernels, got {dim}")
+    if indices is not None and indices.shape[-1] > KERNEL_MAX_SELECTED:
+        raise ValueError(f"indices must have at most {KERNEL_MAX_SELECTED} slots for the TileLang kernels, got {indices.shape[-1]}")
+
+
+def sparse_window_attention(
+    q: torch.Tensor,
+    raw_kv: torch.Tensor,
+    window_start: torch.Tensor,
+    window: int,
+    compressed_kv: torch.Tensor | None = None,
+    *,
+    indices: torch.Tensor | None = None,
+    ks: torch.Tensor | None = None,
+    ke: torch.Tensor | None = None,
+    sink: torch.Tensor | None = None,
+    scale: float,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Multi-query attention over each query's sliding window plus its compressed keys.
+
+    Args:
+        q: [B, S, H, D] queries (bf16 for the kernels).
+        raw_kv: [B, N_raw, D] raw key/value rows, N_raw >= S; query i owns row i + N_raw - S
+            (rows in front are history, e.g. the previous context-parallel rank's tail).
+        window_start: int32 [B, S], first raw row of each query's document; the query sees raw
+            rows [max(window_start, own - window + 1), own] (none if window_start > own).
+        window: sliding-window length (>= 1, the query itself included).
+        compressed_kv: [B, K, D] compressed rows, or None for window-only attention.
+        indices: int32 [B, S, T] compressed rows per query (-1 = none; repeats count per slot),
+        ks, ke: or int32 [B, S]: every compressed row j with ks <= j < ke.
+        sink: fp32 [H] per-head sink logits (denominator only), or None.
+        scale: softmax scale on q . k.
+        backend: "auto" (kernels on CUDA, reference on CPU) | "tilelang" | "torch".
+
+    Returns:
+        out [B, S, H, D] in q's dtype and lse fp32 [B, S, H] (natural log, sink included; -inf
+        for a query that sees nothing and has no sink, whose output and gradients are zero).
+    """
+    _validate(q, raw_kv, window_start, window, compressed_kv, indices, ks, ke, sink, scale)
+    tensors = [t for t in (q, raw_kv, window_start, compressed_kv, indices, ks, ke, sink) if t is not None]
+    backend = resolve_backend(backend, *tensors)
+    if backend == "torch":
+        return window_compressed_attention_reference(
+            q, raw_kv, window_start, window, compressed_kv, indices=indices, ks=ks, ke=ke, sink=sink, scale=float(scale)
+        )
+    _check_kernel_limits(q, indices)
+    return SparseWindowAttentionFunction.apply(
+        q, raw_kv, window_start, window, compressed_kv, indices, ks, ke, sink, float(scale)
+    )

@@ -1,0 +1,595 @@
+"""TileLang sparse window + compressed attention for Hopper (sm_90a): forward and backward.
+
+Contract (see :func:`nemo_dsa.ops.sparse_attention.naive.window_compressed_attention_reference`):
+query i of batch b owns raw row ``own = i + N_raw - S``; it sees the raw rows
+``[max(window_start, own - window + 1), own]`` (its sliding window, read by position) and the
+compressed rows named by ``indices[b, i]`` (-1 = none) or the range ``[ks, ke)``. One softmax
+over both, the per-head sink in the denominator only.
+
+Work unit: one query and 64 of its heads (the GEMM's M dimension, as in FlashMLA; fewer heads
+are zero-padded to 64, 128 heads take two blocks). Its keys come in tiles of ``BLOCK_KEYS``:
+first the window tiles (contiguous raw rows), then the compressed tiles (gathered by index, or
+contiguous in range mode). Rows of a tile that the query must not see are zero-filled by the
+copy itself (``cp.async`` with a zero source size), never loaded, so a NaN or inf in an unseen
+key cannot reach a product; their logits are then selected to -inf.
+
+Forward schedule (384 threads, hand warp-specialised):
+- producer warpgroup: gathers key tiles with 16-byte cp.async into a ring of ``num_stages``
+  shared buffers (full/empty mbarriers);
+- consumer 0: S = Q K^T over the whole head dim (m64 n64), the online softmax, then
+  O[:, :D/2] += P V[:, :D/2];
+- consumer 1: O[:, D/2:] += P V[:, D/2:] with the P and rescale factors consumer 0 left in
+  shared memory (two mbarriers hand P over and back).
+Each consumer holds a [64, D/2] fp32 accumulator (128 registers a thread at D = 512).
+
+Backward: ``delta = rowsum(dO * O)`` (a small kernel), then one block per (query, 64 heads)
+recomputes P from the saved lse, accumulates dq in registers and adds each tile's
+dkv = scale * dS^T Q + P^T dO into an fp32 [N_raw + K, D] buffer with 16-byte atomics
+(non-deterministic summation order: fp32 rounding only), converted to the input dtype after.
+"""
+
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from nemo_dsa.ops._tilelang import HOPPER_SMEM_LIMIT, compile_cached, tilelang
+
+BLOCK_HEADS = 64  # heads of one query per block: wgmma's M
+BLOCK_KEYS = 64  # keys per tile
+KERNEL_DIMS = (128, 256, 512)  # head dims built; others (multiples of 16) are zero-padded up
+MAX_DIM = 512
+MAX_HEADS = 128
+MAX_WINDOW = 512
+MAX_SELECTED = 2048
+LOG2E = 1.4426950408889634
+# Running-max floor in log2 units: finite, so exp2(m_old - m_new) is never inf - inf.
+M_FLOOR = -1.0e30
+MODES = ("indices", "range")
+
+FWD_THREADS = 384
+FWD_PASS_CONFIGS = {"tl.disable_warp_specialized": True, "tl.disable_safe_memory_legalize": True}
+BWD_THREADS = 256
+BWD_PASS_CONFIGS = {"tl.disable_warp_specialized": True, "tl.disable_tma_lower": True}
+
+
+@dataclass(frozen=True)
+class ForwardConfig:
+    """One compiled forward (every field is an argument of :func:`sparse_window_fwd_kernel`)."""
+
+    dim: int
+    mode: str  # "indices" (per-query compressed indices) or "range" ([ks, ke))
+    num_stages: int
+    consumer0_registers: int = 240
+    consumer1_registers: int = 168
+    producer_registers: int = 104
+
+    def kernel_kwargs(self) -> dict:
+        return asdict(self)
+
+    def pass_configs(self) -> dict:
+        return dict(FWD_PASS_CONFIGS)
+
+    def shared_memory_bytes(self) -> int:
+        """Q [64, D] + key ring [stages, 64, D] (bf16) + P [64, 64] + the index row (indices)."""
+        index_row = 4 * MAX_SELECTED if self.mode == "indices" else 0
+        return 2 * self.dim * (BLOCK_HEADS + self.num_stages * BLOCK_KEYS) + 2 * BLOCK_HEADS * BLOCK_KEYS + index_row
+
+
+@dataclass(frozen=True)
+class BackwardConfig:
+    dim: int
+    mode: str
+    dkv_chunk: int  # columns of dkv computed (and added) at a time: bounds its registers
+
+    def kernel_kwargs(self) -> dict:
+        return asdict(self)
+
+    def pass_configs(self) -> dict:
+        return dict(BWD_PASS_CONFIGS)
+
+
+def kernel_dim(dim: int) -> int:
+    """The built head dim that serves ``dim`` (the smallest of KERNEL_DIMS >= it)."""
+    for d in KERNEL_DIMS:
+        if dim <= d:
+            return d
+    raise ValueError(f"head_dim must be <= {MAX_DIM}, got {dim}")
+
+
+def forward_config(dim: int, mode: str) -> ForwardConfig:
+    """Stages: as many 64-key tiles as fit beside Q in 227 KiB (2 at D = 512, 4 below)."""
+    if dim not in KERNEL_DIMS:
+        raise ValueError(f"dim must be one of {KERNEL_DIMS} for a kernel, got {dim}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    return ForwardConfig(dim, mode, num_stages=2 if dim == 512 else 4)
+
+
+def backward_config(dim: int, mode: str) -> BackwardConfig:
+    if dim not in KERNEL_DIMS:
+        raise ValueError(f"dim must be one of {KERNEL_DIMS} for a kernel, got {dim}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    return BackwardConfig(dim, mode, dkv_chunk=64)
+
+
+def dispatched_configs() -> list:
+    """Every forward and backward configuration the wrappers can compile."""
+    return [forward_config(d, m) for d in KERNEL_DIMS for m in MODES] + [
+        backward_config(d, m) for d in KERNEL_DIMS for m in MODES
+    ]
+
+
+# ----------------------------------------------------------------------------------------------
+# Tile bookkeeping shared by the kernels (plain expressions, evaluated by every thread)
+# ----------------------------------------------------------------------------------------------
+
+
+def _tile_plan(T, own, window_start, window, n_sel):
+    """(first window row, window tiles, all tiles) of one query; n_sel = compressed slots."""
+    lo = T.max(T.max(window_start, own - window + 1), 0)
+    n_window = T.max(own - lo + 1, 0)
+    window_tiles = T.ceildiv(n_window, BLOCK_KEYS)
+    return lo, window_tiles, window_tiles + T.ceildiv(n_sel, BLOCK_KEYS)
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------------
+
+
+def sparse_window_fwd_kernel(
+    dim: int,
+    mode: str,
+    num_stages: int,
+    consumer0_registers: int,
+    consumer1_registers: int,
+    producer_registers: int,
+):
+    """PrimFunc of the forward for one configuration. Grid: (S * head groups, B).
+
+    Arguments: Q [B, S, H, D], Raw [B, N_raw, D], Comp [B, K, D] (bf16), WindowStart [B, S],
+    Indices [B, S, T] or KS/KE [B, S] (int32), Sink [H] fp32, Params [2] fp32 (scale, has_sink),
+    Window [1] int32; out: Out [B, S, H, D] bf16, Lse [B, S, H] fp32 (natural log).
+    """
+    T = tilelang().language
+    bf16, f32, i32 = T.bfloat16, T.float32, T.int32
+    HB, BK, D, half = BLOCK_HEADS, BLOCK_KEYS, dim, dim // 2
+    batch, seq_len, heads = T.dynamic("batch"), T.dynamic("seq_len"), T.dynamic("heads")
+    n_raw, n_comp, n_slots = T.dynamic("n_raw"), T.dynamic("n_comp"), T.dynamic("n_slots")
+    by_index = mode == "indices"
+    idx_shape = [batch, seq_len, n_slots] if by_index else [batch, seq_len]
+
+    @T.prim_func
+    def sparse_window_fwd(
+        Q: T.Tensor([batch, seq_len, heads, D], bf16),
+        Raw: T.Tensor([batch, n_raw, D], bf16),
+        Comp: T.Tensor([batch, n_comp, D], bf16),
+        WindowStart: T.Tensor([batch, seq_len], i32),
+        Indices: T.Tensor(idx_shape, i32),
+        KE: T.Tensor([batch, seq_len], i32),
+        Sink: T.Tensor([heads], f32),
+        Params: T.Tensor([2], f32),
+        Window: T.Tensor([1], i32),
+        Out: T.Tensor([batch, seq_len, heads, D], bf16),
+        Lse: T.Tensor([batch, seq_len, heads], f32),
+    ):
+        groups = T.ceildiv(heads, HB)
+        with T.Kernel(seq_len * groups, batch, threads=FWD_THREADS) as (bx, b):
+            tx = T.get_thread_binding()
+            q_l = T.alloc_shared([HB, half], bf16)
+            q_r = T.alloc_shared([HB, half], bf16)
+            k_l = T.alloc_shared([num_stages, BK, half], bf16)
+            k_r = T.alloc_shared([num_stages, BK, half], bf16)
+            p_shared = T.alloc_shared([HB, BK], bf16)
+            alpha_s = T.alloc_shared([HB], f32)
+            final_s = T.alloc_shared([HB], f32)
+            idx_s = T.alloc_shared([MAX_SELECTED if by_index else 1], i32)
+            full = T.alloc_barrier([128] * num_stages)  # producer threads (cp.async noinc)
+            empty = T.alloc_barrier([256] * num_stages)  # both consumers
+            p_ready = T.alloc_barrier([128])  # consumer 0
+            p_free = T.alloc_barrier([128])  # consumer 1
+            done = T.alloc_barrier([128])  # consumer 0: final scale written
+
+            acc_s = T.alloc_fragment([HB, BK], f32)
+            acc_o_l = T.alloc_fragment([HB, half], f32)
+            acc_o_r = T.alloc_fragment([HB, half], f32)
+            m_i = T.alloc_fragment([HB], f32)
+            m_prev = T.alloc_fragment([HB], f32)
+            row_sum = T.alloc_fragment([HB], f32)
+            tile_sum = T.alloc_fragment([HB], f32)
+            alpha = T.alloc_fragment([HB], f32)
+            sink_f = T.alloc_fragment([HB], f32)
+
+            s = bx // groups
+            h0 = (bx % groups) * HB
+            own = s + n_raw - seq_len
+            scale_log2 = Params[0] * LOG2E
+            has_sink = Params[1] > 0.5
+            window = Window[0]
+            if by_index:
+                ks = 0
+                n_sel = n_slots
+            else:
+                ks = Indices[b, s]
+                n_sel = T.max(KE[b, s] - ks, 0)
+            lo, window_tiles, tiles = _tile_plan(T, own, WindowStart[b, s], window, n_sel)
+
+            for h, d in T.Parallel(HB, half):
+                q_l[h, d] = T.if_then_else(h0 + h < heads, Q[b, s, T.min(h0 + h, heads - 1), d], T.cast(0, bf16))
+                q_r[h, d] = T.if_then_else(h0 + h < heads, Q[b, s, T.min(h0 + h, heads - 1), half + d], T.cast(0, bf16))
+            if by_index:
+                for j in T.Parallel(MAX_SELECTED):
+                    if j < n_slots:
+                        idx_s[j] = Indices[b, s, j]
+            T.sync_threads()
+
+            if tx < 128:
+                T.set_max_nreg(consumer0_registers, 1)
+                T.fill(m_i, M_FLOOR)
+                T.fill(row_sum, 0)
+                T.fill(acc_o_l, 0)
+                for t in T.serial(tiles):
+                    stage = t % num_stages
+                    T.mbarrier_wait_parity(full[stage], (t // num_stages) % 2)
+                    T.gemm(q_l, k_l[stage, :, :], acc_s, transpose_B=True, clear_accum=True)
+                    T.gemm(q_r, k_r[stage, :, :], acc_s, transpose_B=True)
+                    for h, c in T.Parallel(HB, BK):
+                        slot = T.max((t - window_tiles) * BK + c, 0)
+                        if by_index:
+                            key = idx_s[T.min(slot, MAX_SELECTED - 1)]
+                            comp_seen = (slot < n_sel) & (key >= 0) & (key < n_comp)
+                        else:
+                            comp_seen = slot < n_sel
+                        seen = T.if_then_else(t < window_tiles, lo + t * BK + c <= own, comp_seen)
+                        acc_s[h, c] = T.if_then_else(seen, acc_s[h, c] * scale_log2, -T.infinity(f32))
+                    T.copy(m_i, m_prev)
+                    T.reduce_max(acc_s, m_i, dim=1, clear=False)
+                    for h in T.Parallel(HB):
+                        alpha[h] = T.exp2(m_prev[h] - m_i[h])
+                    for h, c in T.Parallel(HB, BK):
+                        acc_s[h, c] = T.exp2(acc_s[h, c] - m_i[h])
+                    T.reduce_sum(acc_s, tile_sum, dim=1)
+                    for h in T.Parallel(HB):
+                        row_sum[h] = row_sum[h] * alpha[h] + tile_sum[h]
+                    for h, d in T.Parallel(HB, half):
+                        acc_o_l[h, d] *= alpha[h]
+                    if t > 0:
+                        T.mbarrier_wait_parity(p_free[0], (t - 1) % 2)  # consumer 1 read P of t - 1
+                    T.copy(alpha, alpha_s)
+                    T.copy(acc_s, p_shared)
+                    T.fence_proxy_async()
+                    T.mbarrier_arrive(p_ready[0])
+                    T.gemm(p_shared, k_l[stage, :, :], acc_o_l)
+                    T.mbarrier_arrive(empty[stage])
+                # Sink in the denominator only; empty rows (no key, no sink) give 0 and -inf.
+                for h in T.Parallel(HB):
+                    sink_f[h] = T.if_then_else(has_sink & (h0 + h < heads), Sink[T.min(h0 + h, heads - 1)] * LOG2E, M_FLOOR)
+                for h in T.Parallel(HB):
+                    m_prev[h] = T.max(m_i[h], sink_f[h])  # final max
+                    row_sum[h] = row_sum[h] * T.exp2(m_i[h] - m_prev[h]) + T.if_then_else(
+                        has_sink, T.exp2(sink_f[h] - m_prev[h]), T.cast(0, f32)
+                    )
+                    alpha[h] = T.if_then_else(row_sum[h] > 0, T.exp2(m_i[h] - m_prev[h]) / row_sum[h], T.cast(0, f32))
+                if tiles > 0:
+                    T.mbarrier_wait_parity(p_free[0], (tiles - 1) % 2)
+                T.copy(alpha, final_s)
+                T.mbarrier_arrive(done[0])
+                for h in T.Parallel(HB):
+                    if h0 + h < heads:
+                        Lse[b, s, h0 + h] = T.if_then_else(
+                            row_sum[h] > 0, (m_prev[h] + T.log2(row_sum[h])) / LOG2E, -T.infinity(f32)
+                        )
+                for h, d in T.Parallel(HB, half):
+                    acc_o_l[h, d] *= alpha[h]
+                T.copy(acc_o_l, q_l)
+                for h, d in T.Parallel(HB, half):
+                    if h0 + h < heads:
+                        Out[b, s, h0 + h, d] = q_l[h, d]
+            elif tx < 256:
+                T.set_max_nreg(consumer1_registers, 1)
+                T.fill(acc_o_r, 0)
+                for t in T.serial(tiles):
+                    stage = t % num_stages
+                    T.mbarrier_wait_parity(p_ready[0], t % 2)
+                    for h, d in T.Parallel(HB, half):
+                        acc_o_r[h, d] *= alpha_s[h]
+                    T.gemm(p_shared, k_r[stage, :, :], acc_o_r)
+                    T.mbarrier_arrive(p_free[0])
+                    T.mbarrier_arrive(empty[stage])
+                T.mbarrier_wait_parity(done[0], 0)
+                for h, d in T.Parallel(HB, half):
+                    acc_o_r[h, d] *= final_s[h]
+                T.copy(acc_o_r, q_r)
+                for h, d in T.Parallel(HB, half):
+                    if h0 + h < heads:
+                        Out[b, s, h0 + h, half + d] = q_r[h, d]
+            else:
+                T.set_max_nreg(producer_registers, 0)
+                for t in T.serial(tiles):
+                    stage = t % num_stages
+                    T.mbarrier_wait_parity(empty[stage], ((t // num_stages) % 2) ^ 1)
+                    # 16-byte cp.async with a zero source size for rows the query must not see.
+                    if t < window_tiles:
+                        for r, d in T.Parallel(BK, half, prefer_async=True):
+                            k_l[stage, r, d] = T.if_then_else(
+                                lo + t * BK + r <= own, Raw[b, T.min(lo + t * BK + r, n_raw - 1), d], T.cast(0, bf16)
+                            )
+                            k_r[stage, r, d] = T.if_then_else(
+                                lo + t * BK + r <= own, Raw[b, T.min(lo + t * BK + r, n_raw - 1), half + d], T.cast(0, bf16)
+                            )
+                    else:
+                        base = (t - window_tiles) * BK
+                        if by_index:
+                            for r, d in T.Parallel(BK, half, prefer_async=True):
+                                k_l[stage, r, d] = T.if_then_else(
+                                    (base + r < n_sel) & (idx_s[T.min(base + r, MAX_SELECTED - 1)] >= 0) & (idx_s[T.min(base + r, MAX_SELECTED - 1)] < n_comp),
+                                    Comp[b, T.max(idx_s[T.min(base + r, MAX_SELECTED - 1)], 0), d], T.cast(0, bf16),
+                                )
+                                k_r[stage, r, d] = T.if_then_else(
+                                    (base + r < n_sel) & (idx_s[T.min(base + r, MAX_SELECTED - 1)] >= 0) & (idx_s[T.min(base + r, MAX_SELECTED - 1)] < n_comp),
+                                    Comp[b, T.max(idx_s[T.min(base + r, MAX_SELECTED - 1)], 0), half + d], T.cast(0, bf16),
+                                )
+                        else:
+                            for r, d in T.Parallel(BK, half, prefer_async=True):
+                                k_l[stage, r, d] = T.if_then_else(
+                                    base + r < n_sel, Comp[b, T.min(ks + base + r, n_comp - 1), d], T.cast(0, bf16)
+                                )
+                                k_r[stage, r, d] = T.if_then_else(
+                                    base + r < n_sel, Comp[b, T.min(ks + base + r, n_comp - 1), half + d], T.cast(0, bf16)
+                                )
+                    T.fence_proxy_async()
+                    T.mbarrier_arrive(full[stage])
+
+    return sparse_window_fwd
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward
+# ----------------------------------------------------------------------------------------------
+
+DELTA_ROWS = 32
+DELTA_CHUNK = 128
+
+
+def attention_delta_kernel(dim: int):
+    """PrimFunc of delta[r] = sum_d O[r, d] * dO[r, d] in fp32 over rows r of [R, D] bf16."""
+    T = tilelang().language
+    rows = T.dynamic("rows")
+
+    @T.prim_func
+    def attention_delta(
+        O: T.Tensor([rows, dim], T.bfloat16),
+        dO: T.Tensor([rows, dim], T.bfloat16),
+        Delta: T.Tensor([rows], T.float32),
+    ):
+        with T.Kernel(T.ceildiv(rows, DELTA_ROWS), threads=128) as bx:
+            acc = T.alloc_fragment([DELTA_ROWS, DELTA_CHUNK], T.float32)
+            total = T.alloc_fragment([DELTA_ROWS], T.float32)
+            T.clear(acc)
+            for c in T.serial(dim // DELTA_CHUNK):
+                for r, d in T.Parallel(DELTA_ROWS, DELTA_CHUNK):
+                    row = T.min(bx * DELTA_ROWS + r, rows - 1)
+                    acc[r, d] += T.cast(O[row, c * DELTA_CHUNK + d], T.float32) * T.cast(
+                        dO[row, c * DELTA_CHUNK + d], T.float32
+                    )
+            T.reduce_sum(acc, total, dim=1)
+            for r in T.Parallel(DELTA_ROWS):
+                if bx * DELTA_ROWS + r < rows:
+                    Delta[bx * DELTA_ROWS + r] = total[r]
+
+    return attention_delta
+
+
+def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int):
+    """PrimFunc of the backward for one configuration. Grid: (S * head groups, B), 256 threads.
+
+    Arguments as the forward's inputs plus dO [B, S, H, D] bf16, Lse and Delta [B, S, H] fp32;
+    out: dQ [B, S, H, D] bf16 and dKV [B, N_raw + K, D] fp32 (raw rows first, then compressed),
+    which must hold zeros on entry (the tiles' contributions are added atomically).
+    """
+    T = tilelang().language
+    bf16, f32, i32 = T.bfloat16, T.float32, T.int32
+    HB, BK, D = BLOCK_HEADS, BLOCK_KEYS, dim
+    batch, seq_len, heads = T.dynamic("batch"), T.dynamic("seq_len"), T.dynamic("heads")
+    n_raw, n_comp, n_slots = T.dynamic("n_raw"), T.dynamic("n_comp"), T.dynamic("n_slots")
+    by_index = mode == "indices"
+    idx_shape = [batch, seq_len, n_slots] if by_index else [batch, seq_len]
+
+    @T.prim_func
+    def sparse_window_bwd(
+        Q: T.Tensor([batch, seq_len, heads, D], bf16),
+        Raw: T.Tensor([batch, n_raw, D], bf16),
+        Comp: T.Tensor([batch, n_comp, D], bf16),
+        WindowStart: T.Tensor([batch, seq_len], i32),
+        Indices: T.Tensor(idx_shape, i32),
+        KE: T.Tensor([batch, seq_len], i32),
+        Params: T.Tensor([2], f32),
+        Window: T.Tensor([1], i32),
+        dO: T.Tensor([batch, seq_len, heads, D], bf16),
+        Lse: T.Tensor([batch, seq_len, heads], f32),
+        Delta: T.Tensor([batch, seq_len, heads], f32),
+        dQ: T.Tensor([batch, seq_len, heads, D], bf16),
+        dKV: T.Tensor([batch, n_raw + n_comp, D], f32),
+    ):
+        groups = T.ceildiv(heads, HB)
+        with T.Kernel(seq_len * groups, batch, threads=BWD_THREADS) as (bx, b):
+            q_s = T.alloc_shared([HB, D], bf16)
+            do_s = T.alloc_shared([HB, D], bf16)
+            k_s = T.alloc_shared([BK, D], bf16)
+            p_s = T.alloc_shared([HB, BK], bf16)
+            ds_s = T.alloc_shared([HB, BK], bf16)
+            rows_s = T.alloc_shared([BK], i32)  # dKV row of each key of the tile, -1 = unseen
+            acc_s = T.alloc_fragment([HB, BK], f32)
+            acc_dp = T.alloc_fragment([HB, BK], f32)
+            acc_dq = T.alloc_fragment([HB, D], f32)
+            acc_kv = T.alloc_fragment([BK, dkv_chunk], f32)
+            lse2 = T.alloc_fragment([HB], f32)
+            delta = T.alloc_fragment([HB], f32)
+
+            s = bx // groups
+            h0 = (bx % groups) * HB
+            own = s + n_raw - seq_len
+            scale = Params[0]
+            scale_log2 = Params[0] * LOG2E
+            window = Window[0]
+            if by_index:
+                ks = 0
+                n_sel = n_slots
+            else:
+                ks = Indices[b, s]
+                n_sel = T.max(KE[b, s] - ks, 0)
+            lo, window_tiles, tiles = _tile_plan(T, own, WindowStart[b, s], window, n_sel)
+
+            for h, d in T.Parallel(HB, D):
+                q_s[h, d] = T.if_then_else(h0 + h < heads, Q[b, s, T.min(h0 + h, heads - 1), d], T.cast(0, bf16))
+                do_s[h, d] = T.if_then_else(h0 + h < heads, dO[b, s, T.min(h0 + h, heads - 1), d], T.cast(0, bf16))
+            for h in T.Parallel(HB):
+                lse2[h] = T.if_then_else(h0 + h < heads, Lse[b, s, T.min(h0 + h, heads - 1)] * LOG2E, T.cast(0, f32))
+                delta[h] = T.if_then_else(h0 + h < heads, Delta[b, s, T.min(h0 + h, heads - 1)], T.cast(0, f32))
+            T.clear(acc_dq)
+            for t in T.serial(tiles):
+                base = (t - window_tiles) * BK
+                for r in T.Parallel(BK):
+                    if t < window_tiles:
+                        rows_s[r] = T.if_then_else(lo + t * BK + r <= own, lo + t * BK + r, -1)
+                    else:
+                        if by_index:
+                            key = T.if_then_else(base + r < n_sel, Indices[b, s, T.min(base + r, n_slots - 1)], -1)
+                            rows_s[r] = T.if_then_else((key >= 0) & (key < n_comp), n_raw + key, -1)
+                        else:
+                            rows_s[r] = T.if_then_else(base + r < n_sel, n_raw + ks + base + r, -1)
+                T.sync_threads()
+                for r, d in T.Parallel(BK, D, prefer_async=True):
+                    k_s[r, d] = T.if_then_else(
+                        rows_s[r] >= 0,
+                        T.if_then_else(
+                            rows_s[r] < n_raw,
+                            Raw[b, T.min(T.max(rows_s[r], 0), n_raw - 1), d],
+                            Comp[b, T.min(T.max(rows_s[r] - n_raw, 0), n_comp - 1), d],
+                        ),
+                        T.cast(0, bf16),
+                    )
+                T.sync_threads()
+                T.gemm(q_s, k_s, acc_s, transpose_B=True, clear_accum=True)
+                T.gemm(do_s, k_s, acc_dp, transpose_B=True, clear_accum=True)
+                for h, c in T.Parallel(HB, BK):
+                    acc_s[h, c] = T.if_then_else(
+                        (rows_s[c] >= 0) & (h0 + h < heads), T.exp2(acc_s[h, c] * scale_log2 - lse2[h]), T.cast(0, f32)
+                    )
+                    acc_dp[h, c] = acc_s[h, c] * (acc_dp[h, c] - delta[h]) * scale
+                T.copy(acc_s, p_s)
+                T.copy(acc_dp, ds_s)
+                T.sync_threads()
+                T.gemm(ds_s, k_s, acc_dq)
+                for c in T.serial(D // dkv_chunk):
+                    T.gemm(ds_s, q_s[:, c * dkv_chunk : (c + 1) * dkv_chunk], acc_kv, transpose_A=True, clear_accum=True)
+                    T.gemm(p_s, do_s[:, c * dkv_chunk : (c + 1) * dkv_chunk], acc_kv, transpose_A=True)
+                    for r, d in T.Parallel(BK, dkv_chunk):
+                        if rows_s[r] >= 0:
+                            T.atomic_add(dKV[b, rows_s[r], c * dkv_chunk + d], acc_kv[r, d])
+                T.sync_threads()
+            T.copy(acc_dq, q_s)
+            for h, d in T.Parallel(HB, D):
+                if h0 + h < heads:
+                    dQ[b, s, h0 + h, d] = q_s[h, d]
+
+    return sparse_window_bwd
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch wrappers (inputs validated by interface.sparse_window_attention)
+# ----------------------------------------------------------------------------------------------
+
+_param_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _params(device, scale: float, has_sink: bool, window: int):
+    """Device scalars (scale, has_sink) and window, cached so no call re-uploads them."""
+    key = (device, float(scale), bool(has_sink), int(window))
+    cached = _param_cache.get(key)
+    if cached is None:
+        cached = (
+            torch.tensor([float(scale), 1.0 if has_sink else 0.0], dtype=torch.float32, device=device),
+            torch.tensor([int(window)], dtype=torch.int32, device=device),
+        )
+        _param_cache[key] = cached
+    return cached
+
+
+def _pad_dim(x: torch.Tensor, dim: int) -> torch.Tensor:
+    x = x.contiguous()
+    return x if x.shape[-1] == dim else torch.nn.functional.pad(x, (0, dim - x.shape[-1]))
+
+
+class KernelInputs:
+    """The operands both kernels take, padded to the built head dim, and the mode they select."""
+
+    def __init__(self, q, raw_kv, window_start, window, compressed_kv, indices, ks, ke, sink, scale):
+        batch, seq_len, heads, dim = q.shape
+        self.dim = dim
+        self.kdim = kernel_dim(dim)
+        self.q = _pad_dim(q, self.kdim)
+        self.raw = _pad_dim(raw_kv, self.kdim)
+        self.n_raw = raw_kv.shape[1]
+        self.window_start = window_start.contiguous()
+        if compressed_kv is None:  # no compressed keys: an empty range over one zero row
+            compressed_kv = q.new_zeros(batch, 1, dim)
+            ks = ke = torch.zeros(batch, seq_len, dtype=torch.int32, device=q.device)
+            indices = None
+        self.comp = _pad_dim(compressed_kv, self.kdim)
+        if indices is not None:
+            self.mode = "indices"
+            self.selector, self.end = indices.contiguous(), self.window_start  # end unused
+        else:
+            self.mode = "range"
+            self.selector, self.end = ks.contiguous(), ke.contiguous()
+        self.has_sink = sink is not None
+        self.sink = sink.contiguous() if sink is not None else torch.zeros(heads, dtype=torch.float32, device=q.device)
+        self.params, self.window = _params(q.device, scale, self.has_sink, window)
+
+
+def sparse_window_forward(inputs: KernelInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [B, S, H, D] bf16, lse [B, S, H] fp32) on the GPU."""
+    q = inputs.q
+    batch, seq_len, heads, _ = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty((batch, seq_len, heads), dtype=torch.float32, device=q.device)
+    if q.numel():
+        config = forward_config(inputs.kdim, inputs.mode)
+        kernel = compile_cached(sparse_window_fwd_kernel, pass_configs=config.pass_configs(), **config.kernel_kwargs())
+        kernel(q, inputs.raw, inputs.comp, inputs.window_start, inputs.selector, inputs.end, inputs.sink,
+               inputs.params, inputs.window, out, lse)
+    return out[..., : inputs.dim], lse
+
+
+def attention_delta(out: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    """rowsum(dO * O) in fp32, [B, S, H] (inputs [B, S, H, D] bf16, D a multiple of 128)."""
+    dim = out.shape[-1]
+    rows = out.numel() // dim
+    delta = torch.empty(out.shape[:-1], dtype=torch.float32, device=out.device)
+    if rows:
+        kernel = compile_cached(attention_delta_kernel, dim=dim)
+        kernel(out.contiguous().view(rows, dim), grad_out.contiguous().view(rows, dim), delta.view(rows))
+    return delta
+
+
+def sparse_window_backward(inputs: KernelInputs, out, lse, grad_out):
+    """(dq, d raw_kv, d compressed_kv, delta) for the saved forward; gradients in bf16."""
+    q = inputs.q
+    batch, seq_len, heads, _ = q.shape
+    grad_out = _pad_dim(grad_out, inputs.kdim)
+    delta = attention_delta(_pad_dim(out, inputs.kdim), grad_out)
+    dq = torch.empty_like(q)
+    n_comp = inputs.comp.shape[1]
+    dkv = torch.zeros((batch, inputs.n_raw + n_comp, inputs.kdim), dtype=torch.float32, device=q.device)
+    if q.numel():
+        config = backward_config(inputs.kdim, inputs.mode)
+        kernel = compile_cached(sparse_window_bwd_kernel, pass_configs=config.pass_configs(), **config.kernel_kwargs())
+        kernel(q, inputs.raw, inputs.comp, inputs.window_start, inputs.selector, inputs.end, inputs.params,
+               inputs.window, grad_out, lse.contiguous(), delta, dq, dkv)
+    dim = inputs.dim
+    d_raw = dkv[:, : inputs.n_raw, :dim].to(q.dtype)
+    d_comp = dkv[:, inputs.n_raw :, :dim].to(q.dtype)
+    return dq[..., :dim], d_raw, d_comp, delta
