@@ -1,0 +1,352 @@
+"""``NemoDsaDeepseekV4ForCausalLM``: nemo-automodel's DeepSeek-V4 with every attention layer on nemo_dsa.
+
+The class *is* nemo-automodel 0.7.0's ``DeepseekV4ForCausalLM`` (a subclass): embeddings,
+hyper-connections, MoE (hash and score routing, experts, shared experts), MTP, the LM head, the
+state-dict adapter (released HF checkpoints, FP8 ``.scale`` tensors included), the FSDP2 /
+expert-parallel parallelizer and the contiguous CP sharder are the built-in's, untouched. Only
+each block's ``self_attn`` (main layers and MTP layers) is replaced by
+``NemoDsaDeepseekV4Attention``, which computes with nemo_dsa's ``DSASparseAttention`` under the
+built-in's parameter names (see ``deepseek_v4_attention``).
+
+The forward is this module's own: it builds nemo_dsa's ``AttentionMetadata`` once per forward,
+per compression ratio (ratio 1 for window-only layers), from what the trainer passes
+(``position_ids``, ``seq_lens`` / ``seq_lens_padded`` of nemo-automodel's THD collater,
+``cu_seqlens``, ``packed_seq_ids``, ``attention_mask`` / ``padding_mask``, and under context
+parallelism the shards and ``_dsv4_cp_group`` of the built-in's CP sharder), runs the built-in's
+blocks with it, and builds none of the built-in's dense masks or RoPE tables. Under CP the
+sharder's ``seq_lens`` describe the documents before its compression padding, so the metadata
+comes from the per-rank ``position_ids``, ``packed_seq_ids`` and ``padding_mask`` instead.
+
+Registered through the ``nemo_automodel.architectures`` entry point. A config selects it with
+``architectures: [NemoDsaDeepseekV4ForCausalLM]`` (e.g. ``config: {architectures: [...]}`` beside
+``pretrained_model_name_or_path`` of a released checkpoint); the model sets that name on its
+config, so checkpoints it saves come back through it.
+
+nemo_dsa options (constructor keywords, or config attributes of the same name):
+``scoring`` (``v4`` | ``v41``), ``indexer_kl_coef``, ``indexer_straight_through`` (default off,
+so default gradients equal the built-in's), ``indexer_backend`` (``auto`` | ``tilelang`` |
+``torch``; ``backend.attn`` of ``tilelang`` / ``torch`` also selects it) and ``fused_topk``.
+Enabled indexer KL losses reach the backward through the logits (zero in the forward) and are
+reported as ``indexer_aux_loss``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from nemo_automodel.components.models.common.utils import compute_lm_head_logits
+from nemo_automodel.components.models.deepseek_v4.config import DeepseekV4Config
+from nemo_automodel.components.models.deepseek_v4.model import DeepseekV4CausalLMOutput, DeepseekV4ForCausalLM
+
+from nemo_dsa.integrations.deepseek_v4_attention import DsaForwardState, NemoDsaDeepseekV4Attention
+from nemo_dsa.metadata import build_attention_metadata
+from nemo_dsa.models.dsa_lm.configuration import DSAModelConfig
+
+__all__ = ["ARCHITECTURE", "NemoDsaDeepseekV4ForCausalLM", "NemoDsaDeepseekV4Output", "dsa_config_from_deepseek_v4"]
+
+ARCHITECTURE = "NemoDsaDeepseekV4ForCausalLM"
+# nemo_dsa options the plugin reads from its keywords or the config; None = DSAModelConfig's default,
+# except the straight-through term, off so that default gradients are the built-in's.
+_OPTION_DEFAULTS = {
+    "scoring": None,
+    "indexer_kl_coef": None,
+    "indexer_straight_through": False,
+    "indexer_backend": None,
+    "fused_topk": None,
+}
+_ATTN_TO_INDEXER_BACKEND = {"tilelang": "tilelang", "torch": "torch"}
+_VISION_INPUTS = ("pixel_values", "image_grid_hws", "n_images_per_sample", "vision_token_types")
+
+
+def _padded_ratios(config: DeepseekV4Config, layers: int) -> tuple[int, ...]:
+    """One ratio per main and MTP layer; missing entries are window-only, as the built-in's MTP reads them."""
+    ratios = [int(r) for r in (config.compress_ratios or [])][:layers]
+    return tuple(ratios + [0] * (layers - len(ratios)))
+
+
+def dsa_config_from_deepseek_v4(config: DeepseekV4Config, **options: Any) -> DSAModelConfig:
+    """nemo_dsa's module config for every attention layer of ``config``, MTP layers included.
+
+    The layers are numbered as the built-in numbers them (MTP depth d is layer
+    ``num_hidden_layers + d``), so ``num_hidden_layers`` here counts both. ``options`` are
+    ``DSAModelConfig`` fields (``scoring``, ``indexer_kl_coef`` ...); None leaves the default.
+    """
+    layers = int(config.num_hidden_layers) + int(getattr(config, "num_nextn_predict_layers", 0) or 0)
+    overrides = {"num_hidden_layers": layers, "compress_ratios": _padded_ratios(config, layers)}
+    overrides.update({k: v for k, v in options.items() if v is not None})
+    from_hf = getattr(DSAModelConfig, "from_hf_config", None)
+    if from_hf is not None:
+        base = from_hf(config)
+        return dataclasses.replace(base, **overrides)
+    # Until DSAModelConfig.from_hf_config exists: the same-named fields (the released-V4 ones the
+    # module does not know yet are skipped by the field filter).
+    fields = {f.name for f in dataclasses.fields(DSAModelConfig)}
+    values = {name: getattr(config, name) for name in fields if hasattr(config, name)}
+    values["intermediate_size"] = int(config.moe_intermediate_size)
+    values["tie_word_embeddings"] = False
+    values.pop("backend", None)  # nemo-automodel's BackendConfig name, not the indexer kernels
+    values.update(overrides)
+    return DSAModelConfig(**values)
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on ``output``; the backward also sends gradient 1 into ``aux`` (a scalar loss)."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.aux_meta = (aux.shape, aux.dtype, aux.device)
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        shape, dtype, device = ctx.aux_meta
+        return grad_output, torch.ones(shape, dtype=dtype, device=device)
+
+
+@dataclass
+class NemoDsaDeepseekV4Output(DeepseekV4CausalLMOutput):
+    """The built-in's output plus the summed indexer KL loss (None when disabled)."""
+
+    indexer_aux_loss: torch.Tensor | None = None
+
+
+def _cp_group_if_active(group):
+    if group is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return None
+    return group if torch.distributed.get_world_size(group=group) > 1 else None
+
+
+def _lengths_from_offsets(offsets: torch.Tensor) -> torch.Tensor:
+    lengths = offsets.diff(dim=-1)
+    return lengths.unsqueeze(0) if lengths.ndim == 1 else lengths
+
+
+class NemoDsaDeepseekV4ForCausalLM(DeepseekV4ForCausalLM):
+    """nemo-automodel's DeepSeek-V4 whose attention layers run on nemo_dsa (see the module docstring)."""
+
+    @dataclass(frozen=True)
+    class ModelCapabilities:
+        """What nemo-automodel may combine with this model."""
+
+        supports_tp: bool = False
+        # CP through the built-in's contiguous sharder; nemo_dsa gathers keys and window tails.
+        supports_cp: bool = True
+        # The forward drives all layers itself (no PP stage contract).
+        supports_pp: bool = False
+        supports_ep: bool = True
+        supports_thd: bool = True
+
+    # Document boundaries and CP transport are handled inside the model (nemo_dsa's metadata).
+    _owns_packed_attention = True
+    _owns_cp_attention = True
+
+    @classmethod
+    def supports_config(cls, config: Any) -> bool:
+        """DeepSeek-V4 text configs (the vision tower is not supported)."""
+        return getattr(config, "model_type", None) == "deepseek_v4" and not int(
+            getattr(config, "vision_n_layers", 0) or 0
+        )
+
+    def __init__(self, config: DeepseekV4Config, moe_config: Any = None, backend: Any = None, **kwargs: Any) -> None:
+        if not isinstance(config, DeepseekV4Config):
+            raise TypeError(f"config must be a DeepseekV4Config, got {type(config).__name__}")
+        if int(getattr(config, "vision_n_layers", 0) or 0):
+            raise ValueError("vision_n_layers must be 0: the nemo_dsa plugin supports the DeepSeek-V4 text model")
+        options = {}
+        for name, default in _OPTION_DEFAULTS.items():
+            value = kwargs.pop(name, None)
+            options[name] = value if value is not None else getattr(config, name, default)
+        super().__init__(config, moe_config, backend, **kwargs)
+        attn = getattr(self.backend, "attn", None)
+        indexer_backend = options.pop("indexer_backend") or _ATTN_TO_INDEXER_BACKEND.get(attn)
+        self.dsa_config = dsa_config_from_deepseek_v4(config, backend=indexer_backend, **options)
+        self.config.architectures = [ARCHITECTURE]
+        for block in self.model.layers.values():
+            block.self_attn = self._nemo_dsa_attention(block.self_attn, block.layer_idx)
+        for block in self.mtp.layers if self.mtp is not None else ():
+            block.self_attn = self._nemo_dsa_attention(block.self_attn, block.layer_idx)
+
+    def _nemo_dsa_attention(self, builtin: torch.nn.Module, layer_idx: int) -> NemoDsaDeepseekV4Attention:
+        """The replacement of ``builtin``: same parameter names, shapes, dtypes and device."""
+        device = next(builtin.parameters()).device
+        with torch.device(device):
+            attention = NemoDsaDeepseekV4Attention(self.dsa_config, layer_idx)
+        expected = dict(builtin.named_parameters())
+        got = dict(attention.named_parameters())
+        if expected.keys() != got.keys():
+            raise ValueError(
+                f"layer {layer_idx}: nemo_dsa attention parameters {sorted(got.keys() - expected.keys())} / built-in "
+                f"parameters {sorted(expected.keys() - got.keys())} have no counterpart"
+            )
+        for name, param in got.items():
+            reference = expected[name]
+            if param.shape != reference.shape:
+                raise ValueError(
+                    f"layer {layer_idx}: self_attn.{name} has shape {tuple(param.shape)} in nemo_dsa's module, "
+                    f"{tuple(reference.shape)} in the built-in"
+                )
+            if param.dtype != reference.dtype:  # e.g. the built-in's fp32 compressor inside bf16 models
+                param.data = param.data.to(reference.dtype)
+        return attention
+
+    # ------------------------------------------------------------------------------------------
+    # forward
+    # ------------------------------------------------------------------------------------------
+
+    def _metadata(self, input_ids, ctx, cp_active, *, position_ids, attention_mask, padding_mask, seq_lens,
+                  seq_lens_padded, cu_seqlens, cu_seqlens_padded, packed_seq_ids) -> dict:  # fmt: skip
+        """``AttentionMetadata`` per distinct ratio (window-only layers use ratio 1)."""
+        if attention_mask is not None and attention_mask.ndim != 2:
+            raise ValueError(f"attention_mask must be [B, S] (1 = token), got shape {tuple(attention_mask.shape)}")
+        if attention_mask is None and padding_mask is not None:
+            attention_mask = ~padding_mask.bool()
+        if packed_seq_ids is not None and attention_mask is not None:
+            # The built-in's CP sharder keeps compression padding inside a document's id.
+            packed_seq_ids = packed_seq_ids * attention_mask.to(packed_seq_ids.dtype)
+        if cp_active:
+            # The sharder's seq_lens count documents before its compression padding: the per-rank
+            # positions, document ids and padding describe the shards exactly.
+            seq_lens = seq_lens_padded = cu_seqlens = None
+        elif cu_seqlens_padded is not None:
+            seq_lens = _lengths_from_offsets(cu_seqlens) if cu_seqlens is not None else None
+            seq_lens_padded = _lengths_from_offsets(cu_seqlens_padded)
+            if seq_lens is None:
+                seq_lens = seq_lens_padded
+            cu_seqlens = None
+        elif seq_lens_padded is not None and seq_lens is None:
+            seq_lens = seq_lens_padded
+        if seq_lens_padded is not None and seq_lens is not None and seq_lens_padded.shape != seq_lens.shape:
+            seq_lens_padded = None
+        layout = dict(position_ids=position_ids, seq_lens=seq_lens, seq_lens_padded=seq_lens_padded,
+                      cu_seqlens=cu_seqlens, packed_seq_ids=packed_seq_ids, attention_mask=attention_mask)  # fmt: skip
+        layout = {k: v.to(input_ids.device) for k, v in layout.items() if v is not None}
+        batch, seq = input_ids.shape[:2]
+        return {
+            ratio: build_attention_metadata(
+                compress_ratio=ratio, cp_rank=ctx.rank, cp_size=ctx.size, batch_size=batch, seq_len=seq,
+                device=input_ids.device, **layout,
+            )  # fmt: skip
+            for ratio in sorted({max(r, 1) for r in self.dsa_config.compress_ratios})
+        }
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        *mtp_embed_inputs: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        padding_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        seq_lens: torch.Tensor | None = None,
+        seq_lens_padded: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        cu_seqlens_padded: torch.Tensor | None = None,
+        packed_seq_ids: torch.Tensor | None = None,
+        qkv_format: str | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        output_hidden_states: bool | None = None,
+        **kwargs: Any,
+    ) -> NemoDsaDeepseekV4Output:
+        """Logits of the local shard ``[B, S, vocab]`` (and MTP hidden states when training).
+
+        Accepts the built-in's training inputs; ``labels`` and other recipe keys are ignored.
+        Vision inputs and pipeline-parallel stage inputs are refused.
+        """
+        from nemo_dsa.distributed.context import LocalContext, sequence_context_for
+
+        given_vision = [name for name in _VISION_INPUTS if kwargs.get(name) is not None]
+        if given_vision or mtp_embed_inputs:
+            raise ValueError(
+                f"{given_vision or 'mtp_embed_inputs'}: the nemo_dsa plugin runs the DeepSeek-V4 text model "
+                "without pipeline parallelism"
+            )
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        thd = qkv_format == "thd"
+        if input_ids is not None:
+            if input_ids.ndim == 1:  # THD rows arrive flattened
+                input_ids = input_ids.unsqueeze(0)
+            if input_ids.ndim != 2:
+                raise ValueError(f"input_ids must be [B, S], got shape {tuple(input_ids.shape)}")
+            if ((input_ids < 0) | (input_ids >= self.config.vocab_size)).any():
+                raise ValueError(f"input_ids must be in [0, vocab_size={self.config.vocab_size})")
+            inputs_embeds = self.model.embed_tokens(input_ids)
+        elif inputs_embeds.ndim == 2:
+            inputs_embeds = inputs_embeds.unsqueeze(0)
+        shape_ref = inputs_embeds[..., 0]
+        if position_ids is not None and position_ids.ndim == 1:
+            position_ids = position_ids.unsqueeze(0)
+        if output_hidden_states is None:
+            output_hidden_states = getattr(self.config, "output_hidden_states", False)
+
+        cp_group = _cp_group_if_active(kwargs.get("_dsv4_cp_group") or kwargs.get("cp_group"))
+        ctx = sequence_context_for(cp_group) if cp_group is not None else LocalContext()
+        metadata = self._metadata(
+            shape_ref, ctx, cp_group is not None, position_ids=position_ids, attention_mask=attention_mask,
+            padding_mask=padding_mask, seq_lens=seq_lens, seq_lens_padded=seq_lens_padded, cu_seqlens=cu_seqlens,
+            cu_seqlens_padded=cu_seqlens_padded, packed_seq_ids=packed_seq_ids,
+        )  # fmt: skip
+        # The MoE drops padding tokens from routing statistics as the built-in does.
+        moe_padding = padding_mask
+        if moe_padding is None and attention_mask is not None:
+            moe_padding = ~attention_mask.bool()
+
+        state = DsaForwardState(metadata, ctx, _new_shared_state())
+        streams = inputs_embeds.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
+        for block in self.model.layers.values():
+            streams = block(
+                streams, None, position_ids=position_ids, padding_mask=moe_padding, input_ids=input_ids,
+                nemo_dsa_forward=state,
+            )  # fmt: skip
+        hidden = self.model.norm(self.model.hc_head(streams))
+        logits = compute_lm_head_logits(self.lm_head, hidden, logits_to_keep, is_thd=thd, fp32_lm_head=True).logits
+
+        mtp_hidden = None
+        if self.mtp is not None and self.training:
+            if input_ids is None:
+                raise ValueError("MTP training needs input_ids (the next tokens' embeddings)")
+            mtp_state = DsaForwardState(metadata, ctx, _new_shared_state(), state.aux_losses)
+            mtp_hidden = self.mtp(
+                hidden_states=streams, input_ids=input_ids, embed_fn=self.model.embed_tokens,
+                position_ids=position_ids, attention_mask=None, padding_mask=moe_padding,
+                nemo_dsa_forward=mtp_state,
+            )  # fmt: skip
+
+        aux = None
+        if state.aux_losses:
+            aux = torch.stack([loss.reshape(()) for loss in state.aux_losses]).sum()
+            if torch.is_grad_enabled() and aux.requires_grad:
+                logits = _AttachAuxLoss.apply(logits, aux)
+        return NemoDsaDeepseekV4Output(
+            logits=logits,
+            hidden_states=hidden if output_hidden_states else None,
+            mtp_per_depth_h=mtp_hidden,
+            mtp_loss_scaling_factor=self.mtp_config.loss_scaling_factor,
+            indexer_aux_loss=aux,
+        )
+
+    @torch.no_grad()
+    def initialize_weights(
+        self, buffer_device: torch.device | None = None, dtype: torch.dtype = torch.bfloat16
+    ) -> None:
+        """The built-in's initialisation, on the parameters' device when none is given (CPU-safe)."""
+        if buffer_device is None:
+            device = next((p.device for p in self.parameters() if p.device.type != "meta"), torch.device("cpu"))
+            buffer_device = device
+        super().initialize_weights(buffer_device=buffer_device, dtype=dtype)
+
+
+def _new_shared_state():
+    """A fresh per-forward shared state for nemo_dsa's layers."""
+    try:
+        from nemo_dsa.layers.shared_state import SharedLayerState
+    except ImportError:  # the module before its shared-state object existed took a dict
+        return {}
+    return SharedLayerState()
+
+
+ModelClass = NemoDsaDeepseekV4ForCausalLM

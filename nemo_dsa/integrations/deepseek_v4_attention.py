@@ -1,0 +1,204 @@
+"""nemo_dsa's attention inside nemo-automodel's DeepSeek-V4 blocks, under the built-in's parameter names.
+
+``NemoDsaDeepseekV4Attention`` replaces a block's ``self_attn``. It computes with nemo_dsa's
+``DSASparseAttention`` (nemo_dsa's metadata, compressor, indexer, selection and attention ops),
+but its parameters sit where nemo-automodel's ``DeepseekV4Attention`` keeps them
+(``sinks_param.weight``, ``compressor.ape_param.weight``, ``compressor.kv_norm``,
+``compressor.indexer.*``), so the built-in's state-dict adapter, its FSDP2 wrapping (fp32 islands
+found by module name) and its ``_keep_in_fp32_modules_strict`` list apply unchanged.
+
+How: the nemo_dsa module (``core``) is built first and kept outside the module tree. Its
+submodules (``wq_a``, ``compressor.wkv``, ``indexer.wq_b`` ...) are registered again here under
+the built-in's names: the same module objects, so whatever FSDP2 or ``.to()`` does to them,
+``core`` sees it, and calling them from ``core`` runs their FSDP hooks. The few tensors ``core``
+holds directly (the sink logits, the compressors' position biases) live here in one-parameter
+holder modules, the layout the built-in uses for fp32 parameters, and are handed to ``core`` for
+each call through ``torch.func.functional_call``.
+
+The per-forward metadata (one ``AttentionMetadata`` per compression ratio, the sequence
+context and the layers' shared state) is built once by ``NemoDsaDeepseekV4ForCausalLM.forward``
+and reaches every layer as the ``nemo_dsa_forward`` keyword, which nemo-automodel's blocks pass
+through to their attention untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from nemo_dsa.layers.norm import RMSNorm
+from nemo_dsa.layers.sparse_attention import DSASparseAttention
+
+__all__ = ["DsaForwardState", "NemoDsaDeepseekV4Attention", "BUILTIN_TO_NEMO_MODULES", "BUILTIN_TO_NEMO_TENSORS"]
+
+# Built-in DeepseekV4Attention submodule name -> the nemo_dsa DSASparseAttention submodule it is.
+BUILTIN_TO_NEMO_MODULES = {
+    "wq_a": "wq_a",
+    "q_norm": "q_norm",
+    "wq_b": "wq_b",
+    "wkv": "wkv",
+    "kv_norm": "kv_norm",
+    "wo_a": "wo_a",
+    "wo_b": "wo_b",
+    "compressor.wkv": "compressor.wkv",
+    "compressor.wgate": "compressor.wgate",
+    "compressor.kv_norm": "compressor.norm",
+    "compressor.indexer.wkv": "indexer.compressor.wkv",
+    "compressor.indexer.wgate": "indexer.compressor.wgate",
+    "compressor.indexer.kv_norm": "indexer.compressor.norm",
+    "compressor.indexer.wq_b": "indexer.wq_b",
+    "compressor.indexer.weights_proj": "indexer.weights_proj",
+}
+# Built-in one-parameter holder module -> the nemo_dsa tensor it stores (held by ``core`` itself).
+BUILTIN_TO_NEMO_TENSORS = {
+    "sinks_param": "attn_sink",
+    "compressor.ape_param": "compressor.ape",
+    "compressor.indexer.ape_param": "indexer.compressor.ape",
+}
+
+
+@dataclass
+class DsaForwardState:
+    """What one model forward hands to every attention layer."""
+
+    metadata: dict  # compression ratio (1 for window-only layers) -> AttentionMetadata
+    ctx: Any  # nemo_dsa SequenceContext (LocalContext without context parallelism)
+    shared: Any  # the layers' shared state (ratio-4 sources publish to later layers)
+    aux_losses: list = field(default_factory=list)  # indexer KL losses, when enabled
+
+
+def _fp32_parameter_holder(value: torch.Tensor) -> nn.Module:
+    """The built-in's holder for a bare fp32 parameter (``.weight``; calling it returns the full
+    tensor). Reused so the built-in's FSDP2 wrapping recognises it by class and keeps the
+    parameter unsharded while the attention uses it."""
+    from nemo_automodel.components.models.deepseek_v4.layers import DeepseekV4FP32Parameter
+
+    holder = DeepseekV4FP32Parameter(value.detach().clone())
+    holder.weight.requires_grad_(value.requires_grad)
+    return holder
+
+
+def _submodule(root: nn.Module, dotted: str) -> nn.Module | None:
+    module = root
+    for part in dotted.split("."):
+        module = getattr(module, part, None)
+        if not isinstance(module, nn.Module):
+            return None
+    return module
+
+
+def _owner_and_leaf(root: nn.Module, dotted: str) -> tuple[nn.Module, str]:
+    prefix, _, leaf = dotted.rpartition(".")
+    return (_submodule(root, prefix) if prefix else root), leaf
+
+
+class NemoDsaDeepseekV4Attention(nn.Module):
+    """Drop-in ``self_attn`` of a DeepSeek-V4 block that computes with nemo_dsa (see module docstring)."""
+
+    def __init__(self, dsa_config, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.compress_ratio = int(dsa_config.compress_ratios[layer_idx])
+        core = DSASparseAttention(dsa_config, layer_idx)
+        object.__setattr__(self, "_core", core)  # not a child: its modules are registered below
+        covered: set[int] = set()
+        for builtin_name, nemo_name in BUILTIN_TO_NEMO_MODULES.items():
+            module = _submodule(core, nemo_name)
+            if module is None:
+                if builtin_name in ("wo_a", "wo_b"):
+                    raise ValueError(
+                        f"nemo_dsa's DSASparseAttention (layer {layer_idx}) has no {nemo_name!r}: the plugin needs "
+                        "the released grouped output projection (wo_a, wo_b)"
+                    )
+                continue  # e.g. no compressor on a window-only layer
+            self._register_at(builtin_name, module)
+            covered.update(id(p) for p in module.parameters())
+        self._held: list[tuple[str, str]] = []  # (holder name, core tensor name)
+        for builtin_name, nemo_name in BUILTIN_TO_NEMO_TENSORS.items():
+            owner, leaf = _owner_and_leaf(core, nemo_name)
+            tensor = None if owner is None else owner._parameters.get(leaf)
+            if tensor is None:
+                continue
+            self._register_at(builtin_name, _fp32_parameter_holder(tensor))
+            self._held.append((builtin_name, nemo_name))
+            covered.add(id(tensor))
+        # Anything the nemo_dsa module owns that has no place in the built-in layout would be
+        # silently untrained and unsaved: refuse it.
+        orphans = [name for name, p in core.named_parameters() if id(p) not in covered]
+        orphans += [name for name, _ in core.named_buffers()]
+        if orphans:
+            raise ValueError(
+                f"nemo_dsa's DSASparseAttention (layer {layer_idx}) holds {orphans}, which have no counterpart "
+                "in nemo-automodel's DeepseekV4Attention layout (BUILTIN_TO_NEMO_MODULES / _TENSORS)"
+            )
+
+    def _register_at(self, dotted: str, module: nn.Module) -> None:
+        parent = self
+        parts = dotted.split(".")
+        for part in parts[:-1]:
+            child = getattr(parent, part, None)
+            if child is None:
+                child = nn.Module()
+                parent.add_module(part, child)
+            parent = child
+        parent.add_module(parts[-1], module)
+
+    @property
+    def core(self) -> DSASparseAttention:
+        """The nemo_dsa module that computes this layer (shares this module's parameters)."""
+        return self._core
+
+    def setup_cp_attention(self, cp_mesh) -> None:
+        """nemo-automodel's CP hook: nothing to set up, the CP group arrives with each forward."""
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: Any = None,
+        attention_mask: Any = None,
+        position_embeddings_compress: Any = None,
+        rotary_compress: Any = None,
+        start_pos: int = 0,
+        position_ids: Any = None,
+        *,
+        nemo_dsa_forward: DsaForwardState | None = None,
+        **unused: Any,
+    ) -> tuple[torch.Tensor, None]:
+        """Attend over ``hidden_states [B, S, hidden]``.
+
+        The block's RoPE tables, additive mask and positions are not used: visibility, positions
+        and documents come from ``nemo_dsa_forward.metadata``, which the plugin's forward built
+        from the batch.
+        """
+        if nemo_dsa_forward is None:
+            raise ValueError(
+                f"layer {self.layer_idx}: nemo_dsa_forward is missing; NemoDsaDeepseekV4Attention runs inside "
+                "NemoDsaDeepseekV4ForCausalLM.forward, which builds the attention metadata once per forward"
+            )
+        if start_pos:
+            raise ValueError(f"start_pos must be 0 (training forward, no KV cache), got {start_pos}")
+        meta = nemo_dsa_forward.metadata[max(self.compress_ratio, 1)]
+        core = self._core
+        if core.training != self.training:
+            core.train(self.training)
+        held = {nemo_name: _submodule(self, builtin_name)(hidden_states) for builtin_name, nemo_name in self._held}
+        out, aux = torch.func.functional_call(
+            core, held, (hidden_states, meta, nemo_dsa_forward.ctx, nemo_dsa_forward.shared)
+        )
+        if aux is not None:
+            nemo_dsa_forward.aux_losses.append(aux)
+        return out, None
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | None = None, init_std: float = 0.02) -> None:
+        """Truncated-normal projections, unit norm scales, zero sinks and position biases (CPU-safe)."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.trunc_normal_(module.weight, mean=0.0, std=init_std)
+            elif isinstance(module, RMSNorm):
+                module.reset_parameters()
+        for builtin_name, _ in self._held:
+            nn.init.zeros_(_submodule(self, builtin_name).weight)
