@@ -21,11 +21,9 @@ from typing import Any
 import torch
 
 from nemo_dsa.models.dsa_lm.configuration import SCORINGS, DSAModelConfig
+from nemo_dsa.models.dsa_lm.layer_roles import derive_v41_layer_roles
 
 CONFIG_DIR_ENV = "NEMO_DSA_CONFIG_DIR"
-# Layers with this compression ratio carry an indexer (DeepSeek-V4: ratio-4 layers select top-k
-# groups; other ratios attend to every visible group).
-INDEXER_RATIO = 4
 _SCORING_KEYS = {
     "name", "scoring", "indexer_kl_coef", "index_heads_power_of_two", "layer_roles",
     "candidate_topk_blocks", "candidate_block_size",
@@ -68,46 +66,6 @@ def _plain(node: Any) -> Any:
     if isinstance(node, (DictConfig, ListConfig)):
         return OmegaConf.to_container(node, resolve=True)
     return node
-
-
-def indexer_layers(compress_ratios: tuple[int, ...]) -> list[int]:
-    """Indices of the layers that carry an indexer."""
-    return [i for i, r in enumerate(compress_ratios) if r == INDEXER_RATIO]
-
-
-def derive_v41_layer_roles(
-    compress_ratios: tuple[int, ...],
-    *,
-    kv_source_every: int = 1,
-    index_source_every: int = 1,
-    candidate_source: str | int = "none",
-) -> tuple[tuple[int, ...], tuple[int, ...], int]:
-    """V4.1 layer roles over the indexer layers, as in DeepSeek-V4.1's schedule.
-
-    Counting indexer layers from 0: every ``kv_source_every``-th owns its compressed KV and index
-    keys (the others reuse the latest source's), every ``index_source_every``-th selects its own
-    top-k (the others reuse the latest selection), and every KV source also selects.
-    ``candidate_source`` is ``"first"`` (the first KV source computes candidate blocks),
-    ``"none"`` (off), or a layer id. Returns ``(kv_source_layer_ids, index_source_layer_ids,
-    candidate_source_layer_id)``.
-    """
-    for key, value in (("kv_source_every", kv_source_every), ("index_source_every", index_source_every)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"scoring.layer_roles.{key} must be an int >= 1, got {value!r}")
-    layers = indexer_layers(compress_ratios)
-    kv = tuple(layer for n, layer in enumerate(layers) if n % kv_source_every == 0)
-    index = tuple(layer for n, layer in enumerate(layers) if n % index_source_every == 0 or layer in kv)
-    if candidate_source == "none" or not layers:
-        candidate = -1
-    elif candidate_source == "first":
-        candidate = kv[0]
-    elif isinstance(candidate_source, int) and not isinstance(candidate_source, bool):
-        candidate = candidate_source
-    else:
-        raise ValueError(
-            f"scoring.layer_roles.candidate_source must be 'first', 'none' or a layer id, got {candidate_source!r}"
-        )
-    return kv, index, candidate
 
 
 def build_model_config(config: Mapping | DSAModelConfig, scoring: Mapping | str | None = None) -> DSAModelConfig:

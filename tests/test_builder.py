@@ -9,15 +9,9 @@ import torch
 from hydra.errors import HydraException
 from hydra.utils import instantiate
 
-from nemo_dsa.builder import (
-    build_model,
-    build_model_config,
-    config_dir,
-    derive_v41_layer_roles,
-    indexer_layers,
-    load_config_node,
-)
+from nemo_dsa.builder import build_model, build_model_config, config_dir, load_config_node
 from nemo_dsa.layers.indexer import Indexer
+from nemo_dsa.models.dsa_lm.layer_roles import derive_v41_layer_roles, indexer_layers
 from nemo_dsa.train import load_config
 
 MODELS = ("tiny", "small", "v4_flash")

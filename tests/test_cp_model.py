@@ -30,7 +30,8 @@ PAD_ID = 60
 
 # Model variants: scoring mode and V4.1 layer roles (layers 1 and 3 have ratio 4).
 VARIANTS = {
-    "v4": dict(scoring="v4"),
+    # V4 with the opt-in straight-through term: the LM loss trains the indexer through the CP gathers.
+    "v4": dict(scoring="v4", indexer_straight_through=True),
     # V4 with the indexer KL distillation loss: its mean runs over every rank's queries.
     "v4-kl": dict(scoring="v4", indexer_kl_coef=0.5),
     # Layer 3 reuses layer 1's compressed KV and selection.

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from nemo_dsa.distributed.context import LocalContext
+from nemo_dsa.layers.context import LocalContext
+from nemo_dsa.layers.shared_state import SharedLayerState
 from nemo_dsa.layers.sparse_attention import DSASparseAttention, with_history
 from nemo_dsa.metadata import build_attention_metadata
 from nemo_dsa.models.dsa_lm.configuration import DSAModelConfig
@@ -47,7 +48,7 @@ def packed_ids(rows: list[list[int]], seq: int) -> torch.Tensor:
 def run(layer, x, ids):
     ratio = max(layer.ratio, 1)
     meta = build_attention_metadata(compress_ratio=ratio, packed_seq_ids=ids)
-    out, aux = layer(x, meta, LocalContext(), {})
+    out, aux = layer(x, meta, LocalContext(), SharedLayerState())
     return out, aux
 
 
@@ -221,14 +222,14 @@ def test_packed_equals_per_document(scoring):
     ids = packed_ids(lengths, seq=40)
     x = torch.randn(2, 40, cfg.hidden_size)
     packed = []
-    shared: dict = {}
+    shared = SharedLayerState()
     for layer in layers:
         meta = build_attention_metadata(compress_ratio=layer.ratio, packed_seq_ids=ids)
         packed.append(layer(x, meta, LocalContext(), shared)[0])
     for b, row in enumerate(lengths):
         start = 0
         for n in row:
-            shared = {}
+            shared = SharedLayerState()
             for layer, full in zip(layers, packed):
                 meta = build_attention_metadata(compress_ratio=layer.ratio, batch_size=1, seq_len=n)
                 alone, _ = layer(x[b : b + 1, start : start + n], meta, LocalContext(), shared)
@@ -273,7 +274,7 @@ def test_v4_indexer_without_any_signal_gets_no_grad():
 
 
 def test_straight_through_leaves_forward_unchanged():
-    cfg = tiny_config(scoring="v4")
+    cfg = tiny_config(scoring="v4", indexer_straight_through=True)
     layer = make_layer(cfg, 1)
     ids = packed_ids([[11, 12]], seq=25)
     x = torch.randn(1, 25, cfg.hidden_size)
@@ -290,7 +291,7 @@ def test_with_history_local_context_pads_zeros():
 
 
 def test_indexer_kl_loss_against_dense_formula():
-    from nemo_dsa.layers.sparse_attention import indexer_kl_loss
+    from nemo_dsa.layers.indexer_loss import indexer_kl_loss
 
     torch.manual_seed(6)
     batch, seq, heads, dim, window, groups, topk = 2, 6, 3, 8, 4, 5, 3
@@ -324,7 +325,7 @@ def test_indexer_kl_loss_against_dense_formula():
 
 
 def test_v41_reindex_layer_keeps_to_candidate_blocks():
-    from nemo_dsa.ops.topk.naive import blocks_to_mask
+    from nemo_dsa.ops.topk import blocks_to_mask
 
     cfg = tiny_config(scoring="v41", kv_source_layer_ids=(1,), index_source_layer_ids=(1, 3),
                       candidate_source_layer_id=1, candidate_block_size=2, candidate_topk_blocks=2, index_topk=4)
@@ -333,13 +334,13 @@ def test_v41_reindex_layer_keeps_to_candidate_blocks():
     ids = packed_ids([[9, 38]], seq=48)
     x = torch.randn(1, 48, cfg.hidden_size)
     meta = build_attention_metadata(compress_ratio=4, packed_seq_ids=ids)
-    shared: dict = {}
+    shared = SharedLayerState()
     source(x, meta, LocalContext(), shared)
-    blocks = shared["ratio4"]["candidate_blocks"]
+    blocks = shared.ratio4.candidate_blocks
     keep = blocks_to_mask(blocks, meta.ks, meta.ke, 2, meta.num_groups)
     assert (keep.sum(-1) < (meta.ke - meta.ks)).any()  # the candidates do exclude visible groups
     reindex(x, meta, LocalContext(), shared)
-    chosen = shared["ratio4"]["selection"].topk_indices
+    chosen = shared.ratio4.selection.topk_indices
     assert (chosen >= 0).any()
     picked = torch.gather(keep, -1, chosen.clamp_min(0))
     assert bool(picked[chosen >= 0].all())

@@ -249,8 +249,9 @@ def test_runs_under_bf16_autocast(scoring):
 )
 def test_streamed_selection_matches_materialised(scoring, roles, monkeypatch):
     """fused_topk streams the indexer's selection over query chunks; the model's logits, loss and
-    gradients equal the materialising path's (same selected groups)."""
-    from nemo_dsa.ops.topk import streaming
+    gradients equal the materialising path's (same selected groups). Under bf16 autocast, where the
+    indexer scores bf16 q/k (an fp32 model scores fp32 q/k, which only the reference path takes)."""
+    from nemo_dsa.ops.fused_selection import interface as streaming
 
     calls = []
     for name in ("v4_select_topk_validated", "v41_select_topk"):
@@ -262,7 +263,8 @@ def test_streamed_selection_matches_materialised(scoring, roles, monkeypatch):
     runs = []
     for fused in (False, True):
         model = make_model(seed=2, scoring=scoring, index_topk=3, fused_topk=fused, **roles)
-        out = model(ids, labels=ids, seq_lens=seq_lens)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(ids, labels=ids, seq_lens=seq_lens)
         out.loss.backward()
         runs.append((out.logits, out.loss, [p.grad for p in model.parameters() if p.grad is not None]))
         assert bool(calls) == fused  # the streamed path ran exactly when asked for

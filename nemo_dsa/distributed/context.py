@@ -1,51 +1,23 @@
-"""The sequence (context-parallel) handle that the attention module talks to.
+"""``sequence_context_for``: a trainer's context-parallel group -> the layers' ``SequenceContext``.
 
-Model code never touches process groups: it asks a ``SequenceContext`` for the pieces of the
-sequence held by other ranks. ``LocalContext`` is the single-rank identity; the
-torch.distributed implementation lives beside it in this package.
+The protocol and its single-rank identity live in ``nemo_dsa.layers.context`` (importable without
+torch.distributed); ``ProcessGroupContext`` (``process_group.py``) implements it over a group.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from nemo_dsa.layers.context import LocalContext, SequenceContext
 
-import torch
-
-
-class SequenceContext(ABC):
-    """Contiguous sequence sharding: rank ``rank`` of ``size`` holds tokens [rank*S, (rank+1)*S)."""
-
-    rank: int = 0
-    size: int = 1
-
-    @abstractmethod
-    def gather_sequence(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        """Concatenate every rank's shard of ``x`` along ``dim`` in rank order (autograd-aware)."""
-
-    @abstractmethod
-    def previous_tail(self, x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
-        """The last ``n`` entries of the previous rank's ``x`` along ``dim`` (autograd-aware).
-
-        Rank 0 gets zeros; callers mask them through the metadata (they belong to no document).
-        """
-
-
-class LocalContext(SequenceContext):
-    """No context parallelism: the local shard is the whole sequence."""
-
-    def gather_sequence(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        return x
-
-    def previous_tail(self, x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
-        shape = list(x.shape)
-        shape[dim] = n
-        return x.new_zeros(shape)
+__all__ = ["LocalContext", "SequenceContext", "sequence_context_for"]
 
 
 def sequence_context_for(cp_group=None) -> SequenceContext:
-    """The context for a torch.distributed context-parallel group (``None`` = no CP)."""
+    """The context for ``cp_group``: None = no CP (``LocalContext``), a ``SequenceContext`` as
+    given, otherwise a torch.distributed process group (or 1-D DeviceMesh)."""
     if cp_group is None:
         return LocalContext()
+    if isinstance(cp_group, SequenceContext):
+        return cp_group
     from nemo_dsa.distributed.process_group import ProcessGroupContext
 
     return ProcessGroupContext(cp_group)

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_dsa._checks import check_positive_int
-from nemo_dsa.distributed.context import SequenceContext
+from nemo_dsa.layers.context import SequenceContext
 
 # torch 2.13 renamed the single-tensor collectives; the GPU machine runs an older torch.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -34,6 +34,7 @@ from typing import Any, ClassVar
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from nemo_dsa.layers.fp32_parameters import fp32_parameter_names
 from nemo_dsa.models.dsa_lm.configuration import DSAModelConfig
 from nemo_dsa.models.dsa_lm.modeling import DSAForCausalLM
 
@@ -50,7 +51,9 @@ _DSA_FIELDS = tuple(f for f in dataclasses.fields(DSAModelConfig) if f.name != "
 # DSAModelConfig.backend (the indexer kernels) is stored as ``indexer_backend``: nemo-automodel
 # moves any ``from_config`` kwarg whose name is a config key onto the config, and its own
 # ``backend`` kwarg (a BackendConfig) would land on it. ``config.backend`` stays readable.
-_HF_NAMES = {"backend": "indexer_backend"}
+# DSAModelConfig.rope_scaling is stored as ``compress_rope_scaling``: transformers' PretrainedConfig
+# turns ``rope_scaling`` into a property over its own ``rope_parameters`` (rewriting the dict).
+_HF_NAMES = {"backend": "indexer_backend", "rope_scaling": "compress_rope_scaling"}
 # Tuple-typed fields (compress_ratios, layer-id lists): JSON round trips turn them into lists.
 _TUPLE_FIELDS = frozenset(f.name for f in _DSA_FIELDS if "tuple" in str(f.type))
 # nemo-automodel's BackendConfig.attn values that name one of nemo_dsa's indexer backends.
@@ -83,10 +86,11 @@ class _NemoDsaConfigBase(PretrainedConfig):
                 f"scoring is fixed to {self.scoring!r} for {type(self).__name__}, got {given_scoring!r}; "
                 f"use the other config class to switch scoring"
             )
-        if "backend" in kwargs:  # the DSAModelConfig name, e.g. from from_dsa_config or a YAML node
-            if "indexer_backend" in kwargs:
-                raise ValueError("give the indexer kernels as indexer_backend or backend, not both")
-            kwargs["indexer_backend"] = kwargs.pop("backend")
+        for dsa_name, hf_name in _HF_NAMES.items():
+            if dsa_name in kwargs:  # the DSAModelConfig name, e.g. from from_dsa_config or a YAML node
+                if hf_name in kwargs:
+                    raise ValueError(f"give {hf_name} or {dsa_name}, not both")
+                kwargs[hf_name] = kwargs.pop(dsa_name)
         for f in _DSA_FIELDS:
             name = _HF_NAMES.get(f.name, f.name)
             value = kwargs.pop(name, _field_default(f))
@@ -101,6 +105,16 @@ class _NemoDsaConfigBase(PretrainedConfig):
     def backend(self) -> str:
         """The indexer kernel choice under its ``DSAModelConfig`` name."""
         return self.indexer_backend
+
+    @property
+    def rope_scaling(self) -> dict | None:
+        """The compressed layers' YaRN scaling under its ``DSAModelConfig`` name (replaces
+        PretrainedConfig's alias of ``rope_parameters``, which this config does not use)."""
+        return self.__dict__.get("compress_rope_scaling")
+
+    @rope_scaling.setter
+    def rope_scaling(self, value: dict | None) -> None:
+        self.compress_rope_scaling = value
 
     def to_dsa_config(self, **overrides: Any) -> DSAModelConfig:
         """The equivalent ``DSAModelConfig`` (``overrides`` replace single fields by their
@@ -173,7 +187,7 @@ class _NemoDsaForCausalLMBase(DSAForCausalLM):
         # Read by nemo_automodel._transformers.model_capabilities.query_capabilities.
         # THD: the forward consumes the THD collater's position_ids/seq_lens and builds its own
         # per-document visibility. CP: the model shards contiguously through its own
-        # prepare_model_inputs_for_cp hook (nemo_dsa.distributed) and gathers keys itself from
+        # prepare_model_inputs_for_cp hook (integrations.automodel_cp) and gathers keys itself from
         # the cp_group it is given; no TP/PP plans; dense MLP, so no EP.
         supports_tp: bool = False
         supports_cp: bool = True
@@ -189,7 +203,7 @@ class _NemoDsaForCausalLMBase(DSAForCausalLM):
 
     def prepare_model_inputs_for_cp(self, batch: dict[str, Any], *, num_chunks: int = 1) -> dict:
         """nemo-automodel's CP hook: contiguous shards padded to whole compression groups."""
-        from nemo_dsa.distributed import prepare_model_inputs_for_cp
+        from nemo_dsa.integrations.automodel_cp import prepare_model_inputs_for_cp
 
         return prepare_model_inputs_for_cp(self.dsa_config.compress_ratios, batch, num_chunks=num_chunks)
 
@@ -228,14 +242,16 @@ class _NemoDsaForCausalLMBase(DSAForCausalLM):
         nemo-automodel calls this as ``initialize_weights(dtype=...)`` after materialising meta
         tensors with uninitialised memory. Parameters get ``DSAForCausalLM``'s own scheme (so the
         result follows ``torch.manual_seed``); buffers are recomputed (``_reset_buffers``);
-        floating-point parameters are then cast to ``dtype`` when given. ``buffer_device`` is
+        floating-point parameters are then cast to ``dtype`` when given, except those the layers
+        keep in fp32 (sinks, compressors: ``nemo_dsa.layers.fp32_parameters``). ``buffer_device`` is
         accepted for the recipes that pass it; buffers stay on the parameters' device.
         """
         super().initialize_weights()
         self._reset_buffers()
         if dtype is not None:
-            for p in self.parameters():
-                if p.is_floating_point() and p.dtype != dtype:
+            keep_fp32 = fp32_parameter_names(self)
+            for name, p in self.named_parameters():
+                if p.is_floating_point() and p.dtype != dtype and name not in keep_fp32:
                     p.data = p.data.to(dtype)
 
     def _reset_buffers(self) -> None:

@@ -7,7 +7,18 @@ released DeepSeek-V4 checkpoint does (its ratio-4 ``wkv``/``wgate``/``ape`` are 
 the first half of the channels of group j-1's tokens join group j, but only when group j-1 holds
 tokens of the same document (otherwise their logits are -inf). Invalid groups (padding or a
 document boundary inside) pool to zeros; the visibility rule never shows them to a query.
-The pooled key is RMS-normalised and rotated at the document-local position of its first token.
+The pooled key is RMS-normalised and rotated at the document-local position of its first token
+(with the layer's RoPE: ``compress_rope_theta`` and YaRN in the released model).
+
+Precision, as the released DeepSeek-V4 runs it: ``wkv``, ``wgate`` and ``ape`` are fp32 parameters
+(kept fp32 inside bf16 models), the projections and the pooling run in fp32 (also under autocast),
+and the pooled key is cast to the input's dtype before the norm.
+
+Position of a pooled key, compared with nemo-automodel 0.7.0's built-in DeepSeek-V4: the built-in
+rotates a packed document's key at ``(first-token local position // R) * R``, nemo_dsa at the
+first-token local position. On documents that start on a multiple of R the two are the same
+number; elsewhere nemo_dsa keeps the group's true position (the built-in's group index there is
+also the one that lets a query see a group holding later tokens, see DSA-SPEC "Visibility").
 """
 
 from __future__ import annotations
@@ -15,30 +26,47 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nemo_dsa.distributed.context import SequenceContext
+from nemo_dsa.layers.context import SequenceContext
+from nemo_dsa.layers.fp32_parameters import KeepsFP32Parameters
 from nemo_dsa.layers.norm import RMSNorm
 from nemo_dsa.layers.rope import apply_rope, rope_angles
 
 OVERLAP_RATIO = 4
 
 
-class Compressor(nn.Module):
+class Compressor(KeepsFP32Parameters):
     """Pool this shard's complete R-token groups into ``[B, S // R, head_dim]`` keys."""
 
+    fp32_parameters = ("wkv.weight", "wgate.weight", "ape")
+
     def __init__(
-        self, hidden_size: int, head_dim: int, ratio: int, rope_dim: int, rope_theta: float, eps: float
+        self,
+        hidden_size: int,
+        head_dim: int,
+        ratio: int,
+        rope_dim: int,
+        rope_theta: float,
+        eps: float,
+        rope_scaling: dict | None = None,
     ) -> None:
         super().__init__()
         self.ratio = ratio
         self.head_dim = head_dim
         self.rope_dim = rope_dim
         self.rope_theta = rope_theta
+        self.rope_scaling = rope_scaling
         self.overlap = ratio == OVERLAP_RATIO
         width = head_dim * (2 if self.overlap else 1)
-        self.wkv = nn.Linear(hidden_size, width, bias=False)
-        self.wgate = nn.Linear(hidden_size, width, bias=False)
-        self.ape = nn.Parameter(torch.zeros(ratio, width))
+        self.wkv = nn.Linear(hidden_size, width, bias=False, dtype=torch.float32)
+        self.wgate = nn.Linear(hidden_size, width, bias=False, dtype=torch.float32)
+        self.ape = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32))
         self.norm = RMSNorm(head_dim, eps)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """This module's own parameters: zero position biases (the model initialises the
+        projections, the norm resets itself)."""
+        nn.init.zeros_(self.ape)
 
     def forward(self, x: torch.Tensor, meta, ctx: SequenceContext) -> torch.Tensor:
         """Pool ``x [B, S, hidden]``; ``meta`` is this ratio's ``AttentionMetadata``.
@@ -52,9 +80,10 @@ class Compressor(nn.Module):
         groups = seq // r
         if groups == 0:
             return x.new_zeros(batch, 0, d)
-        tokens = x[:, : groups * r]
-        values = self.wkv(tokens).float()
-        logits = self.wgate(tokens).float()
+        tokens = x[:, : groups * r].float()
+        with torch.autocast(x.device.type, enabled=False):
+            values = self.wkv(tokens)
+            logits = self.wgate(tokens)
         group_valid = meta.group_valid.bool()
         if self.overlap:
             values, logits = self._with_previous_group(values, logits, meta, ctx)
@@ -66,7 +95,8 @@ class Compressor(nn.Module):
         pooled = pooled.masked_fill(~group_valid.unsqueeze(-1), 0.0)
         pooled = self.norm(pooled.to(x.dtype))
         first_token_positions = meta.local_positions[:, : groups * r : r]
-        pooled = apply_rope(pooled, rope_angles(first_token_positions, self.rope_dim, self.rope_theta))
+        angles = rope_angles(first_token_positions, self.rope_dim, self.rope_theta, self.rope_scaling)
+        pooled = apply_rope(pooled, angles)
         return pooled.masked_fill(~group_valid.unsqueeze(-1), 0.0)
 
     def _with_previous_group(self, values, logits, meta, ctx):

@@ -3,11 +3,19 @@
 Index queries come from the attention's query latent (``wq_b``), index keys from the indexer's
 own ratio-4 compressor, and per-head weights from ``weights_proj`` with the released scaling
 ``index_head_dim^-0.5 * index_n_heads^-0.5`` folded in (DeepSeek-V3.2/V4 inference code). RoPE is
-applied to the trailing ``qk_rope_head_dim`` channels of both.
+applied to the trailing ``qk_rope_head_dim`` channels of both, with the compressed layers' RoPE
+(``compress_rope_theta`` and YaRN in the released model) at the queries' document-local positions.
+
+The indexer's inputs (the attention input and the query latent) are detached from the main graph,
+as in DeepSeek's sparse-attention training (arXiv 2512.02556): whatever trains the indexer (the KL
+loss, the opt-in straight-through term) reaches only the indexer's own parameters.
 
 Scoring (DSA-SPEC "Scoring"):
-- ``v4``: trainable fp32 logits through ``v4_lighting_indexer``; returns the gathered
-  ``index_score`` so the caller can train the indexer.
+- ``v4``: trainable fp32 logits through ``v4_indexer_bshd``; returns the gathered
+  ``index_score`` so the caller can train the indexer. q and k are in the model's precision, as in
+  the release: bf16 in bf16 models (and under bf16 autocast), fp32 in fp32 models (the V4 op takes
+  bf16 only, so fp32 q/k are scored by the op's fp32 reference and the selected scores gathered
+  here, differentiably; ``fused_topk`` applies to bf16 scoring).
 - ``v41``: frozen (``requires_grad=False``) BF16-boundary scores with MXFP4 quantize-dequantize
   of q and k after RoPE, selection in ascending key order, optional V4.1 candidate blocks.
 """
@@ -19,10 +27,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nemo_dsa.distributed.context import SequenceContext
+from nemo_dsa.layers.context import SequenceContext
 from nemo_dsa.layers.compressor import OVERLAP_RATIO, Compressor
 from nemo_dsa.layers.rope import apply_rope
-from nemo_dsa.ops._dispatch import resolve_backend, resolve_fused_topk
+from nemo_dsa.ops.dispatch import resolve_backend, resolve_fused_topk
+from nemo_dsa.ops.fused_selection import interface as fused_selection
+from nemo_dsa.ops.mxfp4 import mxfp4_quant_dequant
+from nemo_dsa.ops.topk import blocks_to_mask, select_topk
+from nemo_dsa.ops.topk import candidate_blocks as find_candidate_blocks
+from nemo_dsa.ops.v41_indexer import indexer_scores
+from nemo_dsa.ops.v4_indexer import v4_indexer_bshd, v4_logits
 
 
 @dataclass
@@ -48,10 +62,11 @@ class Indexer(nn.Module):
         self.fused_topk = config.fused_topk
         self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
         self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
+        rope_theta, rope_scaling = config.rope_parameters(compressed=True)
         self.compressor = (
             Compressor(
-                config.hidden_size, self.head_dim, OVERLAP_RATIO, config.qk_rope_head_dim,
-                config.rope_theta, config.rms_norm_eps,
+                config.hidden_size, self.head_dim, OVERLAP_RATIO, config.qk_rope_head_dim, rope_theta,
+                config.rms_norm_eps, rope_scaling,
             )
             if owns_keys
             else None
@@ -64,12 +79,17 @@ class Indexer(nn.Module):
     def frozen(self) -> bool:
         return self.scoring == "v41"
 
+    def index_dtype(self, x: torch.Tensor) -> torch.dtype:
+        """The dtype of index q and k: bf16 for V4.1, bf16 models and bf16 autocast, else fp32."""
+        low_precision = x.dtype in (torch.bfloat16, torch.float16) or torch.is_autocast_enabled(x.device.type)
+        return torch.bfloat16 if self.frozen or low_precision else torch.float32
+
     def index_keys(self, x: torch.Tensor, meta, ctx: SequenceContext) -> torch.Tensor:
-        """bf16 index keys ``[B, K, D]`` on the global compressed axis (gathered under CP)."""
+        """Index keys ``[B, K, D]`` (:meth:`index_dtype`) on the global compressed axis (gathered under CP)."""
         if self.compressor is None:
             raise ValueError("this indexer layer does not own index keys; pass keys from its source layer")
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.frozen):
-            keys = self.compressor(x, meta, ctx).to(torch.bfloat16)
+            keys = self.compressor(x.detach(), meta, ctx).to(self.index_dtype(x))
             if self.frozen:
                 keys = _mxfp4(keys)
             return ctx.gather_sequence(keys, 1)
@@ -90,15 +110,16 @@ class Indexer(nn.Module):
         """Score ``index_keys`` for the local queries and select top-k.
 
         Args:
-            x: ``[B, S, hidden]`` the attention input (for the head weights).
-            query_latent: ``[B, S, q_lora_rank]`` the normalised query latent.
+            x: ``[B, S, hidden]`` the attention input (for the head weights; detached here).
+            query_latent: ``[B, S, q_lora_rank]`` the normalised query latent (detached here).
             angles: RoPE angles ``[B, S, rope_dim/2]`` at the queries' document-local positions.
             meta: ratio-4 ``AttentionMetadata`` (ks/ke on the global compressed axis).
-            index_keys: ``[B, K, D]`` bf16 keys from :meth:`index_keys` (this or a source layer).
+            index_keys: ``[B, K, D]`` keys from :meth:`index_keys` (this or a source layer).
             candidate_source: (v41) also compute the candidate blocks that later layers keep.
             candidate_blocks: (v41) blocks from the candidate-source layer: scores outside them
                 are masked before top-k.
         """
+        x, query_latent = x.detach(), query_latent.detach()
         batch, seq, _ = x.shape
         num_keys = index_keys.shape[1]
         if num_keys == 0:
@@ -112,37 +133,32 @@ class Indexer(nn.Module):
 
     def _queries(self, x, query_latent, angles):
         q = self.wq_b(query_latent).unflatten(-1, (self.n_heads, self.head_dim))
-        q = apply_rope(q, angles).to(torch.bfloat16)
+        q = apply_rope(q, angles).to(self.index_dtype(x))
         weights = self.weights_proj(x).float() * (self.head_dim**-0.5 * self.n_heads**-0.5)
         return q, weights
 
     def _select_v4(self, x, query_latent, angles, meta, index_keys) -> Selection:
-        from nemo_dsa.ops.v4_indexer.interface import v4_lighting_indexer
-
         q, weights = self._queries(x, query_latent, angles)
-        score, indices = v4_lighting_indexer(
-            q.transpose(0, 1), index_keys.transpose(0, 1), weights.transpose(0, 1).contiguous(),
-            meta.compress_ratio, self.topk, ks=meta.ks, ke=meta.ke, backend=self.backend,
-            fused_topk=self.fused_topk,
-        )
+        index_keys = index_keys.to(q.dtype)
+        if q.dtype == torch.bfloat16:
+            score, indices = v4_indexer_bshd(
+                q, index_keys, weights, meta.compress_ratio, self.topk, ks=meta.ks, ke=meta.ke,
+                backend=self.backend, fused_topk=self.fused_topk,
+            )
+        else:
+            score, indices = _v4_select_full_precision(q, index_keys, weights, meta.ks, meta.ke, self.topk)
         return Selection(index_keys, indices.long(), score, None)
 
     @torch.no_grad()
     def _select_v41(self, x, query_latent, angles, meta, index_keys, candidate_source,
-                    candidate_blocks, block_size, topk_blocks) -> Selection:
-        from nemo_dsa.ops.topk.interface import select_topk
-        from nemo_dsa.ops.topk.naive import blocks_to_mask, candidate_blocks as find_blocks
-        from nemo_dsa.ops.v41_indexer.interface import indexer_scores
-
+                    kept_blocks, block_size, topk_blocks) -> Selection:
         q, weights = self._queries(x, query_latent, angles)
         if resolve_fused_topk(self.fused_topk, resolve_backend(self.backend, q)):  # no [B, S, K] scores
-            from nemo_dsa.ops.topk.streaming import v41_select_topk
-
-            picked = v41_select_topk(
+            picked = fused_selection.v41_select_topk(
                 _mxfp4(q), index_keys, weights.to(torch.bfloat16), meta.ks, meta.ke, self.topk,
-                candidate_block_size=block_size if candidate_source or candidate_blocks is not None else None,
+                candidate_block_size=block_size if candidate_source or kept_blocks is not None else None,
                 candidate_topk_blocks=topk_blocks if candidate_source else None,
-                candidate_blocks=None if candidate_source else candidate_blocks,
+                candidate_blocks=None if candidate_source else kept_blocks,
                 backend=self.backend,
             )
             indices, blocks = picked if candidate_source else (picked, None)
@@ -151,17 +167,25 @@ class Indexer(nn.Module):
                                 ks=meta.ks, ke=meta.ke, backend=self.backend)
         blocks = None
         if candidate_source:
-            blocks = find_blocks(scores, meta.ks, meta.ke, block_size, topk_blocks)
-        elif candidate_blocks is not None:
-            keep = blocks_to_mask(candidate_blocks, meta.ks, meta.ke, block_size, scores.shape[-1])
+            blocks = find_candidate_blocks(scores, meta.ks, meta.ke, block_size, topk_blocks)
+        elif kept_blocks is not None:
+            keep = blocks_to_mask(kept_blocks, meta.ks, meta.ke, block_size, scores.shape[-1])
             scores = scores.masked_fill(~keep, float("-inf"))
         indices = select_topk(scores, self.topk, order="index", backend=self.backend)
         return Selection(index_keys, indices.long(), None, blocks)
 
 
+def _v4_select_full_precision(q, k, w, ks, ke, topk):
+    """V4 selection on fp32 q/k: the op's fp32 reference logits select, and the selected scores
+    ``sum_h w_h relu(q_h . k_j)`` are recomputed here with autograd (-inf at -1)."""
+    with torch.no_grad():
+        indices = select_topk(v4_logits(q, k, w, ks, ke), topk, order="score")
+    batch, seq, width = indices.shape
+    picked = indices.long().clamp_min(0).flatten(1).unsqueeze(-1).expand(-1, -1, k.shape[-1])
+    keys = torch.gather(k, 1, picked).view(batch, seq, width, k.shape[-1])
+    score = (torch.einsum("bshd,bstd->bsht", q, keys).relu() * w.unsqueeze(-1)).sum(2)
+    return score.masked_fill(indices < 0, float("-inf")), indices
 
 
 def _mxfp4(x: torch.Tensor) -> torch.Tensor:
-    from nemo_dsa.ops.mxfp4.naive import mxfp4_quant_dequant
-
     return mxfp4_quant_dequant(x)

@@ -1,4 +1,4 @@
-"""DeepSeek-V4-style sparse attention: sliding window + compressed KV (+ indexer) + sink.
+"""DeepSeek-V4 sparse attention: sliding window + compressed KV (+ indexer) + sink.
 
 Per query (DSA-SPEC "Sparse attention (the module)"): multi-query attention over one shared
 KV head, softmax scale ``head_dim^-0.5``, to
@@ -8,9 +8,34 @@ KV head, softmax scale ``head_dim^-0.5``, to
       on other ratios every visible group ``[ks, ke)``;
 with a learned per-head sink logit (``attn_sink``) in the softmax denominator only.
 
-As in DeepSeek-V4, the query gets a weightless per-head RMS norm, q and kv are rotated at the
-document-local positions (so a packed document behaves exactly like the same document alone),
-the shared kv is both key and value, and the output is rotated back before ``wo``.
+As in DeepSeek-V4, the query gets a weightless per-head RMS norm before RoPE, q and kv are
+rotated at the document-local positions (so a packed document behaves exactly like the same
+document alone), the shared kv is both key and value, and the output is rotated back before the
+output projection: with ``o_lora_rank > 0`` the release's grouped low-rank ``wo_a`` (``o_groups``
+groups of ``H*head_dim/o_groups`` channels, each to ``o_lora_rank``) then ``wo_b``; with
+``o_lora_rank = 0`` (nemo_dsa's own small presets) one dense ``wo``.
+
+RoPE per layer type, as the release: window-only layers rotate with ``rope_theta``; compressed
+layers (ratio > 0) rotate their main q/kv, their compressor's keys and their indexer's q and keys
+with ``compress_rope_theta`` and the YaRN ``rope_scaling`` (no mscale: the release's attention
+factor is 1 and its softmax scale stays ``head_dim^-0.5``). Positions: queries and window keys at
+their document-local positions, a pooled key at its group's first token's document-local position.
+nemo-automodel 0.7.0's built-in DeepSeek-V4 attention rotates at the trainer's ``position_ids``
+(document-local in THD packs, 0.. in plain rows) and a packed pooled key at
+``(first local position // R) * R``: on rows and on packs whose documents start on multiples of
+every ratio both are the same numbers, so the two agree there (tests/test_released_v4_attention.py).
+
+Precision, as the release: the sinks and the compressors' ``wkv``/``wgate``/``ape`` are fp32
+parameters that stay fp32 inside bf16 models (``KeepsFP32Parameters``); the indexer scores in the
+model's precision (``Indexer.index_dtype``).
+
+Compared side by side with the built-in (same weights, fp32, CPU): the built-in's index q and keys
+are not rounded (nemo_dsa now scores fp32 models in fp32 too); it gives the indexer no gradient
+(nemo_dsa's default since the straight-through term is opt-in); it reads YaRN only from a
+``rope_scaling`` whose ``type`` key is "yarn" (nemo_dsa also reads transformers' ``rope_type``);
+on packs whose documents start off a multiple of R its pooled-key positions and visibility differ
+(nemo_dsa follows DSA-SPEC "Visibility"); its padding queries attend to their padded document
+tail, nemo_dsa's padding queries output zeros.
 
 Layer roles on ratio-4 layers (decided after reading the V4.1 baseline; ``config.attention_role``):
   ``source``   owns a compressor and the indexer's key compressor, scores and selects;
@@ -23,12 +48,17 @@ Without ``kv_source_layer_ids`` every ratio-4 layer is a source; without
 kept blocks; every later selecting layer (source or reindex) masks its scores to them before
 top-k, as the V4.1 baseline does. The blocks are per query on the shared compressed axis.
 
-Training the V4 indexer: with ``indexer_kl_coef > 0`` the module returns the DeepSeek-V3.2 DSA
-distillation loss (arXiv 2512.02556): KL(p || softmax(index_score)) over the selected groups,
-p = the main attention probabilities on those groups summed over heads, renormalised, detached.
-With ``indexer_straight_through`` (default) the selected groups' attention logits also receive
-``index_score - index_score.detach()``: zero in the forward pass (outputs are unchanged), but the
-LM loss gradient w.r.t. those logits reaches the indexer, so it learns even without the KL loss.
+Training the V4 indexer (DeepSeek's sparse-attention recipe, arXiv 2512.02556): the indexer's
+inputs are detached from the main graph, so nothing that trains it reaches the rest of the model.
+With ``indexer_kl_coef > 0`` the module returns the distillation loss KL(p || softmax(index_score))
+over the selected groups (``nemo_dsa.layers.indexer_loss``), p = the main attention's
+probabilities of those groups summed over heads, renormalised, detached. Those probabilities are
+the released attention's own: their softmax denominator holds the window keys, the selected
+groups and the sink, so a head whose mass sits in its window or its sink weighs less in p.
+Opt-in ``indexer_straight_through``: the selected groups' attention logits also receive
+``index_score - index_score.detach()``, zero in the forward pass (outputs are unchanged) but the
+LM loss gradient w.r.t. those logits reaches the indexer. Both are off by default, so the default
+gradients equal the release's (its indexer gets none).
 
 Context parallelism: queries are the local shard; compressed KV and index keys are gathered
 along the sequence through the ``SequenceContext``; the window and the ratio-4 compressor
@@ -41,16 +71,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nemo_dsa.distributed.context import LocalContext, SequenceContext
+from nemo_dsa.layers.context import LocalContext, SequenceContext
 from nemo_dsa.layers.compressor import Compressor
+from nemo_dsa.layers.fp32_parameters import KeepsFP32Parameters
+from nemo_dsa.layers.grouped_linear import GroupedLinear
 from nemo_dsa.layers.indexer import Indexer, Selection
+from nemo_dsa.layers.indexer_loss import indexer_kl_loss
 from nemo_dsa.layers.norm import RMSNorm, rms_normalize
 from nemo_dsa.layers.rope import apply_rope, rope_angles
+from nemo_dsa.layers.shared_state import Ratio4State, SharedLayerState
 from nemo_dsa.ops.sparse_attention.naive import sparse_attention
 
 
-class DSASparseAttention(nn.Module):
+class DSASparseAttention(KeepsFP32Parameters):
     """One attention layer; parameter names follow the DeepSeek-V4 checkpoint (``layers.{i}.attn.*``)."""
+
+    fp32_parameters = ("attn_sink",)
 
     def __init__(self, config, layer_idx: int) -> None:
         super().__init__()
@@ -64,17 +100,26 @@ class DSASparseAttention(nn.Module):
         self.window = config.sliding_window
         self.scale = self.head_dim**-0.5
         self.eps = config.rms_norm_eps
+        self.rope_theta, self.rope_scaling = config.rope_parameters(compressed=self.ratio > 0)
         hidden = config.hidden_size
         self.wq_a = nn.Linear(hidden, config.q_lora_rank, bias=False)
         self.q_norm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
         self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
         self.wkv = nn.Linear(hidden, self.head_dim, bias=False)
         self.kv_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.wo = nn.Linear(self.n_heads * self.head_dim, hidden, bias=False)
-        self.attn_sink = nn.Parameter(torch.zeros(self.n_heads))
+        if config.o_lora_rank > 0:
+            groups = config.o_groups
+            self.wo_a = GroupedLinear(self.n_heads * self.head_dim // groups, groups * config.o_lora_rank, groups)
+            self.wo_b = nn.Linear(groups * config.o_lora_rank, hidden, bias=False)
+        else:
+            self.wo = nn.Linear(self.n_heads * self.head_dim, hidden, bias=False)
+        self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
         owns_compressed_kv = self.role in ("all_groups", "source")
         self.compressor = (
-            Compressor(hidden, self.head_dim, self.ratio, self.rope_dim, config.rope_theta, config.rms_norm_eps)
+            Compressor(
+                hidden, self.head_dim, self.ratio, self.rope_dim, self.rope_theta, config.rms_norm_eps,
+                self.rope_scaling,
+            )
             if owns_compressed_kv
             else None
         )
@@ -82,12 +127,17 @@ class DSASparseAttention(nn.Module):
             Indexer(config, owns_keys=self.role == "source") if self.role in ("source", "reindex") else None
         )
 
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """This module's own parameters: zero sink logits (submodules initialise themselves)."""
+        nn.init.zeros_(self.attn_sink)
+
     def forward(
         self,
         x: torch.Tensor,
         meta,
         ctx: SequenceContext | None = None,
-        shared: dict | None = None,
+        shared: SharedLayerState | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attend.
 
@@ -96,17 +146,17 @@ class DSASparseAttention(nn.Module):
             meta: ``AttentionMetadata`` built for this layer's ratio (ratio 1 for window-only
                 layers); its tokens, positions and documents describe ``x``.
             ctx: the sequence context (``LocalContext()`` when None).
-            shared: per-forward dict through which ratio-4 layers pass compressed KV, index
-                keys and selections to later ``reindex``/``reuse`` layers (needed for those).
+            shared: the forward's ``SharedLayerState``, through which ratio-4 layers pass compressed
+                KV, index keys and selections to later ``reindex``/``reuse`` layers (needed for those).
 
         Returns:
             ``(out [B, S, hidden], aux_loss)``; aux_loss is the weighted indexer KL loss (a
             scalar) on V4 selecting layers with ``indexer_kl_coef > 0``, else None.
         """
         ctx = ctx if ctx is not None else LocalContext()
-        shared = shared if shared is not None else {}
+        shared = shared if shared is not None else SharedLayerState()
         batch, seq, _ = x.shape
-        angles = rope_angles(meta.local_positions, self.rope_dim, self.config.rope_theta)
+        angles = rope_angles(meta.local_positions, self.rope_dim, self.rope_theta, self.rope_scaling)
         query_latent = self.q_norm(self.wq_a(x))
         q = rms_normalize(self.wq_b(query_latent).unflatten(-1, (self.n_heads, self.head_dim)), self.eps)
         q = apply_rope(q, angles)
@@ -128,7 +178,7 @@ class DSASparseAttention(nn.Module):
                 bias = F.pad(score - score.detach(), (window_indices.shape[-1], 0))
         out, lse = sparse_attention(q, keys, indices, self.attn_sink, self.scale, bias=bias)
         out = apply_rope(out, angles, inverse=True)
-        out = self.wo(out.flatten(2))
+        out = self._output_projection(out.flatten(2))
         aux = None
         if self._trains_with_kl(selection):
             aux = self.config.indexer_kl_coef * indexer_kl_loss(
@@ -137,6 +187,12 @@ class DSASparseAttention(nn.Module):
         return out, aux
 
     # -- pieces -------------------------------------------------------------------------------
+
+    def _output_projection(self, out: torch.Tensor) -> torch.Tensor:
+        """``[B, S, H * head_dim]`` -> ``[B, S, hidden]``: grouped ``wo_a`` then ``wo_b``, or ``wo``."""
+        if self.config.o_lora_rank > 0:
+            return self.wo_b(self.wo_a(out))
+        return self.wo(out)
 
     def _window(self, kv, meta, ctx, history):
         """Keys ``[B, history + S, D]`` (previous tokens, then the shard) and window indices."""
@@ -149,12 +205,12 @@ class DSASparseAttention(nn.Module):
         visible = (key_docs == query_docs) & (query_docs > 0)
         return window_kv, torch.where(visible, slots.expand(batch, -1, -1), -1)
 
-    def _compressed(self, x, query_latent, angles, meta, ctx, shared):
+    def _compressed(self, x, query_latent, angles, meta, ctx, shared: SharedLayerState):
         """Global compressed KV ``[B, K, D]`` and each query's indices into it ``[B, S, T]``."""
         if self.role == "all_groups":
             compressed_kv = ctx.gather_sequence(self.compressor(x, meta, ctx), 1)
             return compressed_kv, visible_range_indices(meta.ks, meta.ke), None
-        state = shared.get("ratio4")
+        state = shared.ratio4
         if self.role == "source":
             compressed_kv = ctx.gather_sequence(self.compressor(x, meta, ctx), 1)
             index_keys = self.indexer.index_keys(x, meta, ctx)
@@ -163,22 +219,19 @@ class DSASparseAttention(nn.Module):
                 raise ValueError(
                     f"layer {self.layer_idx} ({self.role}) needs a preceding ratio-4 kv source layer's state in `shared`"
                 )
-            compressed_kv, index_keys = state["compressed_kv"], state["selection"].index_keys
+            compressed_kv, index_keys = state.compressed_kv, state.selection.index_keys
         if self.role == "reuse":
-            selection = state["selection"]
-            return compressed_kv, selection.topk_indices, None
+            return compressed_kv, state.selection.topk_indices, None
         cfg = self.config
+        inherited_blocks = None if state is None else state.candidate_blocks
         selection = self.indexer(
             x, query_latent, angles, meta, index_keys,
             candidate_source=self.layer_idx == cfg.candidate_source_layer_id,
-            candidate_blocks=None if state is None else state.get("candidate_blocks"),
+            candidate_blocks=inherited_blocks,
             block_size=cfg.candidate_block_size, topk_blocks=cfg.candidate_topk_blocks,
         )
-        new_state = {"compressed_kv": compressed_kv, "selection": selection,
-                     "candidate_blocks": None if state is None else state.get("candidate_blocks")}
-        if selection.candidate_blocks is not None:
-            new_state["candidate_blocks"] = selection.candidate_blocks
-        shared["ratio4"] = new_state
+        blocks = selection.candidate_blocks if selection.candidate_blocks is not None else inherited_blocks
+        shared.ratio4 = Ratio4State(compressed_kv, selection, blocks)
         return compressed_kv, selection.topk_indices, selection
 
     def _straight_through(self, selection: Selection | None) -> bool:
@@ -218,48 +271,3 @@ def visible_range_indices(ks: torch.Tensor, ke: torch.Tensor) -> torch.Tensor:
     offsets = torch.arange(width, device=ks.device)
     indices = ks.long().unsqueeze(-1) + offsets
     return torch.where(indices < ke.long().unsqueeze(-1), indices, -1)
-
-
-def indexer_kl_loss(
-    q: torch.Tensor,
-    compressed_kv: torch.Tensor,
-    indices: torch.Tensor,
-    index_score: torch.Tensor,
-    lse: torch.Tensor,
-    scale: float,
-    ctx: SequenceContext | None = None,
-) -> torch.Tensor:
-    """Mean over queries with a selected group of KL(p_attention || softmax(index_score)).
-
-    Under context parallelism the mean runs over every rank's queries: each rank returns its
-    KL sum over the global count (from ``ctx``), so the ranks' losses add up to the global mean.
-
-    ``p_attention`` is the main attention's probability of each selected group (its softmax
-    denominator ``lse`` includes the window and the sink), summed over heads and renormalised
-    over the selected groups; it is a detached target. Gradient reaches only ``index_score``.
-    """
-    valid = indices >= 0
-    with torch.no_grad(), torch.autocast(q.device.type, enabled=False):
-        batch, seq, width = indices.shape
-        dim = compressed_kv.shape[-1]
-        safe_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-        probs = torch.empty(indices.shape, dtype=torch.float32, device=q.device)
-        # Query chunks bound the gathered keys to ~256 MiB.
-        step = max(1, (256 * 2**20) // max(1, batch * width * (dim + q.shape[2]) * 4))
-        for start in range(0, seq, step):
-            part = slice(start, min(seq, start + step))
-            idx = indices[:, part].clamp_min(0)
-            keys = torch.gather(compressed_kv, 1, idx.flatten(1).unsqueeze(-1).expand(-1, -1, dim))
-            keys = keys.view(batch, idx.shape[1], width, dim).float()
-            logits = torch.einsum("bshd,bstd->bsht", q[:, part].float(), keys) * scale
-            probs[:, part] = torch.exp(logits - safe_lse[:, part].unsqueeze(-1)).sum(2)
-        probs = probs.masked_fill(~valid, 0.0)
-        target = probs / probs.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-    rows = valid.any(-1)
-    scores = index_score.float().masked_fill(~valid, float("-inf")).masked_fill(~rows.unsqueeze(-1), 0.0)
-    log_q = torch.log_softmax(scores, dim=-1).masked_fill(~valid, 0.0)
-    kl = (torch.xlogy(target, target) - target * log_q).sum(-1)  # 0 on rows without a selection
-    count = rows.sum().to(kl.dtype).reshape(1)
-    if ctx is not None:  # every rank takes part, also one whose queries selected nothing
-        count = ctx.gather_sequence(count, 0)
-    return (kl * rows).sum() / count.sum().clamp_min(1)

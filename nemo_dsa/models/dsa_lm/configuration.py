@@ -7,7 +7,17 @@ DeepSeek-V4 config where one exists (``q_lora_rank``, ``compress_ratios``, ``ind
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
+
+from nemo_dsa.layers.rope import yarn_parameters
+from nemo_dsa.models.dsa_lm.hf_config import dsa_fields_from_hf
+
+from nemo_dsa.models.dsa_lm.layer_roles import (
+    attention_role,
+    index_source_layers,
+    indexer_layers,
+    kv_source_layers,
+)
 
 SCORINGS = ("v4", "v41")
 
@@ -33,9 +43,11 @@ class DSAModelConfig:
     index_topk: int = 8
     # V4 only: weight of the KL loss that distils the main attention into the indexer (0 = off).
     indexer_kl_coef: float = 0.0
-    # V4 only: let the LM loss reach the indexer through a zero-valued straight-through term on
-    # the selected groups' attention logits (forward unchanged; see layers/sparse_attention.py).
-    indexer_straight_through: bool = True
+    # V4 only, opt-in: let the LM loss reach the indexer through a zero-valued straight-through
+    # term on the selected groups' attention logits (forward unchanged; see
+    # layers/sparse_attention.py). Off by default, so default gradients equal the release's
+    # (which gives the indexer none).
+    indexer_straight_through: bool = False
     # V4.1 layer roles (indices into the layers); None = every indexer layer owns its keys.
     kv_source_layer_ids: tuple[int, ...] | None = None
     index_source_layer_ids: tuple[int, ...] | None = None
@@ -43,7 +55,16 @@ class DSAModelConfig:
     candidate_topk_blocks: int = 2048
     candidate_block_size: int = 8
     rms_norm_eps: float = 1e-6
+    # Output projection. o_lora_rank > 0: DeepSeek-V4's grouped low-rank projection, ``wo_a``
+    # (o_groups groups, each H*head_dim/o_groups -> o_lora_rank) then ``wo_b``; 0: one dense ``wo``.
+    o_lora_rank: int = 0
+    o_groups: int = 1
+    # RoPE: rope_theta on window-only layers; compressed layers (ratio > 0: their main q/kv, the
+    # compressor and the indexer) use compress_rope_theta (None = rope_theta) and the YaRN
+    # rope_scaling (None = plain RoPE), as DeepSeek-V4 does (see nemo_dsa/layers/rope.py).
     rope_theta: float = 10000.0
+    compress_rope_theta: float | None = None
+    rope_scaling: dict | None = None
     max_position_embeddings: int = 4096
     initializer_range: float = 0.02
     tie_word_embeddings: bool = False
@@ -52,7 +73,6 @@ class DSAModelConfig:
     # Select top-k without the [B, S, K] score matrix (streamed query chunks): None = wherever the
     # TileLang kernels run; False materialises the scores (the checking path), True always streams.
     fused_topk: bool | None = None
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.compress_ratios = tuple(int(r) for r in self.compress_ratios)
@@ -96,6 +116,17 @@ class DSAModelConfig:
                 raise ValueError(f"index_n_heads must be a power of two <= 128 for scoring v41, got {h}")
             if self.index_head_dim % 32:
                 raise ValueError(f"index_head_dim must be a multiple of 32 for MXFP4 (v41), got {self.index_head_dim}")
+        for name in ("o_lora_rank", "o_groups"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "o_lora_rank" else 1):
+                raise ValueError(f"{name} must be an int >= {0 if name == 'o_lora_rank' else 1}, got {value!r}")
+        if self.o_lora_rank and self.num_attention_heads % self.o_groups:
+            raise ValueError(
+                f"o_groups must divide num_attention_heads={self.num_attention_heads}, got {self.o_groups}"
+            )
+        if self.rope_scaling is not None:
+            self.rope_scaling = dict(self.rope_scaling)
+        yarn_parameters(self.rope_scaling)  # raises ValueError naming rope_scaling
         if self.backend not in ("auto", "tilelang", "torch"):
             raise ValueError(f"backend must be 'auto', 'tilelang' or 'torch', got {self.backend!r}")
         if self.fused_topk is not None and not isinstance(self.fused_topk, bool):
@@ -108,21 +139,14 @@ class DSAModelConfig:
 
         self._validate_layer_roles()
 
-    def _ratio4_layers(self) -> list[int]:
-        return [i for i, r in enumerate(self.compress_ratios) if r == 4]
-
     def _kv_sources(self) -> tuple[int, ...]:
-        if self.kv_source_layer_ids is None:
-            return tuple(self._ratio4_layers())
-        return self.kv_source_layer_ids
+        return kv_source_layers(self.compress_ratios, self.kv_source_layer_ids)
 
     def _index_sources(self) -> tuple[int, ...]:
-        if self.index_source_layer_ids is None:
-            return self._kv_sources()
-        return self.index_source_layer_ids
+        return index_source_layers(self.compress_ratios, self.kv_source_layer_ids, self.index_source_layer_ids)
 
     def _validate_layer_roles(self) -> None:
-        ratio4 = self._ratio4_layers()
+        ratio4 = indexer_layers(self.compress_ratios)
         for name, ids in (("kv_source_layer_ids", self._kv_sources()), ("index_source_layer_ids", self._index_sources())):
             bad = [i for i in ids if i not in ratio4]
             if bad:
@@ -146,18 +170,28 @@ class DSAModelConfig:
                 raise ValueError("candidate_block_size and candidate_topk_blocks must be >= 1")
 
     def attention_role(self, layer_idx: int) -> str:
-        """``window`` (ratio 0), ``all_groups`` (ratio > 0, != 4), or for ratio-4 layers
-        ``source`` / ``reindex`` / ``reuse`` (see nemo_dsa/layers/sparse_attention.py)."""
-        ratio = self.compress_ratios[layer_idx]
-        if ratio == 0:
-            return "window"
-        if ratio != 4:
-            return "all_groups"
-        if layer_idx in self._kv_sources():
-            return "source"
-        if layer_idx in self._index_sources():
-            return "reindex"
-        return "reuse"
+        """This layer's role (``nemo_dsa.models.dsa_lm.layer_roles``): ``window``, ``all_groups``,
+        or for ratio-4 layers ``source`` / ``reindex`` / ``reuse``."""
+        return attention_role(self.compress_ratios, layer_idx, self.kv_source_layer_ids, self.index_source_layer_ids)
+
+    def rope_parameters(self, *, compressed: bool) -> tuple[float, dict | None]:
+        """``(theta, rope_scaling)`` of a layer: compressed (ratio > 0) or window-only."""
+        if not compressed:
+            return self.rope_theta, None
+        theta = self.rope_theta if self.compress_rope_theta is None else self.compress_rope_theta
+        return theta, self.rope_scaling
+
+    @classmethod
+    def from_hf_config(cls, hf_config, *, include_mtp_layers: bool = False, **overrides) -> "DSAModelConfig":
+        """The attention fields of a DeepSeek-V4 HF config (``nemo_dsa.models.dsa_lm.hf_config``).
+
+        ``hf_config`` is transformers' or nemo-automodel's ``DeepseekV4Config`` or a config.json
+        mapping. ``include_mtp_layers`` also covers the MTP layers' attention (layer ids
+        num_hidden_layers ...); ``overrides`` replace single fields (e.g. ``backend``).
+        """
+        fields = dsa_fields_from_hf(hf_config, include_mtp_layers=include_mtp_layers)
+        fields.update(overrides)
+        return cls(**fields)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -31,7 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nemo_dsa.layers.context import LocalContext, SequenceContext
 from nemo_dsa.layers.norm import RMSNorm
+from nemo_dsa.layers.shared_state import SharedLayerState
 from nemo_dsa.layers.sparse_attention import DSASparseAttention
 from nemo_dsa.models.dsa_lm.configuration import DSAModelConfig
 
@@ -95,19 +97,17 @@ class DSAForCausalLM(nn.Module):
 
     @torch.no_grad()
     def initialize_weights(self, *args, **kwargs) -> None:
-        """Normal(0, initializer_range) projections and embeddings, unit norms, zero sinks and
-        position biases. CPU-safe and deterministic under ``torch.manual_seed`` (module order)."""
+        """Normal(0, initializer_range) projections and embeddings; every other module resets its
+        own parameters (``reset_parameters``: unit norms, zero sinks and position biases).
+        CPU-safe and deterministic under ``torch.manual_seed`` (module order)."""
         std = self.config.initializer_range
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 if module is self.head and self.config.tie_word_embeddings:
                     continue
                 nn.init.normal_(module.weight, mean=0.0, std=std)
-            elif isinstance(module, RMSNorm):
+            elif callable(getattr(module, "reset_parameters", None)):
                 module.reset_parameters()
-        for name, param in self.named_parameters():
-            if name.endswith("attn_sink") or name.endswith(".ape"):
-                param.zero_()
 
     def num_parameters(self, only_trainable: bool = False) -> int:
         """Number of (distinct) parameters, optionally only those with ``requires_grad``."""
@@ -144,21 +144,19 @@ class DSAForCausalLM(nn.Module):
         **kwargs,
     ) -> DSACausalLMOutput:
         """Logits ``[B, S, vocab]`` of the local shard and, with labels, the loss."""
-        from nemo_dsa.distributed.context import sequence_context_for
-
         if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
             raise ValueError(f"input_ids must be a [B, S] tensor, got {getattr(input_ids, 'shape', type(input_ids))}")
         if labels is not None and labels.shape != input_ids.shape:
             raise ValueError(f"labels must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
         if attention_mask is None and padding_mask is not None:
             attention_mask = (~padding_mask.bool()).long()
-        ctx = sequence_context_for(cp_group)
+        ctx = _sequence_context(cp_group)
         metas = self.build_metadata(
             input_ids, ctx, position_ids=position_ids, seq_lens=seq_lens, seq_lens_padded=seq_lens_padded,
             cu_seqlens=cu_seqlens, packed_seq_ids=packed_seq_ids, attention_mask=attention_mask,
         )
         h = self.embed(input_ids)
-        shared: dict = {}
+        shared = SharedLayerState()
         aux_total = None
         for layer, ratio in zip(self.layers, self.config.compress_ratios):
             h, aux = layer(h, metas[max(ratio, 1)], ctx, shared)
@@ -171,6 +169,15 @@ class DSAForCausalLM(nn.Module):
             out.lm_loss = lm_loss
             out.loss = lm_loss if aux_total is None else lm_loss + aux_total
         return out
+
+
+def _sequence_context(cp_group) -> SequenceContext:
+    """``LocalContext`` without CP; a CP group is wrapped by nemo_dsa.distributed (imported only then)."""
+    if cp_group is None:
+        return LocalContext()
+    from nemo_dsa.distributed.context import sequence_context_for
+
+    return sequence_context_for(cp_group)
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,25 @@
+"""What attention layers hand on to later layers within one forward pass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nemo_dsa.layers.indexer import Selection
+
+
+@dataclass
+class Ratio4State:
+    """The latest ratio-4 source's outputs, reused by later ``reindex`` / ``reuse`` layers."""
+
+    compressed_kv: torch.Tensor  # [B, K, head_dim] on the global compressed axis
+    selection: Selection  # its index keys and the latest top-k
+    candidate_blocks: torch.Tensor | None = None  # int32 [B, S, NB] (V4.1 candidate source), else None
+
+
+@dataclass
+class SharedLayerState:
+    """Per-forward state the model threads through its layers (one fresh object per forward)."""
+
+    ratio4: Ratio4State | None = None

@@ -1,0 +1,128 @@
+"""DeepSeek-V4 HF config -> ``DSAModelConfig`` fields (the attention-relevant ones).
+
+Reads transformers' ``DeepseekV4Config`` (``layer_types`` + ``compress_rates``, nested
+``rope_parameters = {"main", "compress"}``), nemo-automodel's ``DeepseekV4Config``
+(``compress_ratios``, ``rope_scaling``, ``compress_rope_theta``) or a config.json mapping (either
+spelling). Field names are the HF ones wherever ``DSAModelConfig`` has the field:
+
+============================  =====================================================================
+DSAModelConfig                HF DeepSeek-V4 config
+============================  =====================================================================
+vocab_size, hidden_size,      same names
+num_attention_heads,
+head_dim, q_lora_rank,
+o_lora_rank, o_groups,
+sliding_window,
+index_n_heads,
+index_head_dim, index_topk,
+rms_norm_eps,
+max_position_embeddings,
+initializer_range,
+tie_word_embeddings
+num_hidden_layers             num_hidden_layers (+ num_nextn_predict_layers with include_mtp_layers)
+qk_rope_head_dim              qk_rope_head_dim (transformers: head_dim * partial_rotary_factor)
+compress_ratios               compress_ratios, else layer_types mapped through compress_rates
+                              (sliding_attention -> 0); MTP layers past the list get 0, as the
+                              built-in's MTP block does
+rope_theta                    rope_theta (transformers: rope_parameters["main"]["rope_theta"])
+compress_rope_theta           compress_rope_theta (transformers: rope_parameters["compress"]["rope_theta"])
+rope_scaling                  rope_scaling's YaRN keys (transformers: rope_parameters["compress"]);
+                              None unless its type / rope_type is "yarn"
+intermediate_size             moe_intermediate_size (nemo_dsa's stand-in dense FFN width only)
+scoring                       "v4"
+============================  =====================================================================
+
+``num_key_value_heads`` must be 1 (one shared KV head); anything else is a ValueError. Fields the
+attention does not read (experts, hyper-connections, hash layers, vision) are ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from nemo_dsa.layers.rope import yarn_parameters
+
+_SAME_NAME = (
+    "vocab_size", "hidden_size", "num_attention_heads", "head_dim", "q_lora_rank", "o_lora_rank", "o_groups",
+    "sliding_window", "index_n_heads", "index_head_dim", "index_topk", "rms_norm_eps",
+    "max_position_embeddings", "initializer_range", "tie_word_embeddings",
+)
+_MISSING = object()
+# transformers' DeepseekV4Config layer type -> ratio when a config gives no compress_rates.
+_DEFAULT_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+
+
+def _reader(hf_config):
+    if isinstance(hf_config, Mapping):
+        return lambda name, default=_MISSING: hf_config.get(name, default)
+    return lambda name, default=_MISSING: getattr(hf_config, name, default)
+
+
+def _required(get, name: str):
+    value = get(name)
+    if value is _MISSING or value is None:
+        raise ValueError(f"hf_config: the DeepSeek-V4 config has no {name!r}")
+    return value
+
+
+def _compress_ratios(get, layers: int) -> list[int]:
+    ratios = get("compress_ratios", None)
+    if ratios:
+        return [int(r) for r in ratios]
+    layer_types = get("layer_types", None)
+    if not layer_types:
+        raise ValueError("hf_config: needs compress_ratios or layer_types (one entry per layer)")
+    rates = {**_DEFAULT_RATES, **(get("compress_rates", None) or {})}
+    try:
+        return [0 if t == "sliding_attention" else int(rates[t]) for t in layer_types]
+    except KeyError as err:
+        raise ValueError(f"hf_config: layer_types entry {err.args[0]!r} has no compress_rates entry") from None
+
+
+def _rope(get) -> tuple[float, float, dict | None]:
+    """``(rope_theta, compress_rope_theta, yarn rope_scaling or None)``."""
+    nested = get("rope_parameters", None)
+    if isinstance(nested, Mapping) and isinstance(nested.get("compress"), Mapping):
+        main, compress = nested.get("main") or {}, nested["compress"]
+        theta = float(main.get("rope_theta", get("rope_theta", 10000.0)))
+        compress_theta = float(compress.get("rope_theta", get("compress_rope_theta", 160000.0)))
+        scaling = compress
+    else:
+        theta = float(get("rope_theta", 10000.0))
+        compress_theta = float(get("compress_rope_theta", 160000.0) or 160000.0)
+        scaling = get("rope_scaling", None)
+    yarn = yarn_parameters(scaling)
+    return theta, compress_theta, None if yarn is None else {"type": "yarn", **yarn}
+
+
+def dsa_fields_from_hf(hf_config, *, include_mtp_layers: bool = False) -> dict[str, Any]:
+    """``DSAModelConfig`` keyword arguments from a DeepSeek-V4 HF config (see the module table)."""
+    get = _reader(hf_config)
+    kv_heads = get("num_key_value_heads", 1)
+    if kv_heads not in (None, 1):
+        raise ValueError(f"hf_config: num_key_value_heads must be 1 (one shared KV head), got {kv_heads}")
+    fields: dict[str, Any] = {}
+    for name in _SAME_NAME:
+        value = get(name)
+        if value is not _MISSING and value is not None:
+            fields[name] = value
+    layers = int(_required(get, "num_hidden_layers"))
+    if include_mtp_layers:
+        layers += int(get("num_nextn_predict_layers", 0) or 0)
+    ratios = _compress_ratios(get, layers)
+    fields["num_hidden_layers"] = layers
+    fields["compress_ratios"] = tuple(ratios[:layers] + [0] * max(0, layers - len(ratios)))
+    rope_dim = get("qk_rope_head_dim", None)
+    if rope_dim is None:
+        factor = get("partial_rotary_factor", None)
+        if factor is None:
+            raise ValueError("hf_config: needs qk_rope_head_dim (or partial_rotary_factor)")
+        rope_dim = int(int(_required(get, "head_dim")) * float(factor))
+    fields["qk_rope_head_dim"] = int(rope_dim)
+    fields["rope_theta"], fields["compress_rope_theta"], fields["rope_scaling"] = _rope(get)
+    moe_width = get("moe_intermediate_size", None)
+    if moe_width:
+        fields["intermediate_size"] = int(moe_width)
+    fields["scoring"] = "v4"
+    return fields
