@@ -51,6 +51,9 @@ def test_v4_flash_shapes_follow_deepseek_v4():
     assert (cfg.sliding_window, cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk) == (128, 64, 128, 512)
     assert (cfg.qk_rope_head_dim, cfg.head_dim, cfg.q_lora_rank) == (64, 512, 1024)
     assert cfg.num_hidden_layers == len(cfg.compress_ratios) == 43
+    assert (cfg.o_lora_rank, cfg.o_groups, cfg.rope_theta, cfg.compress_rope_theta) == (1024, 8, 10000.0, 160000.0)
+    assert cfg.rope_scaling == {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
+                                "beta_fast": 32, "beta_slow": 1}
 
 
 def test_scoring_override_flips_every_indexer_layer_of_a_real_model():
