@@ -267,6 +267,38 @@ def test_v4_indexer_trains(kl_coef, straight_through):
         assert p.grad.abs().sum() > 0, name
 
 
+@pytest.mark.parametrize("straight_through", [False, True])
+def test_v4_indexer_signals_reach_only_the_indexer(straight_through):
+    """The indexer's inputs are detached: the KL loss (and the straight-through term's part of
+    the LM gradient) train the indexer's own parameters and nothing else."""
+    cfg = tiny_config(scoring="v4", indexer_kl_coef=0.5, indexer_straight_through=straight_through)
+    layer = make_layer(cfg, 1)
+    ids = packed_ids([[13, 10]], seq=24)
+    x = torch.randn(1, 24, cfg.hidden_size, requires_grad=True)
+    out, aux = run(layer, x, ids)
+    aux.backward()  # the KL loss alone
+    indexer = {id(p) for p in layer.indexer.parameters()}
+    for name, p in layer.named_parameters():
+        if id(p) in indexer:
+            assert p.grad is not None and p.grad.abs().sum() > 0, name
+        else:
+            assert p.grad is None, name
+    assert x.grad is None
+    if straight_through:  # the LM gradient through the straight-through term: same split
+        layer.zero_grad(set_to_none=True)
+        out, _ = run(layer, x, ids)
+        lm_only = torch.autograd.grad(out.square().sum(), [p for p in layer.parameters() if id(p) in indexer])
+        assert all(g.abs().sum() > 0 for g in lm_only)
+        without = tiny_config(scoring="v4", indexer_kl_coef=0.5, indexer_straight_through=False)
+        plain = make_layer(without, 1)
+        plain.load_state_dict(layer.state_dict())
+        x2 = x.detach().clone().requires_grad_()
+        x1 = x.detach().clone().requires_grad_()
+        run(plain, x2, ids)[0].square().sum().backward()
+        run(layer, x1, ids)[0].square().sum().backward()
+        torch.testing.assert_close(x1.grad, x2.grad, rtol=0, atol=0)  # nothing reaches the main graph
+
+
 def test_v4_indexer_without_any_signal_gets_no_grad():
     layer, aux = _indexer_grads(tiny_config(scoring="v4", indexer_straight_through=False))
     assert aux is None
