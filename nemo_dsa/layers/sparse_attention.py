@@ -34,8 +34,11 @@ are not rounded (nemo_dsa now scores fp32 models in fp32 too); it gives the inde
 (nemo_dsa's default since the straight-through term is opt-in); it reads YaRN only from a
 ``rope_scaling`` whose ``type`` key is "yarn" (nemo_dsa also reads transformers' ``rope_type``);
 on packs whose documents start off a multiple of R its pooled-key positions and visibility differ
-(nemo_dsa follows DSA-SPEC "Visibility"); its padding queries attend to their padded document
-tail, nemo_dsa's padding queries output zeros.
+(nemo_dsa follows DSA-SPEC "Visibility"); its padding positions (a row's right padding, a THD
+document's padded tail) still attend and output values, nemo_dsa's output zeros there (neither
+reaches a counted label); it rotates at the ``position_ids`` it is given, nemo_dsa at the
+positions its metadata derives from the layout (the same numbers for document-local THD
+``position_ids`` and for plain rows).
 
 Layer roles on ratio-4 layers (decided after reading the V4.1 baseline; ``config.attention_role``):
   ``source``   owns a compressor and the indexer's key compressor, scores and selects;
@@ -57,8 +60,9 @@ the released attention's own: their softmax denominator holds the window keys, t
 groups and the sink, so a head whose mass sits in its window or its sink weighs less in p.
 Opt-in ``indexer_straight_through``: the selected groups' attention logits also receive
 ``index_score - index_score.detach()``, zero in the forward pass (outputs are unchanged) but the
-LM loss gradient w.r.t. those logits reaches the indexer. Both are off by default, so the default
-gradients equal the release's (its indexer gets none).
+LM loss gradient w.r.t. those logits reaches the indexer. Both are off by default
+(``indexer_kl_coef = 0``, ``indexer_straight_through = False``), so the default gradients equal
+the release's (its indexer gets none).
 
 Context parallelism: queries are the local shard; compressed KV and index keys are gathered
 along the sequence through the ``SequenceContext``; the window and the ratio-4 compressor
