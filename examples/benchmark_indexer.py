@@ -75,7 +75,7 @@ def measure(fn, reps: int, warmup: int) -> dict:
 def make_case(seq_len: int, batch: int, layout: str, args, seed: int = 0) -> dict:
     """Inputs in nemo_dsa's BSHD layout plus the visibility (ks, ke) of ``layout``."""
     from nemo_dsa.metadata import build_attention_metadata
-    from nemo_dsa.ops._visibility import causal_ks_ke
+    from nemo_dsa.visibility import causal_ks_ke
 
     H, D, R = args.heads, args.dim, args.ratio
     num_keys = seq_len // R
@@ -169,7 +169,7 @@ def ours_v4_train_materialised(case, args):
 
 
 def _dense_mask(case):
-    from nemo_dsa.ops._visibility import visible_mask
+    from nemo_dsa.visibility import visible_mask
 
     if "allowed" not in case:
         case["allowed"] = visible_mask(case["ks"], case["ke"], case["K"])

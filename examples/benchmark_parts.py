@@ -5,7 +5,7 @@
 H=64 index heads, D=128, R=4, T=512, causal, B=1. Medians of CUDA-event timings after one warm-up
 call (TileLang compiles on first use). Stages: the scoring kernels, the bare torch.topk on the
 materialised scores, nemo_dsa's exact selection on them (the TileLang radix select through
-`ops.topk.interface.select_topk`, and the torch reference `naive.select_topk`), the streamed
+`ops.topk.interface.select_topk`, and the torch reference `naive.select_topk_reference`), the streamed
 scoring + selection (`v4_select_topk` / `v41_select_topk`) and the V4 top-k backward kernel.
 """
 
@@ -26,10 +26,9 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmark_parts.py needs a CUDA GPU (Hopper): it times the TileLang kernels")
-    from nemo_dsa.ops._visibility import causal_ks_ke
-    from nemo_dsa.ops.topk import naive
-    from nemo_dsa.ops.topk.interface import select_topk
-    from nemo_dsa.ops.topk.streaming import v4_select_topk, v41_select_topk
+    from nemo_dsa.ops.fused_selection import v4_select_topk, v41_select_topk
+    from nemo_dsa.ops.topk import select_topk, select_topk_reference
+    from nemo_dsa.visibility import causal_ks_ke
     from nemo_dsa.ops.v4_indexer.kernels import v4_logits_tilelang, v4_topk_backward_tilelang
     from nemo_dsa.ops.v41_indexer.kernels import v41_scores_tilelang
 
@@ -47,7 +46,7 @@ def main() -> None:
         "V4 logits kernel": lambda: v4_logits_tilelang(q, k, w, ks, ke, out=logits),
         "torch.topk on the fp32 logits": lambda: torch.topk(logits[0], TOPK, dim=-1),
         "radix select kernel, fp32 logits": lambda: select_topk(logits, TOPK, ks=ks, ke=ke),
-        "reference select_topk, fp32 logits": lambda: naive.select_topk(logits, TOPK),
+        "reference select_topk, fp32 logits": lambda: select_topk_reference(logits, TOPK),
         "v4_select_topk (streamed)": lambda: v4_select_topk(q, k, w, ks, ke, TOPK),
         "V4 top-k backward kernel": lambda: v4_topk_backward_tilelang(q, k, w, index, grad, ks, ke),
     }
@@ -58,7 +57,7 @@ def main() -> None:
         "V4.1 scores kernel": lambda: v41_scores_tilelang(q, k, w16, ks, ke),
         "torch.topk on the bf16 scores": lambda: torch.topk(scores[0], TOPK, dim=-1),
         "radix select kernel, bf16 scores": lambda: select_topk(scores, TOPK, "index", ks=ks, ke=ke),
-        "reference select_topk, bf16 scores": lambda: naive.select_topk(scores, TOPK, order="index"),
+        "reference select_topk, bf16 scores": lambda: select_topk_reference(scores, TOPK, order="index"),
         "v41_select_topk (streamed)": lambda: v41_select_topk(q, k, w16, ks, ke, TOPK),
     }
     results.update({name: measure(fn, args.reps, warmup=1)["ms"] for name, fn in stages.items()})

@@ -31,7 +31,7 @@ HEADS, DIM, RATIO, TOPK = 64, 128, 4, 512
 
 
 def _inputs(seq: int, w_dtype: torch.dtype, seed: int = 0):
-    from nemo_dsa.ops._visibility import causal_ks_ke
+    from nemo_dsa.visibility import causal_ks_ke
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     num_keys = seq // RATIO
@@ -44,9 +44,8 @@ def _inputs(seq: int, w_dtype: torch.dtype, seed: int = 0):
 
 def _rows(chunk_bytes: int):
     """name -> (w dtype, needs dense mask, fn(q, k, w, ks, ke, allowed) -> outputs)."""
-    from nemo_dsa.ops.topk.interface import select_topk
-    from nemo_dsa.ops.topk.streaming import v4_select_topk, v41_select_topk
-    from nemo_dsa.ops.v4_indexer.interface import pytorch_extract_topk_scores
+    from nemo_dsa.ops.fused_selection import v4_select_topk, v41_select_topk
+    from nemo_dsa.ops.topk import pytorch_extract_topk_scores, select_topk
 
     def stream_v4(q, k, w, ks, ke, allowed):
         return v4_select_topk(q, k, w, ks, ke, TOPK, backend="tilelang", chunk_bytes=chunk_bytes)
@@ -101,14 +100,14 @@ def _rows(chunk_bytes: int):
 
 
 def _reference_selection(q, k, w, ks, ke, dtype):
-    """The torch reference selection (naive.select_topk) on the same kernel's full scores."""
-    from nemo_dsa.ops.topk import naive
+    """The torch reference selection (select_topk_reference) on the same kernel's full scores."""
+    from nemo_dsa.ops.topk import select_topk_reference
     from nemo_dsa.ops.v4_indexer.kernels import v4_logits_tilelang
     from nemo_dsa.ops.v41_indexer.kernels import v41_scores_tilelang
 
     if dtype == torch.float32:
-        return naive.select_topk(v4_logits_tilelang(q, k, w, ks, ke), TOPK)
-    return naive.select_topk(v41_scores_tilelang(q, k, w, ks, ke), TOPK, order="index")
+        return select_topk_reference(v4_logits_tilelang(q, k, w, ks, ke), TOPK)
+    return select_topk_reference(v41_scores_tilelang(q, k, w, ks, ke), TOPK, order="index")
 
 
 def _nbytes(result) -> int:

@@ -1,12 +1,12 @@
 """nemo_dsa: DeepSeek-V4 / V4.1 sparse attention with exact references and TileLang kernels.
 
-Public names load lazily so that ``import nemo_dsa`` pulls in neither TileLang nor
-nemo-automodel and never initialises CUDA.
+Public names load lazily (``nemo_dsa._lazy``) so that ``import nemo_dsa`` pulls in neither
+TileLang nor nemo-automodel and never initialises CUDA.
 """
 
 from __future__ import annotations
 
-import importlib
+from nemo_dsa._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -14,8 +14,9 @@ _EXPORTS = {
     "AttentionMetadata": "nemo_dsa.metadata",
     "build_attention_metadata": "nemo_dsa.metadata",
     "v4_lighting_indexer": "nemo_dsa.ops.v4_indexer.interface",
+    "v4_indexer_bshd": "nemo_dsa.ops.v4_indexer.interface",
     "V4IndexerFunction": "nemo_dsa.ops.v4_indexer.interface",
-    "pytorch_extract_topk_scores": "nemo_dsa.ops.v4_indexer.interface",
+    "pytorch_extract_topk_scores": "nemo_dsa.ops.topk.gather",
     "indexer_scores": "nemo_dsa.ops.v41_indexer.interface",
     "DSAModelConfig": "nemo_dsa.models.dsa_lm",
     "DSAForCausalLM": "nemo_dsa.models.dsa_lm",
@@ -24,16 +25,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
-
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'nemo_dsa' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return __all__
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

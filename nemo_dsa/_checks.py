@@ -40,10 +40,62 @@ def check_tensor(
     return value
 
 
+def is_int(value) -> bool:
+    """Whether ``value`` is an int in the sense of every count argument: bools are not."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_positive_int(value, *, minimum: int = 1) -> bool:
+    """The rule of :func:`check_positive_int` as a predicate, for validators that raise their own
+    error type (config loaders report every bad key as a ValueError)."""
+    return is_int(value) and value >= minimum
+
+
 def check_positive_int(name: str, value, *, minimum: int = 1) -> int:
     """Check an integer argument (bools are rejected) against a lower bound."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
+    if not is_positive_int(value, minimum=minimum):
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
+
+
+def check_qkw(
+    q,
+    k,
+    w,
+    *,
+    dtypes: tuple[Iterable[torch.dtype], Iterable[torch.dtype], Iterable[torch.dtype]],
+    names: tuple[str, str, str] = ("q", "k", "w"),
+    seq_first: bool = False,
+) -> tuple[int, int, int, int, int]:
+    """Check an indexer's queries, keys and head weights; returns (B, S, H, D, K).
+
+    BSHD layout: q [B, S, H, D], k [B, K, D], w [B, S, H]; ``seq_first`` is V4's SBHD layout:
+    q [S, B, H, D], k [K, B, D], w [S, B, H]. ``dtypes`` are the allowed dtypes of each, ``names``
+    the argument names the messages use. All three must share q's device.
+    """
+    q_name, k_name, w_name = names
+    check_tensor(q_name, q, ndim=4, dtypes=dtypes[0])
+    if seq_first:
+        queries, batch, heads, dim = q.shape
+        key_shape, weight_shape = (None, batch, dim), (queries, batch, heads)
+    else:
+        batch, queries, heads, dim = q.shape
+        key_shape, weight_shape = (batch, None, dim), (batch, queries, heads)
+    check_tensor(k_name, k, ndim=3, dtypes=dtypes[1], shape=key_shape, device=q.device)
+    check_tensor(w_name, w, ndim=3, dtypes=dtypes[2], shape=weight_shape, device=q.device)
+    return batch, queries, heads, dim, k.shape[0 if seq_first else 1]
+
+
+def check_index_range(name: str, indices: torch.Tensor, size: int, *, meaning: str = "-1 = no key") -> None:
+    """Check that every index lies in ``[-1, size)``; -1 stands for "none" (``meaning`` says what).
+
+    Reads the indices on the host (one device sync): call it where indices enter from outside
+    (a user's argument), never on a per-step path over indices nemo_dsa produced itself.
+    """
+    if not indices.numel():
+        return
+    low, high = torch.stack(torch.aminmax(indices)).tolist()
+    if low < -1 or high >= size:
+        raise ValueError(f"{name} must lie in [-1, {size}) ({meaning}), got range [{low}, {high}]")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from nemo_dsa.metadata import build_attention_metadata
-from nemo_dsa.ops._visibility import causal_ks_ke
+from nemo_dsa.visibility import causal_ks_ke
 
 
 def packed_ks_ke(doc_lengths: list[list[int]], seq_len: int, ratio: int) -> tuple[torch.Tensor, torch.Tensor]:

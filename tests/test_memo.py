@@ -6,10 +6,9 @@ import io
 import pytest
 import torch
 
-from nemo_dsa.ops import _memo
-from nemo_dsa.ops._memo import memo_on_tensors
-from nemo_dsa.ops._visibility import check_ks_ke
-from nemo_dsa.ops.topk import streaming
+from nemo_dsa.memo import anchors, memo_on_tensors
+from nemo_dsa.ops.fused_selection import v4_select_topk
+from nemo_dsa.visibility import check_ks_ke
 
 
 def test_reused_for_the_same_tensors_and_recomputed_after_changes():
@@ -49,9 +48,9 @@ def test_streamed_selection_replans_when_ranges_change():
     q, k, w = _indexer_inputs(300, 40, seed=0)
     ks = torch.zeros(1, 300, dtype=torch.int32)
     ke = torch.full((1, 300), 40, dtype=torch.int32)
-    first = streaming.v4_select_topk(q, k, w, ks, ke, 8, chunk_bytes=2**14)[1]
+    first = v4_select_topk(q, k, w, ks, ke, 8, chunk_bytes=2**14)[1]
     ke[0, :150] = 10  # the same tensor object, new ranges: the cached plan must not be reused
-    second = streaming.v4_select_topk(q, k, w, ks, ke, 8, chunk_bytes=2**14)[1]
+    second = v4_select_topk(q, k, w, ks, ke, 8, chunk_bytes=2**14)[1]
     assert int(second[0, :150].max()) < 10 < int(first[0, :150].max())
 
 
@@ -70,14 +69,14 @@ def test_streamed_selection_under_inference_mode():
     with torch.inference_mode():
         ks = torch.zeros(1, 64, dtype=torch.int32)
         ke = torch.full((1, 64), 16, dtype=torch.int32)
-        scores, index = streaming.v4_select_topk(q, k, w, ks, ke, 4)
+        scores, index = v4_select_topk(q, k, w, ks, ke, 4)
     assert index.shape == (1, 64, 4) and bool((index >= 0).all())
 
 
 def test_tensors_still_pickle_and_facts_go_with_them():
     ks, ke = torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, 4, dtype=torch.int32)
     check_ks_ke(ks, ke, batch=1, queries=4, num_keys=2, device=ks.device)
-    assert id(ks) in _memo._facts
+    assert id(ks) in anchors()
     buffer = io.BytesIO()
     torch.save({"ks": ks, "ke": ke}, buffer)  # nothing unpicklable attached to the tensors
     buffer.seek(0)
@@ -85,4 +84,4 @@ def test_tensors_still_pickle_and_facts_go_with_them():
     anchor = id(ks)
     del ks
     gc.collect()
-    assert anchor not in _memo._facts
+    assert anchor not in anchors()

@@ -12,10 +12,9 @@ import pytest
 import torch
 
 from causal_layouts import packed_ks_ke
-from nemo_dsa.ops.topk.naive import candidate_blocks, select_topk
-from nemo_dsa.ops.v4_indexer.interface import v4_lighting_indexer
-from nemo_dsa.ops.v4_indexer.naive import v4_logits
-from nemo_dsa.ops.v41_indexer.interface import indexer_scores
+from nemo_dsa.ops.topk import candidate_blocks, select_topk_reference
+from nemo_dsa.ops.v4_indexer import v4_lighting_indexer, v4_logits
+from nemo_dsa.ops.v41_indexer import indexer_scores
 
 RATIO, SEQ, HEADS, DIM, TOPK = 4, 48, 4, 32, 5
 DOCS = [[7, 13, 10, 5, 9], [3, 21, 18]]  # starts 0,7,20,30,35 / 0,3,24; rows end in padding
@@ -50,7 +49,7 @@ def _run(mode, q, keys, w, ks, ke):
         score, idx = v4_lighting_indexer(*sbhd, RATIO, TOPK, ks=ks, ke=ke)
         return score, idx
     scores = indexer_scores(q, keys, w.bfloat16(), ks=ks, ke=ke)
-    return scores, select_topk(scores, TOPK, order="index")
+    return scores, select_topk_reference(scores, TOPK, order="index")
 
 
 @pytest.mark.parametrize("mode", ["v4", "v41"])
@@ -89,7 +88,7 @@ def test_pack_selection_and_blocks_equal_documents_alone(mode):
     else:
         scores = indexer_scores(q, keys, w.bfloat16(), ks=ks, ke=ke)
     order = "score" if mode == "v4" else "index"
-    pack_idx = select_topk(scores, TOPK, order=order)
+    pack_idx = select_topk_reference(scores, TOPK, order=order)
     pack_blocks = candidate_blocks(scores, ks, ke, block_size=2, topk_blocks=2)
     for row, lengths in enumerate(DOCS):
         for tokens, first, last in _documents(lengths):
@@ -97,7 +96,7 @@ def test_pack_selection_and_blocks_equal_documents_alone(mode):
                 continue
             doc = scores[row : row + 1, tokens, first:last]
             doc_ks, doc_ke = ks[row : row + 1, tokens] - first, ke[row : row + 1, tokens] - first
-            alone_idx = select_topk(doc, TOPK, order=order)[0]
+            alone_idx = select_topk_reference(doc, TOPK, order=order)[0]
             t = alone_idx.shape[-1]
             assert torch.equal(pack_idx[row, tokens, :t], torch.where(alone_idx >= 0, alone_idx + first, -1))
             # Blocks are counted from the document's first group, so they are identical numbers.

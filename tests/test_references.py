@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from causal_layouts import random_ks_ke
-from nemo_dsa.ops.mxfp4.naive import mxfp4_quant_dequant
-from nemo_dsa.ops.topk.naive import blocks_to_mask, candidate_block_mask, candidate_blocks, select_topk
-from nemo_dsa.ops.v4_indexer.naive import v4_backward, v4_backward_chunk_size, v4_logits, v4_logits_chunk_size
-from nemo_dsa.ops.v41_indexer.naive import v41_scores, v41_scores_chunk_size
+from nemo_dsa.ops.mxfp4 import mxfp4_quant_dequant
+from nemo_dsa.ops.topk import blocks_to_mask, candidate_block_mask, candidate_blocks, select_topk_reference
+from nemo_dsa.ops.v4_indexer import v4_backward, v4_backward_chunk_size, v4_logits, v4_logits_chunk_size
+from nemo_dsa.ops.v41_indexer import v41_scores, v41_scores_chunk_size
 
 SHAPES = [(1, 7, 1, 16, 5), (2, 33, 4, 32, 9), (3, 50, 8, 48, 13)]  # B, S, H, D, K (ragged)
 
@@ -157,7 +157,7 @@ def test_select_topk_brute_force(dtype, order, quantised):
         scores = scores.to(dtype)
         scores[torch.rand(b, s, k, generator=g) < 0.3] = float("-inf")
         scores[:, 0] = float("-inf")  # a query that sees nothing
-        got = select_topk(scores, topk, order=order, budget_bytes=24 * k * 2)  # two rows per chunk
+        got = select_topk_reference(scores, topk, order=order, budget_bytes=24 * k * 2)  # two rows per chunk
         t = min(topk, k)
         assert got.dtype == torch.int32 and got.shape == (b, s, t)
         rows = scores.float().reshape(-1, k).tolist()
@@ -174,20 +174,20 @@ def test_select_topk_redoes_only_rows_its_candidates_cannot_decide(order, monkey
     """Ties inside the T + TIE_MARGIN candidates are decided by their keys; a run of more ties at
     the cut than the margin holds, or NaN/+inf in the row, sends the row through full-row keys.
     All rows match the brute force either way."""
-    from nemo_dsa.ops.topk import naive
+    from nemo_dsa.ops.topk import rows
 
     g = _gen(301)
-    width = 3 * naive.TIE_MARGIN
+    width = 3 * rows.TIE_MARGIN
     scores = torch.randn(6, width, generator=g)
     scores[1, [3, 9, 17, 30]] = 5.0  # four-way tie at the top, cut at T=2: within the margin
-    scores[2, : naive.TIE_MARGIN + 5] = 7.0  # more copies of the T-th score than the margin
+    scores[2, : rows.TIE_MARGIN + 5] = 7.0  # more copies of the T-th score than the margin
     scores[3, 11] = float("nan")
     scores[4, 12] = float("inf")
     scores[5, ::2] = float("-inf")
     redone = []
-    exact = naive._select_rows_by_keys
-    monkeypatch.setattr(naive, "_select_rows_by_keys", lambda x, c, o: redone.append(x.shape[0]) or exact(x, c, o))
-    got = select_topk(scores, 2, order=order)
+    exact = rows.select_rows_by_keys
+    monkeypatch.setattr(rows, "select_rows_by_keys", lambda x, c, o: redone.append(x.shape[0]) or exact(x, c, o))
+    got = select_topk_reference(scores, 2, order=order)
     assert redone == [3]  # rows 2, 3 and 4
     want = torch.tensor([_brute_topk(r, 2, order) for r in scores.tolist()], dtype=torch.int32)
     assert torch.equal(got, want)
@@ -195,9 +195,9 @@ def test_select_topk_redoes_only_rows_its_candidates_cannot_decide(order, monkey
 
 def test_select_topk_zero_signs_nan_and_inf_rules():
     scores = torch.tensor([[0.0, -0.0, float("nan"), float("inf"), -1.0, -0.0]])
-    assert select_topk(scores, 4).tolist() == [[0, 1, 5, 4]]  # -0 ties +0 by index; nan/inf unselected
-    assert select_topk(scores, 6, order="index").tolist() == [[0, 1, 4, 5, -1, -1]]
-    assert select_topk(torch.empty(2, 3, 0), 4).shape == (2, 3, 0)
+    assert select_topk_reference(scores, 4).tolist() == [[0, 1, 5, 4]]  # -0 ties +0 by index; nan/inf unselected
+    assert select_topk_reference(scores, 6, order="index").tolist() == [[0, 1, 4, 5, -1, -1]]
+    assert select_topk_reference(torch.empty(2, 3, 0), 4).shape == (2, 3, 0)
 
 
 def _brute_candidates(scores, ks, ke, c, nb_keep):
@@ -306,7 +306,7 @@ def test_mxfp4_non_finite_block_becomes_nan(bad):
 @pytest.mark.parametrize("new_api_first", [True, False])
 def test_ieee_fp32_matmul_restores_tf32_setting(monkeypatch, new_api_first):
     """The V4 reference turns TF32 off around its matmuls whichever torch API enabled it."""
-    from nemo_dsa.ops._visibility import ieee_fp32_matmul
+    from nemo_dsa.precision import ieee_fp32_matmul
 
     matmul = torch.backends.cuda.matmul
     before = matmul.fp32_precision
@@ -351,7 +351,7 @@ def test_references_on_cuda_match_cpu():
     assert torch.equal(on_gpu, formula)
     scores = torch.randint(-3, 4, (b, s, k), generator=g).float().masked_fill(~mask, float("-inf"))
     for order in ("score", "index"):
-        assert torch.equal(select_topk(scores.cuda(), 9, order).cpu(), select_topk(scores, 9, order))
+        assert torch.equal(select_topk_reference(scores.cuda(), 9, order).cpu(), select_topk_reference(scores, 9, order))
     assert torch.equal(candidate_blocks(scores.cuda(), *cuda[3:], 4, 3).cpu(), candidate_blocks(scores, ks, ke, 4, 3))
     x = torch.randn(64, 128, generator=g) * 3
     assert torch.equal(mxfp4_quant_dequant(x.cuda()).cpu(), mxfp4_quant_dequant(x))
@@ -375,6 +375,6 @@ def test_select_topk_bf16_cut_with_many_ties(order, topk):
     scores[3, 50:] = float("-inf")  # fewer finite scores than most T
     scores[5, 7] = float("nan")
     scores[6, 9] = float("inf")
-    got = select_topk(scores, topk, order=order)
+    got = select_topk_reference(scores, topk, order=order)
     want = torch.tensor([_brute_topk(r, topk, order) for r in scores.float().tolist()], dtype=torch.int32)
     assert torch.equal(got, want)

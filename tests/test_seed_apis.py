@@ -10,10 +10,9 @@ import torch
 
 import nemo_dsa
 from causal_layouts import random_ks_ke
-from nemo_dsa.ops.topk.naive import select_topk
-from nemo_dsa.ops.v4_indexer import V4IndexerFunction, pytorch_extract_topk_scores, v4_indexer_bshd, v4_lighting_indexer
-from nemo_dsa.ops.v4_indexer.naive import v4_logits
-from nemo_dsa.ops.v41_indexer.interface import indexer_scores
+from nemo_dsa.ops.topk import select_topk_reference
+from nemo_dsa.ops.v4_indexer import V4IndexerFunction, pytorch_extract_topk_scores, v4_indexer_bshd, v4_lighting_indexer, v4_logits
+from nemo_dsa.ops.v41_indexer import indexer_scores
 
 
 def _v4_inputs(s, b, h, d, k, seed, grad=False):
@@ -51,7 +50,7 @@ def test_v4_default_causal_rule_and_selection(s, b, h, d, ratio, topk):
     ks = torch.zeros(b, s, dtype=torch.int32)
     ke = torch.clamp((i + 1) // ratio, max=k).to(torch.int32).expand(b, s).contiguous()
     logits = v4_logits(q.transpose(0, 1), key.transpose(0, 1), w.transpose(0, 1), ks, ke)
-    assert torch.equal(idx, select_topk(logits, topk, order="score"))
+    assert torch.equal(idx, select_topk_reference(logits, topk, order="score"))
     assert torch.equal(score, pytorch_extract_topk_scores(logits, idx))
     seen = (ke - ks).clamp(max=t)  # exactly min(visible, T) entries are real
     assert torch.equal((idx >= 0).sum(-1), seen) and torch.equal(torch.isfinite(score), idx >= 0)
@@ -66,7 +65,7 @@ def test_v4_explicit_ks_ke_and_given_indices_skip_selection():
     ks, ke = random_ks_ke(b, s, k, g)
     score, idx = v4_lighting_indexer(q, key, w, 4, 6, ks=ks, ke=ke, backend="torch")
     logits = v4_logits(q.transpose(0, 1), key.transpose(0, 1), w.transpose(0, 1), ks, ke)
-    assert torch.equal(idx, select_topk(logits, 6))
+    assert torch.equal(idx, select_topk_reference(logits, 6))
     given = torch.randint(-1, k, (b, s, 6), generator=g, dtype=torch.int32)
     score2, idx2 = v4_lighting_indexer(q, key, w, 4, 6, given, ks=ks, ke=ke)
     assert idx2 is given or torch.equal(idx2, given)

@@ -1,4 +1,4 @@
-"""Streaming top-k (nemo_dsa.ops.topk.streaming) on CPU: exact equality with full-matrix selection.
+"""Streaming top-k (nemo_dsa.ops.fused_selection) on CPU: exact equality with full-matrix selection.
 
 End-to-end comparisons use quantised inputs (q, k in {-1, 0, 1}, w in quarter steps): every
 product and sum is exact in fp32, so any scorer and any chunking give bitwise the same scores,
@@ -17,17 +17,10 @@ import pytest
 import torch
 
 from causal_layouts import packed_ks_ke, random_ks_ke
-from nemo_dsa.ops._visibility import causal_ks_ke, visible_mask
-from nemo_dsa.ops.topk import streaming
-from nemo_dsa.ops.topk.naive import (
-    MAX_INT32_KEY_WIDTH,
-    blocks_to_mask,
-    candidate_blocks,
-    orderable_image,
-    orderable_int32,
-    select_topk,
-)
-from nemo_dsa.ops.topk.streaming import (
+from nemo_dsa.ops.fused_selection import (
+    DEFAULT_CHUNK_BYTES,
+    KEY_ALIGN,
+    ChunkPlan,
     plan_query_chunks,
     select_window,
     v4_row_bytes,
@@ -35,9 +28,20 @@ from nemo_dsa.ops.topk.streaming import (
     v41_row_bytes,
     v41_select_topk,
 )
-from nemo_dsa.ops.v4_indexer.interface import pytorch_extract_topk_scores
-from nemo_dsa.ops.v4_indexer.naive import v4_logits
-from nemo_dsa.ops.v41_indexer.naive import v41_scores
+from nemo_dsa.ops.fused_selection import interface as fused_interface
+from nemo_dsa.ops.fused_selection import plan as fused_plan
+from nemo_dsa.ops.topk import (
+    blocks_to_mask,
+    candidate_blocks,
+    orderable_image,
+    orderable_int32,
+    pytorch_extract_topk_scores,
+    select_topk_reference,
+)
+from nemo_dsa.ops.topk.rows import MAX_INT32_KEY_WIDTH
+from nemo_dsa.ops.v4_indexer import v4_logits
+from nemo_dsa.ops.v41_indexer import v41_scores
+from nemo_dsa.visibility import causal_ks_ke, visible_mask
 
 INF = float("inf")
 
@@ -81,7 +85,7 @@ def _layout(name, batch, queries, ratio, seed):
 
 def _v4_reference(q, k, w, ks, ke, topk):
     logits = v4_logits(q, k, w, ks, ke)
-    index = select_topk(logits, topk, order="score")
+    index = select_topk_reference(logits, topk, order="score")
     return pytorch_extract_topk_scores(logits, index), index
 
 
@@ -139,7 +143,7 @@ def test_select_window_equals_select_topk_on_the_full_row(dtype, order, count):
     full = torch.full((30, full_width), -INF, dtype=dtype)
     full[:, start : start + width] = window
     index, values = select_window(window.clone(), start, count, order)
-    expected = select_topk(full, count, order=order)
+    expected = select_topk_reference(full, count, order=order)
     assert torch.equal(index, expected)
     gathered = pytorch_extract_topk_scores(full.float(), expected)
     assert torch.equal(values.float(), gathered)
@@ -176,7 +180,7 @@ def test_select_window_wide_bf16_uses_64_bit_keys():
 @pytest.mark.parametrize("row_align", [None, 8])  # None: the kernels' ROW_ALIGN (256)
 def test_planner_covers_rows_windows_hold_visible_keys_and_fit_the_budget(layout, budget, row_align):
     ks, ke, num_keys = _layout(layout, 2, 523, 4, seed=3)
-    align = row_align or streaming.ROW_ALIGN
+    align = row_align or fused_plan.ROW_ALIGN
     for row_bytes in (v4_row_bytes(4, 32, 64), v41_row_bytes(4, 32, 64, candidates=True, block_size=4)):
         chunks = plan_query_chunks(ks, ke, row_bytes, budget, row_align=row_align)
         assert chunks[0].start == 0 and chunks[-1].end == 523
@@ -184,7 +188,7 @@ def test_planner_covers_rows_windows_hold_visible_keys_and_fit_the_budget(layout
         for c in chunks:
             seen = ke[:, c.rows] > ks[:, c.rows]
             assert (ks[:, c.rows][seen] >= c.key_start).all() and (ke[:, c.rows][seen] <= c.key_end).all()
-            assert 0 <= c.key_start <= c.key_end <= num_keys and c.key_start % streaming.KEY_ALIGN == 0
+            assert 0 <= c.key_start <= c.key_end <= num_keys and c.key_start % KEY_ALIGN == 0
             rows = c.end - c.start
             cost = rows * 2 * int(row_bytes(np.array([c.width]))[0])
             assert c.start % align == 0, c  # chunks start on the kernels' query tiles
@@ -212,7 +216,7 @@ def test_row_bytes_count_the_query_copy_only_for_several_sequences():
 def small_tiles(monkeypatch):
     """Chunks of 8-query tiles: the torch references have no kernel tiles to keep aligned, and
     these small problems then still split into many chunks."""
-    monkeypatch.setattr(streaming, "ROW_ALIGN", 8)
+    monkeypatch.setattr(fused_plan, "ROW_ALIGN", 8)
 
 CASES = [  # layout, batch, queries, heads, dim, topk, ratio
     ("causal", 2, 301, 3, 16, 64, 4),
@@ -229,7 +233,7 @@ def test_v4_streaming_equals_full_selection(layout, batch, queries, heads, dim, 
     q, k, w = _quantised(batch, queries, heads, dim, num_keys, seed=queries, w_dtype=torch.float32)
     ref_scores, ref_index = _v4_reference(q, k, w, ks, ke, topk)
     assert ref_index.shape[-1] == min(topk, num_keys)
-    for budget in (streaming.DEFAULT_CHUNK_BYTES, 3_000_000) + ((20_000,) if queries < 1000 else ()):
+    for budget in (DEFAULT_CHUNK_BYTES, 3_000_000) + ((20_000,) if queries < 1000 else ()):
         scores, index = v4_select_topk(q, k, w, ks, ke, topk, backend="torch", chunk_bytes=budget)
         assert torch.equal(index, ref_index), budget
         assert torch.equal(scores, ref_scores), budget
@@ -240,8 +244,8 @@ def test_v41_streaming_equals_full_selection(layout, batch, queries, heads, dim,
     ks, ke, num_keys = _layout(layout, batch, queries, ratio, seed=queries + 1)
     q, k, w = _quantised(batch, queries, heads, dim, num_keys, seed=queries + 1, w_dtype=torch.bfloat16)
     full = v41_scores(q, k, w, ks, ke)
-    ref = select_topk(full, topk, order="index")
-    for budget in (streaming.DEFAULT_CHUNK_BYTES, 3_000_000) + ((20_000,) if queries < 1000 else ()):
+    ref = select_topk_reference(full, topk, order="index")
+    for budget in (DEFAULT_CHUNK_BYTES, 3_000_000) + ((20_000,) if queries < 1000 else ()):
         assert torch.equal(v41_select_topk(q, k, w, ks, ke, topk, backend="torch", chunk_bytes=budget), ref), budget
 
 
@@ -253,13 +257,13 @@ def test_v41_candidate_source_and_reindex_equal_full_matrix(layout, block_size, 
     q, k, w = _quantised(batch, queries, heads, dim, num_keys, seed=8, w_dtype=torch.bfloat16)
     full = v41_scores(q, k, w, ks, ke)
     ref_blocks = candidate_blocks(full, ks, ke, block_size, topk_blocks)
-    ref_source = select_topk(full, topk, order="index")
+    ref_source = select_topk_reference(full, topk, order="index")
     # A second layer's scores, masked by the source layer's blocks.
     q2, k2, w2 = _quantised(batch, queries, heads, dim, num_keys, seed=9, w_dtype=torch.bfloat16)
     full2 = v41_scores(q2, k2, w2, ks, ke)
     keep = blocks_to_mask(ref_blocks, ks, ke, block_size, num_keys)
-    ref_reindex = select_topk(full2.masked_fill(~keep, -INF), topk, order="index")
-    for budget in (streaming.DEFAULT_CHUNK_BYTES, 100_000):
+    ref_reindex = select_topk_reference(full2.masked_fill(~keep, -INF), topk, order="index")
+    for budget in (DEFAULT_CHUNK_BYTES, 100_000):
         index, blocks = v41_select_topk(q, k, w, ks, ke, topk, candidate_block_size=block_size,
                                         candidate_topk_blocks=topk_blocks, backend="torch", chunk_bytes=budget)
         assert torch.equal(blocks, ref_blocks) and torch.equal(index, ref_source)
@@ -269,7 +273,7 @@ def test_v41_candidate_source_and_reindex_equal_full_matrix(layout, block_size, 
 
 
 def test_selection_of_arbitrary_float_scores_is_independent_of_chunking(monkeypatch, small_tiles):
-    """The scorer replaced by slices of one random matrix: streaming == select_topk(matrix)."""
+    """The scorer replaced by slices of one random matrix: streaming == select_topk_reference(matrix)."""
     batch, queries, heads, dim, topk = 2, 403, 2, 16, 37
     ks, ke, num_keys = _layout("packed", batch, queries, 4, seed=11)
     g = torch.Generator().manual_seed(12)
@@ -278,7 +282,7 @@ def test_selection_of_arbitrary_float_scores_is_independent_of_chunking(monkeypa
     fixed[torch.rand(fixed.shape, generator=g) < 0.05] = -0.0
     fixed = fixed.masked_fill(~visible_mask(ks, ke, num_keys), -INF)
     current = []  # the chunk being scored, recorded where its local ranges are formed
-    original_ranges = streaming.ChunkPlan.ranges
+    original_ranges = ChunkPlan.ranges
 
     def ranges(plan, chunk):
         current[:] = [chunk]
@@ -291,13 +295,13 @@ def test_selection_of_arbitrary_float_scores_is_independent_of_chunking(monkeypa
             return fixed[:, chunk.rows, chunk.key_start : chunk.key_end].to(dtype)
         return scorer
 
-    monkeypatch.setattr(streaming.ChunkPlan, "ranges", ranges)
-    monkeypatch.setattr(streaming, "_v4_chunk_logits", scorer_of(torch.float32))
-    monkeypatch.setattr(streaming, "_v41_chunk_scores", scorer_of(torch.bfloat16))
+    monkeypatch.setattr(ChunkPlan, "ranges", ranges)
+    monkeypatch.setattr(fused_interface, "v4_chunk_logits", scorer_of(torch.float32))
+    monkeypatch.setattr(fused_interface, "v41_chunk_scores", scorer_of(torch.bfloat16))
     q, k, _ = _quantised(batch, queries, heads, dim, num_keys, seed=0, w_dtype=torch.float32)
     w = torch.zeros(batch, queries, heads)
-    expected_v4 = select_topk(fixed, topk)
-    expected_v41 = select_topk(fixed.bfloat16(), topk, order="index")
+    expected_v4 = select_topk_reference(fixed, topk)
+    expected_v41 = select_topk_reference(fixed.bfloat16(), topk, order="index")
     for budget in (10**9, 30_000, 2_000):
         scores, index = v4_select_topk(q, k, w, ks, ke, topk, backend="torch", chunk_bytes=budget)
         assert torch.equal(index, expected_v4) and torch.equal(scores, pytorch_extract_topk_scores(fixed, expected_v4))
@@ -325,10 +329,10 @@ def test_rows_with_ties_beyond_the_candidates_are_redone_after_rescoring(monkeyp
 
     chunks = plan_query_chunks(ks, ke, v4_row_bytes(heads, dim, topk), 30_000)
     assert len({(c.end - c.start, c.width) for c in chunks}) == len(chunks)  # the scorer can tell them apart
-    monkeypatch.setattr(streaming, "_v4_chunk_logits", scorer_of(torch.float32))
+    monkeypatch.setattr(fused_interface, "v4_chunk_logits", scorer_of(torch.float32))
     q, k, _ = _quantised(batch, queries, heads, dim, num_keys, seed=0, w_dtype=torch.float32)
     scores, index = v4_select_topk(q, k, torch.zeros(batch, queries, heads), ks, ke, topk, backend="torch", chunk_bytes=30_000)
-    expected = select_topk(fixed, topk)
+    expected = select_topk_reference(fixed, topk)
     assert torch.equal(index, expected) and torch.equal(scores, pytorch_extract_topk_scores(fixed, expected))
     again = scored[len([c for c in chunks if c.width]):]
     assert again and all(c.start <= 900 < c.end or c.start < 905 <= c.end for c in again), again
@@ -382,7 +386,7 @@ def test_bad_arguments_raise_clear_errors():
 
 def test_import_pulls_in_no_tilelang():
     code = (
-        "import sys, nemo_dsa.ops.topk.streaming;"
+        "import sys, nemo_dsa.ops.fused_selection.interface;"
         "bad = [m for m in ('tilelang', 'nemo_automodel', 'transformers') if m in sys.modules];"
         "assert not bad, bad"
     )

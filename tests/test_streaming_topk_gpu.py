@@ -2,7 +2,7 @@
 
 Three comparisons on fresh random inputs, ragged S and K, several B/H, packed unaligned documents
 and a CP-local slice:
-- against select_topk on the full score matrix of the *same kernel*: bitwise (indices and scores),
+- against select_topk_reference on the full score matrix of the *same kernel*: bitwise (indices and scores),
   for several chunk budgets (chunks start on the kernels' tile boundaries);
 - against the torch reference on quantised inputs (exact arithmetic, many ties): bitwise;
 - against the torch reference on continuous inputs: the selected scores agree within the spec's
@@ -16,13 +16,12 @@ import pytest
 import torch
 
 from causal_layouts import packed_ks_ke, random_ks_ke
-from nemo_dsa.ops._visibility import causal_ks_ke
-from nemo_dsa.ops.topk import streaming
-from nemo_dsa.ops.topk.naive import blocks_to_mask, candidate_blocks, select_topk
-from nemo_dsa.ops.topk.streaming import v4_select_topk, v41_select_topk
-from nemo_dsa.ops.v4_indexer.interface import pytorch_extract_topk_scores
-from nemo_dsa.ops.v4_indexer.naive import v4_logits
-from nemo_dsa.ops.v41_indexer.naive import v41_scores
+from nemo_dsa.ops.fused_selection import DEFAULT_CHUNK_BYTES, v4_select_topk, v41_select_topk
+from nemo_dsa.ops.fused_selection import interface as fused_interface
+from nemo_dsa.ops.topk import blocks_to_mask, candidate_blocks, pytorch_extract_topk_scores, select_topk_reference
+from nemo_dsa.ops.v4_indexer import v4_logits
+from nemo_dsa.ops.v41_indexer import v41_scores
+from nemo_dsa.visibility import causal_ks_ke
 
 pytestmark = pytest.mark.gpu
 INF = float("inf")
@@ -67,7 +66,7 @@ def _v4_full(q, k, w, ks, ke, topk):
     from nemo_dsa.ops.v4_indexer.kernels import v4_logits_tilelang
 
     logits = v4_logits_tilelang(q, k, w, ks, ke)
-    index = select_topk(logits, topk)
+    index = select_topk_reference(logits, topk)
     return logits, pytorch_extract_topk_scores(logits, index), index
 
 
@@ -84,7 +83,7 @@ CASES = [  # layout, batch, queries, heads, dim, topk
     ("cp", 1, 1531, 16, 128, 1024),
     ("random", 3, 1000, 64, 128, 512),
 ]
-BUDGETS = (streaming.DEFAULT_CHUNK_BYTES, 8 * 2**20, 300_000)
+BUDGETS = (DEFAULT_CHUNK_BYTES, 8 * 2**20, 300_000)
 
 
 @pytest.mark.parametrize("layout,batch,queries,heads,dim,topk", CASES)
@@ -111,7 +110,7 @@ def test_v4_streaming_quantised_equals_the_reference(layout, batch, queries, hea
     ks, ke, num_keys = _layout(layout, batch, queries, 4, seed=queries + 1)
     q, k, w = _inputs(batch, queries, heads, dim, num_keys, queries + 1, torch.float32, quantised=True)
     logits = v4_logits(q, k, w, ks, ke)
-    ref_index = select_topk(logits, topk)
+    ref_index = select_topk_reference(logits, topk)
     scores, index = v4_select_topk(q, k, w, ks, ke, topk, backend="tilelang", chunk_bytes=8 * 2**20)
     assert torch.equal(index, ref_index)
     assert torch.equal(scores, pytorch_extract_topk_scores(logits, ref_index))
@@ -123,11 +122,11 @@ def test_v41_streaming_equals_the_kernels_full_matrix(layout, batch, queries, he
     for quantised in (False, True):
         q, k, w = _inputs(batch, queries, heads, dim, num_keys, queries + 2, torch.bfloat16, quantised)
         full = _v41_full(q, k, w, ks, ke)
-        ref = select_topk(full, topk, order="index")
+        ref = select_topk_reference(full, topk, order="index")
         for budget in BUDGETS:
             assert torch.equal(v41_select_topk(q, k, w, ks, ke, topk, backend="tilelang", chunk_bytes=budget), ref)
         if quantised:  # exact arithmetic: the reference agrees bitwise
-            assert torch.equal(select_topk(v41_scores(q, k, w, ks, ke), topk, order="index"), ref)
+            assert torch.equal(select_topk_reference(v41_scores(q, k, w, ks, ke), topk, order="index"), ref)
 
 
 @pytest.mark.parametrize("layout", ["causal", "packed", "cp"])
@@ -139,11 +138,11 @@ def test_v41_candidate_blocks_on_the_gpu(layout):
     full, full2 = _v41_full(q, k, w, ks, ke), _v41_full(q2, k2, w2, ks, ke)
     ref_blocks = candidate_blocks(full, ks, ke, block_size, topk_blocks)
     keep = blocks_to_mask(ref_blocks, ks, ke, block_size, num_keys)
-    ref_reindex = select_topk(full2.masked_fill(~keep, -INF), topk, order="index")
-    for budget in (streaming.DEFAULT_CHUNK_BYTES, 4 * 2**20):
+    ref_reindex = select_topk_reference(full2.masked_fill(~keep, -INF), topk, order="index")
+    for budget in (DEFAULT_CHUNK_BYTES, 4 * 2**20):
         index, blocks = v41_select_topk(q, k, w, ks, ke, topk, candidate_block_size=block_size,
                                         candidate_topk_blocks=topk_blocks, chunk_bytes=budget)
-        assert torch.equal(blocks, ref_blocks) and torch.equal(index, select_topk(full, topk, order="index"))
+        assert torch.equal(blocks, ref_blocks) and torch.equal(index, select_topk_reference(full, topk, order="index"))
         index2 = v41_select_topk(q2, k2, w2, ks, ke, topk, candidate_block_size=block_size,
                                  candidate_blocks=blocks, chunk_bytes=budget)
         assert torch.equal(index2, ref_reindex)
@@ -180,8 +179,8 @@ def test_seed_api_streams_by_default_and_matches_the_materialised_path(layout, b
     ks, ke, num_keys = _layout(layout, batch, queries, 4, seed=queries + 3)
     q, k, w = _inputs(batch, queries, heads, dim, num_keys, queries + 3, torch.float32, quantised=False)
     calls = []
-    original = streaming.v4_select_topk_validated
-    streaming.v4_select_topk_validated = lambda *a, **kw: calls.append(1) or original(*a, **kw)
+    original = fused_interface.v4_select_topk_validated
+    fused_interface.v4_select_topk_validated = lambda *a, **kw: calls.append(1) or original(*a, **kw)
     try:
         results = {}
         for fused in (None, False):
@@ -192,7 +191,7 @@ def test_seed_api_streams_by_default_and_matches_the_materialised_path(layout, b
             results[fused] = (score.detach(), index, *(t.grad for t in leaves))
             assert len(calls) == 1, "the default path streams once; fused_topk=False must not stream"
     finally:
-        streaming.v4_select_topk_validated = original
+        fused_interface.v4_select_topk_validated = original
     streamed, full = results[None], results[False]
     assert torch.equal(streamed[0], full[0]) and torch.equal(streamed[1], full[1])
     # Same indices and scores: dq and dw come out bitwise equal; dk sums fp32 atomics in a

@@ -1,6 +1,6 @@
 """TileLang radix select against the reference selection on the GPU (pytest -m gpu on the H200).
 
-Bitwise equality of indices and picked scores with ``naive.select_topk`` (which implements the
+Bitwise equality of indices and picked scores with ``select_topk_reference`` (which implements the
 spec's rule with unique keys): fresh random rows of ragged widths, both dtypes and orders, T in
 {64, 100, 512, 1024, 2048}, visible ranges, quantised scores with long runs of ties at the cut,
 NaN/+-inf, signed zeros, rows with fewer finite scores than T and rows that see nothing, and rows
@@ -13,7 +13,7 @@ import zlib
 import pytest
 import torch
 
-from nemo_dsa.ops.topk import naive
+from nemo_dsa.ops.topk import select_topk_reference
 from nemo_dsa.ops.topk.interface import select_topk
 from nemo_dsa.ops.topk.kernels import select_rows_tilelang
 
@@ -54,7 +54,7 @@ def _mask_outside(scores, ks, ke):
 
 
 def _expected(scores, count, order):
-    index = naive.select_topk(scores, count, order)
+    index = select_topk_reference(scores, count, order)
     picked = torch.where(index >= 0, torch.gather(scores, -1, index.clamp_min(0).long()), float("-inf"))
     return index, picked.to(scores.dtype)
 
@@ -97,7 +97,7 @@ def test_rows_past_65536_keys(dtype):
     rows, width, count = 5, 70_001, 512
     scores = _rows("quantised", rows, width, dtype, 9)  # ties at the cut span the whole row
     index, _ = select_rows_tilelang(scores, count, "index", out=_poisoned(rows, count, dtype))
-    assert torch.equal(index, naive.select_topk(scores, count, "index"))
+    assert torch.equal(index, select_topk_reference(scores, count, "index"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -106,7 +106,7 @@ def test_dispatcher_uses_ranges_and_matches_reference(dtype):
     ks, ke = _ranges(600, 777, 3)
     scores = _mask_outside(scores.view(600, 777), ks, ke).view(2, 300, 777)
     got = select_topk(scores, 128, "score", ks=ks.view(2, 300), ke=ke.view(2, 300))
-    assert torch.equal(got, naive.select_topk(scores, 128, "score"))
-    assert torch.equal(select_topk(scores, 128, "index", backend="tilelang"), naive.select_topk(scores, 128, "index"))
+    assert torch.equal(got, select_topk_reference(scores, 128, "score"))
+    assert torch.equal(select_topk(scores, 128, "index", backend="tilelang"), select_topk_reference(scores, 128, "index"))
     with pytest.raises(TypeError, match="float32 or bfloat16"):
         select_topk(scores.half(), 8, backend="tilelang")

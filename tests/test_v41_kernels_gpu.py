@@ -13,7 +13,7 @@ import torch
 from causal_layouts import KERNEL_LAYOUTS, kernel_layout_ks_ke
 from causal_layouts import KERNEL_RATIO as RATIO
 
-from nemo_dsa.ops._visibility import causal_ks_ke, visible_mask
+from nemo_dsa.visibility import causal_ks_ke, visible_mask
 
 pytestmark = pytest.mark.gpu
 

@@ -14,7 +14,7 @@ import torch
 from causal_layouts import KERNEL_LAYOUTS, kernel_layout_ks_ke
 from causal_layouts import KERNEL_RATIO as RATIO
 
-from nemo_dsa.ops._visibility import causal_ks_ke
+from nemo_dsa.visibility import causal_ks_ke
 from nemo_dsa.ops.v4_indexer.naive import v4_logits
 
 pytestmark = pytest.mark.gpu

@@ -72,7 +72,7 @@ def test_zero_padding_of_odd_shapes_is_exact():
     """Padded heads (zero weights) and padded dims only add exact zeros to the reference logits."""
     import torch
 
-    from nemo_dsa.ops._visibility import causal_ks_ke
+    from nemo_dsa.visibility import causal_ks_ke
     from nemo_dsa.ops.v4_indexer.naive import v4_logits
 
     gen = torch.Generator().manual_seed(5)

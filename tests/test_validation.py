@@ -5,12 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_dsa.ops.mxfp4.naive import mxfp4_quant_dequant
-from nemo_dsa.ops.topk.naive import candidate_blocks, select_topk
-from nemo_dsa.ops.v4_indexer.interface import pytorch_extract_topk_scores, v4_lighting_indexer
-from nemo_dsa.ops.v4_indexer.naive import v4_backward, v4_logits
-from nemo_dsa.ops.v41_indexer.interface import indexer_scores
-from nemo_dsa.ops.v41_indexer.naive import v41_scores
+from nemo_dsa.ops.mxfp4 import mxfp4_quant_dequant
+from nemo_dsa.ops.topk import candidate_blocks, pytorch_extract_topk_scores, select_topk_reference
+from nemo_dsa.ops.v4_indexer import v4_backward, v4_lighting_indexer, v4_logits
+from nemo_dsa.ops.v41_indexer import indexer_scores, v41_scores
 
 S, B, H, D, K = 12, 2, 4, 16, 3
 
@@ -178,13 +176,13 @@ def test_selection_and_block_arguments():
     scores = torch.randn(B, S, K)
     ks, ke = _ks_ke()
     with pytest.raises(ValueError, match="topk"):
-        select_topk(scores, 0)
+        select_topk_reference(scores, 0)
     with pytest.raises(ValueError, match="order"):
-        select_topk(scores, 2, order="random")
+        select_topk_reference(scores, 2, order="random")
     with pytest.raises(TypeError, match="scores"):
-        select_topk(scores.long(), 2)
+        select_topk_reference(scores.long(), 2)
     with pytest.raises(TypeError, match="scores"):
-        select_topk(scores.double(), 2)
+        select_topk_reference(scores.double(), 2)
     with pytest.raises(ValueError, match="block_size"):
         candidate_blocks(scores, ks, ke, 0, 2)
     with pytest.raises(ValueError, match="topk_blocks"):
@@ -218,7 +216,7 @@ def test_mxfp4_arguments():
 
 def test_fused_topk_defaults_to_streaming_only_with_the_kernels():
     from nemo_dsa.models.dsa_lm.configuration import DSAModelConfig
-    from nemo_dsa.ops._dispatch import resolve_fused_topk
+    from nemo_dsa.ops.dispatch import resolve_fused_topk
 
     assert resolve_fused_topk(None, "tilelang") and not resolve_fused_topk(None, "torch")
     assert resolve_fused_topk(True, "torch") and not resolve_fused_topk(False, "tilelang")

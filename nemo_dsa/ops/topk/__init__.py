@@ -1,0 +1,33 @@
+"""Exact top-k selection (DSA-SPEC "Top-k selection") and what is built on it.
+
+Modules, imports one way: ``rows`` (row selection by unique keys) -> ``naive`` (the reference)
+-> ``kernels`` (the TileLang radix select) -> ``interface`` (validation and dispatch).
+``gather`` (scores at selected indices) and ``candidates`` (V4.1 candidate blocks) stand beside
+them. Public names load lazily (``nemo_dsa._lazy``).
+"""
+
+from nemo_dsa._lazy import lazy_exports
+
+_EXPORTS = {
+    "select_topk": "nemo_dsa.ops.topk.interface",
+    "kernel_supports": "nemo_dsa.ops.topk.interface",
+    "select_topk_reference": "nemo_dsa.ops.topk.naive",
+    "select_rows_tilelang": "nemo_dsa.ops.topk.kernels",
+    "pytorch_extract_topk_scores": "nemo_dsa.ops.topk.gather",
+    "gather_at_indices": "nemo_dsa.ops.topk.gather",
+    "candidate_blocks": "nemo_dsa.ops.topk.candidates",
+    "candidate_block_mask": "nemo_dsa.ops.topk.candidates",
+    "blocks_to_mask": "nemo_dsa.ops.topk.candidates",
+    "ORDERS": "nemo_dsa.ops.topk.rows",
+    "SCORE_DTYPES": "nemo_dsa.ops.topk.rows",
+    "TIE_MARGIN": "nemo_dsa.ops.topk.rows",
+    "orderable_image": "nemo_dsa.ops.topk.rows",
+    "orderable_int32": "nemo_dsa.ops.topk.rows",
+    "selection_keys": "nemo_dsa.ops.topk.rows",
+    "select_rows": "nemo_dsa.ops.topk.rows",
+    "select_rows_exact": "nemo_dsa.ops.topk.rows",
+    "redo_rows": "nemo_dsa.ops.topk.rows",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -1,7 +1,8 @@
 """Top-k selection on a score matrix: the TileLang radix select on CUDA, the reference elsewhere.
 
 Both paths implement DSA-SPEC "Top-k selection" exactly (same indices, bit for bit); the
-reference (``naive.select_topk``) is the readable one, the kernel (``kernels``) the fast one.
+reference (``naive.select_topk_reference``) is the readable one, the kernel (``kernels``) the
+fast one. Importing the kernel module does not import TileLang (its factories do, when built).
 """
 
 import math
@@ -9,16 +10,16 @@ import math
 import torch
 
 from nemo_dsa._checks import check_positive_int, check_tensor
-from nemo_dsa.ops._dispatch import resolve_backend
-from nemo_dsa.ops.topk import naive
+from nemo_dsa.ops.dispatch import resolve_backend
+from nemo_dsa.ops.topk.kernels import MAX_COUNT, select_rows_tilelang
+from nemo_dsa.ops.topk.naive import select_topk_reference
+from nemo_dsa.ops.topk.rows import ORDERS, SCORE_DTYPES
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def kernel_supports(scores: torch.Tensor, topk: int) -> bool:
     """Whether the TileLang selector serves these scores (fp32/bf16, T within its sort width)."""
-    from nemo_dsa.ops.topk.kernels import MAX_COUNT
-
     return scores.dtype in KERNEL_DTYPES and min(topk, scores.shape[-1]) <= MAX_COUNT
 
 
@@ -33,18 +34,18 @@ def select_topk(
 ) -> torch.Tensor:
     """Top-k key indices of ``scores [..., S, K]`` as int32 ``[..., S, min(topk, K)]``.
 
-    Same contract as :func:`nemo_dsa.ops.topk.naive.select_topk` (best finite scores, ties to
+    Same contract as :func:`nemo_dsa.ops.topk.naive.select_topk_reference` (best finite scores, ties to
     the smaller index, -1 padding; ``order`` "score" or "index"). ``ks``/``ke`` (int32, the
     scores' leading shape) may name each row's visible range ``[ks, ke)`` when every finite score
     lies inside it: the kernel then reads only those keys. ``backend="auto"`` takes the kernel
     for CUDA fp32/bf16 scores with T <= 8192 and the reference otherwise.
     """
-    check_tensor("scores", scores, dtypes=naive.SCORE_DTYPES)
+    check_tensor("scores", scores, dtypes=SCORE_DTYPES)
     if scores.ndim < 1:
         raise ValueError("scores must have at least 1 dimension (the key axis)")
     check_positive_int("topk", topk)
-    if order not in naive.ORDERS:
-        raise ValueError(f"order must be one of {naive.ORDERS}, got {order!r}")
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     if (ks is None) != (ke is None):
         raise ValueError("give both ks and ke, or neither")
     for name, value in (("ks", ks), ("ke", ke)):
@@ -55,9 +56,7 @@ def select_topk(
             if scores.dtype not in KERNEL_DTYPES:
                 raise TypeError(f"backend='tilelang' selects on float32 or bfloat16 scores, got {scores.dtype}")
             raise ValueError("backend='tilelang' selects at most 8192 keys per row; use backend='torch'")
-        return naive.select_topk(scores, topk, order)
-    from nemo_dsa.ops.topk.kernels import select_rows_tilelang
-
+        return select_topk_reference(scores, topk, order)
     num_keys = scores.shape[-1]
     count = min(topk, num_keys)
     rows = math.prod(scores.shape[:-1])

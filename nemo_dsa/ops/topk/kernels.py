@@ -1,6 +1,6 @@
 """TileLang exact top-k for Hopper: one radix select per score row, ties to the smaller index.
 
-Semantics (DSA-SPEC "Top-k selection", the same as ``naive.select_topk``): the best
+Semantics (DSA-SPEC "Top-k selection", the same as ``naive.select_topk_reference``): the best
 T = min(count, W) *finite* scores of each row, ties to the smaller key index, -1 padding; rows
 come out by descending score (``order="score"``, V4) or by ascending index (``order="index"``,
 V4.1). Only keys in the row's ``[ks, ke)`` are read: the scoring kernels write -inf outside it.
@@ -36,6 +36,7 @@ import torch
 
 from nemo_dsa._checks import check_positive_int, check_tensor
 from nemo_dsa.ops._tilelang import compile_cached, tilelang
+from nemo_dsa.ops.topk.rows import ORDERS
 
 # Digit widths of the radix passes, most significant first (default: 8 bits, one histogram bin per
 # thread in the scan; 10-12-bit first digits measured no faster, v5 and v7); at most 4096 bins.
@@ -55,7 +56,6 @@ CACHED_KEYS = THREADS * UNROLL * CACHED_STEPS
 # at most 8 bytes; measured faster than 3 blocks, docs/performance.md v7).
 MIN_BLOCKS_PER_SM = 4
 SCORE_BITS = {"float32": 32, "bfloat16": 16}
-ORDERS = ("score", "index")
 # The sort holds the selected keys in shared memory: 8 bytes per slot.
 MAX_COUNT = 8192
 

@@ -1,0 +1,23 @@
+"""V4.1 indexer: frozen BF16-boundary scores (DSA-SPEC "Scoring", V4.1).
+
+``heads`` (the head-count rule) and ``naive`` (reference) -> ``kernels`` (TileLang) ->
+``interface`` (validation and dispatch). Public names load lazily (``nemo_dsa._lazy``).
+"""
+
+from nemo_dsa._lazy import lazy_exports
+
+_EXPORTS = {
+    "indexer_scores": "nemo_dsa.ops.v41_indexer.interface",
+    "v41_scores": "nemo_dsa.ops.v41_indexer.naive",
+    "v41_scores_chunk_size": "nemo_dsa.ops.v41_indexer.naive",
+    "v41_scores_tilelang": "nemo_dsa.ops.v41_indexer.kernels",
+    "v41_scores_masked_tilelang": "nemo_dsa.ops.v41_indexer.kernels",
+    "MAX_HEADS": "nemo_dsa.ops.v41_indexer.heads",
+    "SUPPORTED_HEADS": "nemo_dsa.ops.v41_indexer.heads",
+    "check_heads": "nemo_dsa.ops.v41_indexer.heads",
+    "is_supported_heads": "nemo_dsa.ops.v41_indexer.heads",
+    "largest_supported_heads": "nemo_dsa.ops.v41_indexer.heads",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -1,18 +1,22 @@
 """V4.1 indexer seed API: frozen scores with the released BF16 rounding boundaries.
 
-Backend dispatch lives in :func:`_scores` only: the torch path is the reference in ``naive.py``;
-the TileLang path imports ``.kernels`` lazily and calls ``kernels.indexer_scores_tilelang`` with
-the same signature as :func:`_scores_torch`.
+Imports run one way: the reference (``naive``) and the kernels (``kernels``) score; this module
+validates and dispatches (in :func:`_scores` only). Importing the kernel module does not import
+TileLang (its factories do, when a kernel is built).
 """
 
 from __future__ import annotations
 
 import torch
 
-from nemo_dsa._checks import check_tensor
-from nemo_dsa.ops._dispatch import resolve_backend
-from nemo_dsa.ops._visibility import check_ks_ke
+from nemo_dsa._checks import check_qkw, check_tensor
+from nemo_dsa.ops.dispatch import resolve_backend
+from nemo_dsa.ops.v41_indexer.heads import check_heads
+from nemo_dsa.ops.v41_indexer.kernels import indexer_scores_tilelang
 from nemo_dsa.ops.v41_indexer.naive import v41_scores
+from nemo_dsa.visibility import check_ks_ke
+
+__all__ = ["indexer_scores"]
 
 
 def _scores_torch(queries, keys, weights, allowed, ks, ke):
@@ -27,23 +31,18 @@ def _scores_torch(queries, keys, weights, allowed, ks, ke):
 
 def _scores(backend, *args):
     if backend == "tilelang":
-        from nemo_dsa.ops.v41_indexer import kernels
-
-        return kernels.indexer_scores_tilelang(*args)
+        return indexer_scores_tilelang(*args)
     return _scores_torch(*args)
 
 
 def _validate(queries, keys, weights, allowed, ks, ke) -> None:
-    check_tensor("queries", queries, ndim=4, dtypes=(torch.bfloat16,))
-    batch, sequence, heads, dim = queries.shape
+    batch, sequence, heads, dim, width = check_qkw(
+        queries, keys, weights, dtypes=((torch.bfloat16,),) * 3, names=("queries", "keys", "weights")
+    )
     device = queries.device
-    check_tensor("keys", keys, ndim=3, dtypes=(torch.bfloat16,), shape=(batch, None, dim), device=device)
-    check_tensor("weights", weights, ndim=3, dtypes=(torch.bfloat16,), shape=(batch, sequence, heads), device=device)
-    if heads < 1 or heads > 128 or heads & (heads - 1):
-        raise ValueError(f"queries must have a power-of-two number of heads <= 128, got {heads}")
+    check_heads("queries", heads)
     if dim % 16:
         raise ValueError(f"queries must have an index dim divisible by 16, got {dim}")
-    width = keys.shape[1]
     if allowed is not None:
         if ks is not None or ke is not None:
             raise ValueError("give either allowed or (ks, ke), not both")

@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from nemo_dsa._checks import check_tensor
+from nemo_dsa._checks import check_qkw, check_tensor
 from nemo_dsa.ops._pingpong import (
     BLOCK_K,
     CONSUMER_REGISTERS,
@@ -53,12 +53,12 @@ from nemo_dsa.ops._pingpong import (
     pingpong_shared_memory_bytes,
 )
 from nemo_dsa.ops._tilelang import HOPPER_SMEM_LIMIT, compile_cached, tilelang
+from nemo_dsa.ops.v41_indexer.heads import SUPPORTED_HEADS, check_heads
 
 # ----------------------------------------------------------------------------------------------
 # Configurations: the one table the wrappers pick from (and the lowering tests enumerate).
 # ----------------------------------------------------------------------------------------------
 
-SUPPORTED_HEADS = (1, 2, 4, 8, 16, 32, 64, 128)
 # Index dims the kernel is built for; other multiples of 16 up to 256 are zero-padded to the next
 # one (zeros add exact zeros to every fp32 dot product, so the scores are unchanged).
 KERNEL_DIMS = (64, 128, 256)
@@ -113,8 +113,7 @@ def scorer_config(heads: int, index_dim: int) -> ScorerConfig:
     heads a tile holds 64 to 256 queries: E would take up to 128 KiB and its wgmma as many
     FLOPs as the scores, while there are only 1 to 4 terms to add, so those sum in registers.
     """
-    if heads not in SUPPORTED_HEADS:
-        raise ValueError(f"heads must be a power of two <= 128, got {heads}")
+    check_heads("heads", heads, of_tensor=False)
     if index_dim not in KERNEL_DIMS:
         raise ValueError(f"index_dim must be one of {KERNEL_DIMS} for a kernel, got {index_dim}")
     return ScorerConfig(
@@ -258,16 +257,13 @@ def v41_scorer_kernel(
 
 def _check_inputs(q, k, w) -> tuple[int, int, int, int, int]:
     check_tensor("q", q, ndim=4, dtypes=(torch.bfloat16,))
-    batch, queries, heads, dim = q.shape
     if not q.is_cuda:
         raise ValueError(f"q must be a CUDA tensor for the TileLang scorer, got {q.device}")
-    check_tensor("k", k, ndim=3, dtypes=(torch.bfloat16,), shape=(batch, None, dim), device=q.device)
-    check_tensor("w", w, ndim=3, dtypes=(torch.bfloat16,), shape=(batch, queries, heads), device=q.device)
-    if heads not in SUPPORTED_HEADS:
-        raise ValueError(f"q must have a power-of-two number of heads <= 128, got {heads}")
+    batch, queries, heads, dim, num_keys = check_qkw(q, k, w, dtypes=((torch.bfloat16,),) * 3)
+    check_heads("q", heads)
     if dim % 16 or not 16 <= dim <= MAX_INDEX_DIM:
         raise ValueError(f"q's index dim must be a multiple of 16 in [16, {MAX_INDEX_DIM}], got {dim}")
-    return batch, queries, heads, dim, k.shape[1]
+    return batch, queries, heads, dim, num_keys
 
 
 def _check_out(out, batch, queries, num_keys, device) -> torch.Tensor:

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from nemo_dsa._checks import check_tensor
-from nemo_dsa.ops._chunking import DEFAULT_BUDGET_BYTES, query_chunk_size, query_chunks
-from nemo_dsa.ops._visibility import check_ks_ke
+from nemo_dsa._checks import check_qkw
+from nemo_dsa.ops.chunking import DEFAULT_BUDGET_BYTES, query_chunk_size, query_chunks
+from nemo_dsa.visibility import check_ks_ke, visible_mask
 
 
 def v41_scores_chunk_size(
@@ -40,17 +40,11 @@ def v41_scores(
     budget_bytes: int = DEFAULT_BUDGET_BYTES,
 ) -> torch.Tensor:
     """V4.1 scores bf16 ``[B, S, K]`` from q [B,S,H,D], k [B,K,D], w [B,S,H] (all bf16), -inf outside [ks, ke)."""
-    check_tensor("q", q, ndim=4, dtypes=(torch.bfloat16,))
-    batch, queries, heads, dim = q.shape
-    check_tensor("k", k, ndim=3, dtypes=(torch.bfloat16,), shape=(batch, None, dim), device=q.device)
-    check_tensor("w", w, ndim=3, dtypes=(torch.bfloat16,), shape=(batch, queries, heads), device=q.device)
-    num_keys = k.shape[1]
+    batch, queries, heads, _, num_keys = check_qkw(q, k, w, dtypes=((torch.bfloat16,),) * 3)
     check_ks_ke(ks, ke, batch=batch, queries=queries, num_keys=num_keys, device=q.device)
     scores = torch.full((batch, queries, num_keys), float("-inf"), dtype=torch.bfloat16, device=q.device)
     chunk = v41_scores_chunk_size(batch, queries, heads, num_keys, budget_bytes)
-    columns = torch.arange(num_keys, device=q.device)
     for part in query_chunks(queries, chunk):
-        start, end = ks[:, part, None], ke[:, part, None]
-        visible = (columns >= start) & (columns < end)
+        visible = visible_mask(ks[:, part], ke[:, part], num_keys)
         scores[:, part] = _formula(q[:, part], k, w[:, part]).masked_fill(~visible, float("-inf"))
     return scores

@@ -2,111 +2,72 @@
 
 :func:`v4_indexer_bshd` takes the internal BSHD layout (q [B, S, H, D] bf16, k [B, K, D] bf16,
 w [B, S, H] fp32); the seed API :func:`v4_lighting_indexer` takes V4's SBHD layout (index_q
-[S, B, H, D], index_k [K, B, D], weights [S, B, H]) and transposes to it. Backend dispatch lives in
-:func:`_forward` / :func:`_backward` only: the torch path is the reference in ``naive.py``; the
-TileLang path imports ``.kernels`` lazily and calls ``kernels.v4_indexer_forward`` /
-``kernels.v4_indexer_backward`` with the same signatures as ``_forward_torch`` / ``_backward_torch``.
+[S, B, H, D], index_k [K, B, D], weights [S, B, H]) and transposes to it.
+
+Imports run one way: the reference (``naive``) and the kernels (``kernels``) score; this module
+validates, dispatches (in :func:`_forward` / :func:`_backward` only), selects (``topk``, or the
+streamed ``fused_selection``) and holds the autograd functions. Importing the kernel module does
+not import TileLang (its factories do, when a kernel is built).
 """
 
 from __future__ import annotations
 
 import torch
 
-from nemo_dsa._checks import check_positive_int, check_tensor
-from nemo_dsa.ops._dispatch import resolve_backend, resolve_fused_topk
-from nemo_dsa.ops._visibility import causal_ks_ke, check_ks_ke
-from nemo_dsa.ops.topk.naive import select_topk
+from nemo_dsa._checks import check_index_range, check_positive_int, check_qkw, check_tensor
+from nemo_dsa.ops.dispatch import resolve_backend, resolve_fused_topk
+from nemo_dsa.ops.fused_selection import interface as fused_selection
+from nemo_dsa.ops.topk.gather import gather_at_indices, pytorch_extract_topk_scores
+from nemo_dsa.ops.topk.interface import select_topk
+from nemo_dsa.ops.v4_indexer.kernels import v4_logits_tilelang, v4_topk_backward_tilelang
 from nemo_dsa.ops.v4_indexer.naive import v4_backward, v4_logits
+from nemo_dsa.visibility import causal_ks_ke, check_ks_ke
+
+# pytorch_extract_topk_scores lives in topk.gather; it stays importable from here, the seed
+# API's module.
+__all__ = ["V4IndexerBSHDFunction", "V4IndexerFunction", "pytorch_extract_topk_scores", "v4_indexer_bshd", "v4_lighting_indexer"]
 
 
-def pytorch_extract_topk_scores(logits: torch.Tensor, topk_indices: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Gather ``logits`` at ``topk_indices`` along ``dim``, -inf where the index is -1.
-
-    Indices must lie in [-1, size): anything else is a ValueError rather than being clipped.
-    All other dimensions of the two tensors must match.
-    """
-    check_tensor("logits", logits)
-    check_tensor("topk_indices", topk_indices, dtypes=(torch.int32, torch.int64), device=logits.device)
-    if topk_indices.ndim != logits.ndim:
-        raise ValueError(
-            f"topk_indices must have {logits.ndim} dimensions like logits, got shape {tuple(topk_indices.shape)}"
-        )
-    axis = dim % logits.ndim
-    for d in range(logits.ndim):
-        if d != axis and topk_indices.shape[d] != logits.shape[d]:
-            raise ValueError(
-                f"topk_indices must match logits outside dim {dim}: "
-                f"got {tuple(topk_indices.shape)} vs {tuple(logits.shape)}"
-            )
-    size = logits.shape[axis]
-    if topk_indices.numel() and bool(((topk_indices < -1) | (topk_indices >= size)).any()):
-        raise ValueError(
-            f"topk_indices must lie in [-1, {size}) (-1 = no key), got range "
-            f"[{int(topk_indices.min())}, {int(topk_indices.max())}]"
-        )
-    present = topk_indices >= 0
-    gathered = torch.gather(logits, axis, torch.where(present, topk_indices, 0).long())
-    return torch.where(present, gathered, float("-inf"))
-
-
-def _forward_torch(q, k, w, ks, ke, topk, topk_indices):
-    """Reference forward on BSHD tensors: (index_score fp32 [B,S,T], topk_indices int32 [B,S,T])."""
-    logits = v4_logits(q, k, w, ks, ke)
+def _forward(backend, q, k, w, ks, ke, topk, topk_indices):
+    """(index_score fp32 [B, S, T], topk_indices int32 [B, S, T]) on BSHD tensors: the logits
+    from the kernel or the reference, then selection (unless indices are given) and the gather."""
+    logits = v4_logits_tilelang(q, k, w, ks, ke) if backend == "tilelang" else v4_logits(q, k, w, ks, ke)
     if topk_indices is None:
-        topk_indices = select_topk(logits, topk, order="score")
-    return pytorch_extract_topk_scores(logits, topk_indices), topk_indices
+        # Every finite logit lies in [ks, ke): the kernel selector reads only those keys.
+        topk_indices = select_topk(logits, topk, order="score", ks=ks, ke=ke, backend=backend)
+    # Given indices were range-checked in _validate; selected ones are in range by construction.
+    return gather_at_indices(logits, topk_indices), topk_indices
 
 
-def _backward_torch(q, k, w, ks, ke, topk_indices, grad_scores):
-    """Reference backward on BSHD tensors: (dq, dk, dw)."""
-    return v4_backward(q, k, w, ks, ke, topk_indices, grad_scores)
-
-
-def _forward(backend, *args):
+def _backward(backend, q, k, w, ks, ke, topk_indices, grad_scores):
+    """(dq, dk, dw) through the gathered scores. The indices were checked (given) or produced
+    (selected) in the forward, so neither path reads them on the host again."""
     if backend == "tilelang":
-        from nemo_dsa.ops.v4_indexer import kernels
-
-        return kernels.v4_indexer_forward(*args)
-    return _forward_torch(*args)
+        return v4_topk_backward_tilelang(q, k, w, topk_indices, grad_scores.float(), ks, ke, check_indices=False)
+    return v4_backward(q, k, w, ks, ke, topk_indices, grad_scores, check_indices=False)
 
 
-def _backward(backend, *args):
-    if backend == "tilelang":
-        from nemo_dsa.ops.v4_indexer import kernels
+def _check_layout(index_q, index_k, weights, *, seq_first: bool) -> tuple[int, int, int, int, int]:
+    """q/k/w checks in the caller's layout (SBHD for the seed API); returns (B, S, H, D, K).
 
-        return kernels.v4_indexer_backward(*args)
-    return _backward_torch(*args)
-
-
-def _check_layout(index_q, index_k, weights, *, seq_first: bool) -> tuple[int, int, int, int]:
-    """Tensor, dtype and shape checks of q/k/w in the caller's layout; returns (B, S, H, D).
-
-    ``seq_first`` is the seed SBHD layout (q [S, B, H, D], k [K, B, D], w [S, B, H]); otherwise
-    BSHD (q [B, S, H, D], k [B, K, D], w [B, S, H]). Messages quote the caller's own shapes.
+    Messages name the caller's arguments and quote the caller's own shapes.
     """
-    q_name, k_name, w_name = ("index_q", "index_k", "weights") if seq_first else ("q", "k", "w")
-    check_tensor(q_name, index_q, ndim=4, dtypes=(torch.bfloat16,))
-    device = index_q.device
-    if seq_first:
-        queries, batch, heads, dim = index_q.shape
-        key_shape, weight_shape = (None, batch, dim), (queries, batch, heads)
-    else:
-        batch, queries, heads, dim = index_q.shape
-        key_shape, weight_shape = (batch, None, dim), (batch, queries, heads)
-    check_tensor(k_name, index_k, ndim=3, dtypes=(torch.bfloat16,), shape=key_shape, device=device)
-    check_tensor(w_name, weights, ndim=3, dtypes=(torch.float32,), shape=weight_shape, device=device)
-    if dim % 16:
-        raise ValueError(f"{q_name} must have a head dim divisible by 16, got {dim}")
-    return batch, queries, heads, dim
+    names = ("index_q", "index_k", "weights") if seq_first else ("q", "k", "w")
+    sizes = check_qkw(
+        index_q, index_k, weights, dtypes=((torch.bfloat16,), (torch.bfloat16,), (torch.float32,)),
+        names=names, seq_first=seq_first,
+    )
+    if sizes[3] % 16:
+        raise ValueError(f"{names[0]} must have a head dim divisible by 16, got {sizes[3]}")
+    return sizes
 
 
 def _validate(q, k, w, compress_ratio, topk, topk_indices, ks, ke):
     """Check every BSHD argument; returns (ks, ke) with the unpacked causal default filled in."""
-    batch, queries, _, _ = _check_layout(q, k, w, seq_first=False)
+    batch, queries, _, _, num_keys = _check_layout(q, k, w, seq_first=False)
     device = q.device
     check_positive_int("compress_ratio", compress_ratio)
     check_positive_int("topk", topk)
-    num_keys = k.shape[1]
     if ks is None and ke is None:
         ks, ke = causal_ks_ke(batch, queries, num_keys, compress_ratio, device)
     else:
@@ -116,8 +77,7 @@ def _validate(q, k, w, compress_ratio, topk, topk_indices, ks, ke):
         check_tensor(
             "topk_indices", topk_indices, ndim=3, dtypes=(torch.int32,), shape=(batch, queries, count), device=device
         )
-        if topk_indices.numel() and bool(((topk_indices < -1) | (topk_indices >= num_keys)).any()):
-            raise ValueError(f"topk_indices must lie in [-1, {num_keys}) (-1 = no key)")
+        check_index_range("topk_indices", topk_indices, num_keys)
     return ks, ke
 
 
@@ -135,9 +95,7 @@ class V4IndexerBSHDFunction(torch.autograd.Function):
         backend = resolve_backend(backend, q, k, w)
         if resolve_fused_topk(fused_topk, backend) and topk_indices is None:
             # Selection streamed over query chunks: no [B, S, K] logits are ever held.
-            from nemo_dsa.ops.topk.streaming import v4_select_topk_validated
-
-            index_score, topk_indices = v4_select_topk_validated(q, k, w, ks, ke, topk, backend)
+            index_score, topk_indices = fused_selection.v4_select_topk_validated(q, k, w, ks, ke, topk, backend)
         else:
             index_score, topk_indices = _forward(backend, q, k, w, ks, ke, topk, topk_indices)
         ctx.save_for_backward(q, k, w, ks, ke, topk_indices)
@@ -198,7 +156,7 @@ def v4_indexer_bshd(
         ks, ke: optional int32 [B, S] visible ranges; default ks = 0, ke = min((i + 1) // R, K).
         backend: "auto" | "tilelang" | "torch".
         fused_topk: select without holding the [B, S, K] logits (query chunks scored and
-            reduced one at a time, ``nemo_dsa.ops.topk.streaming``); both paths select the same
+            reduced one at a time, ``nemo_dsa.ops.fused_selection``); both paths select the same
             keys. ``None`` (default): on with the TileLang backend, off with the torch one.
 
     Returns:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nemo_dsa._checks import check_tensor
+from nemo_dsa._checks import check_index_range, check_qkw, check_tensor
 from nemo_dsa.ops._pingpong import (
     BLOCK_K,
     CONSUMER_REGISTERS,
@@ -334,16 +334,16 @@ def v4_topk_backward_kernel(heads: int, index_dim: int, block_t: int, threads: i
 
 def _check_qkw(q, k, w):
     check_tensor("q", q, ndim=4, dtypes=(torch.bfloat16,))
-    batch, queries, heads, dim = q.shape
     if not q.is_cuda:
         raise ValueError(f"q must be a CUDA tensor for the TileLang kernels, got {q.device}")
-    check_tensor("k", k, ndim=3, dtypes=(torch.bfloat16,), shape=(batch, None, dim), device=q.device)
-    check_tensor("w", w, ndim=3, dtypes=(torch.float32,), shape=(batch, queries, heads), device=q.device)
+    batch, queries, heads, dim, num_keys = check_qkw(
+        q, k, w, dtypes=((torch.bfloat16,), (torch.bfloat16,), (torch.float32,))
+    )
     if not 1 <= heads <= 128:
         raise ValueError(f"q must have 1 to 128 heads, got {heads}")
     if dim % 16 or not 16 <= dim <= 256:
         raise ValueError(f"q must have a head dim that is a multiple of 16 in [16, 256], got {dim}")
-    return batch, queries, heads, dim, k.shape[1]
+    return batch, queries, heads, dim, num_keys
 
 
 def _padded_shape(heads: int, dim: int) -> tuple[int, int]:
@@ -396,7 +396,15 @@ def v4_logits_tilelang(q, k, w, ks, ke, *, out: torch.Tensor | None = None) -> t
 
 
 def v4_topk_backward_tilelang(
-    q, k, w, topk_indices, grad_scores, ks: torch.Tensor | None = None, ke: torch.Tensor | None = None
+    q,
+    k,
+    w,
+    topk_indices,
+    grad_scores,
+    ks: torch.Tensor | None = None,
+    ke: torch.Tensor | None = None,
+    *,
+    check_indices: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ``sum(grad_scores * logits.gather(-1, topk_indices))`` w.r.t. q, k, w.
 
@@ -404,14 +412,16 @@ def v4_topk_backward_tilelang(
     in [-1, K), grad_scores fp32 [B, S, T]; ks/ke int32 [B, S] (optional, default: every key
     visible) drop the gradient of indices outside the query's visible range, as the reference.
     Returns dq bf16 [B, S, H, D], dk bf16 [B, K, D] (fp32 accumulation), dw fp32 [B, S, H].
+    ``check_indices=False`` skips the index-range check and its host sync, for indices validated
+    or produced already (the seed API's autograd backward): the kernel reads keys at them.
     """
     batch, queries, heads, dim, num_keys = _check_qkw(q, k, w)
     check_tensor("topk_indices", topk_indices, ndim=3, dtypes=(torch.int32,), device=q.device)
     count = topk_indices.shape[-1]
     check_tensor("topk_indices", topk_indices, shape=(batch, queries, count))
     check_tensor("grad_scores", grad_scores, dtypes=(torch.float32,), shape=(batch, queries, count), device=q.device)
-    if topk_indices.numel() and bool(((topk_indices < -1) | (topk_indices >= num_keys)).any()):
-        raise ValueError(f"topk_indices must lie in [-1, {num_keys}) (-1 = no key)")
+    if check_indices:
+        check_index_range("topk_indices", topk_indices, num_keys)
     if (ks is None) != (ke is None):
         raise ValueError("ks and ke must be given together")
     if ks is None:
@@ -434,28 +444,3 @@ def v4_topk_backward_tilelang(
     if (heads_to, dim_to) != (heads, dim):
         return dq[:, :, :heads, :dim].contiguous(), dk_acc[..., :dim].to(torch.bfloat16), dw[..., :heads].contiguous()
     return dq, dk_acc.to(torch.bfloat16), dw
-
-
-# ----------------------------------------------------------------------------------------------
-# Seam used by nemo_dsa.ops.v4_indexer.interface (same signatures as its torch path)
-# ----------------------------------------------------------------------------------------------
-
-
-def v4_indexer_forward(q, k, w, ks, ke, topk, topk_indices):
-    """(index_score fp32 [B, S, T], topk_indices int32 [B, S, T]) with the kernel's logits."""
-    from nemo_dsa.ops.topk.interface import select_topk
-    from nemo_dsa.ops.v4_indexer.interface import pytorch_extract_topk_scores
-
-    logits = v4_logits_tilelang(q, k, w, ks, ke)
-    if topk_indices is None:
-        # Every finite logit lies in [ks, ke) (clamped to the key axis as the kernel does).
-        num_keys = logits.shape[-1]
-        topk_indices = select_topk(
-            logits, topk, order="score", ks=ks.clamp(0, num_keys), ke=ke.clamp(0, num_keys), backend="tilelang"
-        )
-    return pytorch_extract_topk_scores(logits, topk_indices), topk_indices
-
-
-def v4_indexer_backward(q, k, w, ks, ke, topk_indices, grad_scores):
-    """(dq, dk, dw) through the gathered scores, for the interface's autograd function."""
-    return v4_topk_backward_tilelang(q, k, w, topk_indices, grad_scores.float(), ks, ke)

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from nemo_dsa._checks import check_tensor
-from nemo_dsa.ops._chunking import DEFAULT_BUDGET_BYTES, query_chunk_size, query_chunks
-from nemo_dsa.ops._visibility import check_ks_ke, ieee_fp32_matmul
+from nemo_dsa._checks import check_index_range, check_qkw, check_tensor
+from nemo_dsa.ops.chunking import DEFAULT_BUDGET_BYTES, query_chunk_size, query_chunks
+from nemo_dsa.precision import ieee_fp32_matmul
+from nemo_dsa.visibility import check_ks_ke, visible_mask
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
@@ -25,11 +26,7 @@ def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
 
 
 def _check_inputs(q, k, w, ks, ke) -> tuple[int, int, int, int, int]:
-    check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
-    batch, queries, heads, dim = q.shape
-    check_tensor("k", k, ndim=3, dtypes=FLOAT_DTYPES, shape=(batch, None, dim), device=q.device)
-    check_tensor("w", w, ndim=3, dtypes=FLOAT_DTYPES, shape=(batch, queries, heads), device=q.device)
-    num_keys = k.shape[1]
+    batch, queries, heads, dim, num_keys = check_qkw(q, k, w, dtypes=(FLOAT_DTYPES,) * 3)
     check_ks_ke(ks, ke, batch=batch, queries=queries, num_keys=num_keys, device=q.device)
     return batch, queries, heads, dim, num_keys
 
@@ -65,8 +62,7 @@ def v4_logits(
                 products = torch.matmul(q[b, part].to(dtype), keys[lo:hi].T)  # [c, H, hi-lo]
                 # In place, so only one [c, H, K] buffer lives.
                 chunk_logits = products.relu_().mul_(w[b, part].to(dtype).unsqueeze(-1)).sum(1)
-                columns = torch.arange(lo, hi, device=q.device)
-                visible = (columns >= start.unsqueeze(-1)) & (columns < end.unsqueeze(-1))
+                visible = visible_mask(start, end, hi - lo, first_key=lo)
                 logits[b, part, lo:hi] = torch.where(visible, chunk_logits, float("-inf"))
                 del products  # free before the next chunk's matmul, or two [c, H, K] buffers coexist
     return logits
@@ -89,6 +85,7 @@ def v4_backward(
     grad_scores: torch.Tensor,
     *,
     budget_bytes: int = DEFAULT_BUDGET_BYTES,
+    check_indices: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dw) of ``sum(grad_scores * logits.gather(-1, topk_indices))``.
 
@@ -96,15 +93,17 @@ def v4_backward(
     -inf), carries no gradient. With s = q_h . k_j and g the incoming gradient:
     dw_h = sum_t g_t relu(s_ht); dq_h = sum_t g_t w_h [s_ht > 0] k_jt; dk_j += the same terms with
     q_h in place of k_jt. Accumulates in fp32 (float64 for float64 inputs); returns dq in q's
-    dtype, dk in k's dtype, dw in w's dtype.
+    dtype, dk in k's dtype, dw in w's dtype. ``check_indices=False`` skips the host read of the
+    index range, for callers whose indices were validated or produced already (the autograd
+    backward of the seed API).
     """
     batch, queries, heads, dim, num_keys = _check_inputs(q, k, w, ks, ke)
     check_tensor("topk_indices", topk_indices, ndim=3, dtypes=(torch.int32, torch.int64), device=q.device)
     count = topk_indices.shape[-1]
     check_tensor("topk_indices", topk_indices, shape=(batch, queries, count))
     check_tensor("grad_scores", grad_scores, dtypes=FLOAT_DTYPES, shape=(batch, queries, count), device=q.device)
-    if topk_indices.numel() and bool(((topk_indices < -1) | (topk_indices >= num_keys)).any()):
-        raise ValueError(f"topk_indices must lie in [-1, {num_keys}) (-1 = no key)")
+    if check_indices:
+        check_index_range("topk_indices", topk_indices, num_keys)
     dtype = _compute_dtype(q, k, w)
     dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
     dk = torch.zeros(k.shape, dtype=dtype, device=q.device)

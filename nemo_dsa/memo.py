@@ -56,3 +56,10 @@ def memo_on_tensors(tensors: Sequence[torch.Tensor], key: Hashable, compute: Cal
     value = compute()
     facts[key] = (tuple(weakref.ref(t) for t in tensors[1:]), versions, value)
     return value
+
+
+
+def anchors() -> set[int]:
+    """Ids of the tensors facts are held for: an entry must go when its anchor is freed."""
+    with _lock:
+        return set(_facts)
