@@ -22,6 +22,10 @@ import time
 
 import torch
 
+from nemo_dsa.data import SEQ_LENS_PAD
+from nemo_dsa.labels import IGNORE_INDEX
+from nemo_dsa.ops.dispatch import BACKENDS
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -34,7 +38,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--precision", choices=("bf16", "fp32"), default=None, help="default: bf16 on cuda, fp32 on cpu")
-    p.add_argument("--backend", choices=("auto", "tilelang", "torch"), default="auto", help="indexer kernels")
+    p.add_argument("--backend", choices=BACKENDS, default="auto", help="indexer kernels")
     p.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke runs)")
     p.add_argument("--out", default=None, help="JSON file written by rank 0")
     return p.parse_args(argv)
@@ -78,7 +82,7 @@ def make_batch(args, vocab: int) -> dict[str, torch.Tensor]:
                 left -= n
             lens.append(row)
         width = max(len(r) for r in lens)
-        batch["seq_lens"] = torch.tensor([r + [-1000] * (width - len(r)) for r in lens])
+        batch["seq_lens"] = torch.tensor([r + [SEQ_LENS_PAD] * (width - len(r)) for r in lens])
         batch["position_ids"] = torch.stack([torch.cat([torch.arange(n) for n in r]) for r in lens])
     return batch
 
@@ -106,7 +110,7 @@ def main(argv=None) -> None:
     model = DSAForCausalLM(config).to(device)
     batch = shard_batch(make_batch(args, config.vocab_size), env.cp_group, compress_ratios=config.compress_ratios)
     inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-    count = (inputs["labels"] != -100).sum().float()
+    count = (inputs["labels"] != IGNORE_INDEX).sum().float()
     total = count.clone()
     if env.cp_group is not None:
         dist.all_reduce(total, group=env.cp_group)

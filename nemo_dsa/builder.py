@@ -20,8 +20,10 @@ from typing import Any
 
 import torch
 
+from nemo_dsa._checks import is_positive_int
 from nemo_dsa.models.dsa_lm.configuration import SCORINGS, DSAModelConfig
 from nemo_dsa.models.dsa_lm.layer_roles import derive_v41_layer_roles
+from nemo_dsa.ops.v41_indexer.heads import largest_supported_heads
 
 CONFIG_DIR_ENV = "NEMO_DSA_CONFIG_DIR"
 _SCORING_KEYS = {
@@ -125,11 +127,11 @@ def _apply_scoring(fields: dict, scoring: Mapping) -> None:
         heads = int(fields.get("index_n_heads", DSAModelConfig.index_n_heads))
         if heads < 1:
             raise ValueError(f"model.config.index_n_heads must be >= 1, got {heads}")
-        fields["index_n_heads"] = min(1 << (heads.bit_length() - 1), 128)
+        fields["index_n_heads"] = largest_supported_heads(heads)
     for key in ("candidate_topk_blocks", "candidate_block_size"):
         if scoring.get(key) is not None:
             value = scoring[key]
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_positive_int(value):
                 raise ValueError(f"scoring.{key} must be an int >= 1, got {value!r}")
             fields[key] = value
     roles = scoring.get("layer_roles")

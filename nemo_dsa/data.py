@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from nemo_dsa._checks import check_positive_int
+from nemo_dsa.labels import IGNORE_INDEX
 
 # ---------------------------------------------------------------------------------------------
 # Tokenizer
@@ -37,7 +38,6 @@ BOS_ID = 256
 EOS_ID = 257
 PAD_ID = 258
 VOCAB_SIZE = 259  # 256 bytes + BOS/EOS/PAD; equals the tiny model's vocab_size
-IGNORE_INDEX = -100
 SEQ_LENS_PAD = -1000  # the sentinel nemo-automodel's packed_sequence_thd_collater pads with
 
 

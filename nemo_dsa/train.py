@@ -29,6 +29,9 @@ from typing import Any
 
 import torch
 
+from nemo_dsa._checks import is_positive_int
+from nemo_dsa.labels import IGNORE_INDEX
+
 # The batch fields handed to the model: exactly what nemo-automodel's THD collater emits
 # (document-local positions, seq_lens / seq_lens_padded) plus the per-token document ids and mask.
 MODEL_INPUTS = (
@@ -69,10 +72,10 @@ def _check_recipe(recipe, known_keys=None) -> None:
     )
     for key in positive:
         value = recipe[key]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_positive_int(value):
             raise ValueError(f"recipe.{key} must be an int >= 1, got {value!r}")
     for key in ("warmup_steps", "val_batches"):
-        if isinstance(recipe[key], bool) or not isinstance(recipe[key], int) or recipe[key] < 0:
+        if not is_positive_int(recipe[key], minimum=0):
             raise ValueError(f"recipe.{key} must be an int >= 0, got {recipe[key]!r}")
     if not recipe.lr > 0:
         raise ValueError(f"recipe.lr must be > 0, got {recipe.lr}")
@@ -187,7 +190,7 @@ def _model_inputs(batch: dict[str, torch.Tensor], device: torch.device, par: Par
 
 def _loss_terms(model, inputs: dict[str, Any], precision: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sum of token LM losses, this rank's share of the indexer loss, labelled-token count)."""
-    count = (inputs["labels"] != -100).sum()
+    count = (inputs["labels"] != IGNORE_INDEX).sum()
     with torch.autocast(inputs["input_ids"].device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
         out = model(**inputs)
     if out.lm_loss is None:

@@ -80,9 +80,9 @@ def test_zero_padding_of_odd_shapes_is_exact():
     k = torch.randn(2, 9, 48, generator=gen).bfloat16()
     w = torch.randn(2, 37, 3, generator=gen)
     ks, ke = causal_ks_ke(2, 37, 9, 4, "cpu")
-    heads_to, dim_to = kernels._padded_shape(3, 48)
+    heads_to, dim_to = kernels.padded_shape(3, 48)
     assert (heads_to, dim_to) == (4, 64)
-    qp, kp, wp = kernels._pad_inputs(q, k, w, heads_to, dim_to)
+    qp, kp, wp = kernels.pad_inputs(q, k, w, heads_to, dim_to)
     assert qp.shape == (2, 37, 4, 64) and kp.shape == (2, 9, 64) and wp.shape == (2, 37, 4)
     assert torch.equal(v4_logits(qp, kp, wp, ks, ke), v4_logits(q, k, w, ks, ke))
 

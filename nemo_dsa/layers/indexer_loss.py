@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 
 from nemo_dsa.layers.context import SequenceContext
+from nemo_dsa.ops.chunking import DEFAULT_BUDGET_BYTES
 
 # Query chunks of the target computation bound its gathered keys to this many bytes.
-_CHUNK_BYTES = 256 * 2**20
+_CHUNK_BYTES = DEFAULT_BUDGET_BYTES
 
 
 def indexer_kl_loss(

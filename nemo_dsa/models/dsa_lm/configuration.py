@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from nemo_dsa._checks import is_positive_int
 from nemo_dsa.layers.rope import yarn_parameters
 from nemo_dsa.models.dsa_lm.hf_config import dsa_fields_from_hf
 
@@ -18,6 +19,9 @@ from nemo_dsa.models.dsa_lm.layer_roles import (
     indexer_layers,
     kv_source_layers,
 )
+from nemo_dsa.ops.dispatch import BACKENDS
+from nemo_dsa.ops.v41_indexer.heads import MAX_HEADS as V41_MAX_HEADS
+from nemo_dsa.ops.v41_indexer.heads import is_supported_heads
 
 SCORINGS = ("v4", "v41")
 
@@ -89,7 +93,7 @@ class DSAModelConfig:
             "q_lora_rank", "intermediate_size", "index_n_heads", "index_head_dim",
         ):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_positive_int(value):
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if self.scoring not in SCORINGS:
             raise ValueError(f"scoring must be one of {SCORINGS}, got {self.scoring!r}")
@@ -112,13 +116,13 @@ class DSAModelConfig:
             )
         if self.scoring == "v41":
             h = self.index_n_heads
-            if h < 1 or h > 128 or h & (h - 1):
-                raise ValueError(f"index_n_heads must be a power of two <= 128 for scoring v41, got {h}")
+            if not is_supported_heads(h):
+                raise ValueError(f"index_n_heads must be a power of two <= {V41_MAX_HEADS} for scoring v41, got {h}")
             if self.index_head_dim % 32:
                 raise ValueError(f"index_head_dim must be a multiple of 32 for MXFP4 (v41), got {self.index_head_dim}")
         for name in ("o_lora_rank", "o_groups"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "o_lora_rank" else 1):
+            if not is_positive_int(value, minimum=0 if name == "o_lora_rank" else 1):
                 raise ValueError(f"{name} must be an int >= {0 if name == 'o_lora_rank' else 1}, got {value!r}")
         if self.o_lora_rank and self.num_attention_heads % self.o_groups:
             raise ValueError(
@@ -127,8 +131,8 @@ class DSAModelConfig:
         if self.rope_scaling is not None:
             self.rope_scaling = dict(self.rope_scaling)
         yarn_parameters(self.rope_scaling)  # raises ValueError naming rope_scaling
-        if self.backend not in ("auto", "tilelang", "torch"):
-            raise ValueError(f"backend must be 'auto', 'tilelang' or 'torch', got {self.backend!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.fused_topk is not None and not isinstance(self.fused_topk, bool):
             raise TypeError(f"fused_topk must be true, false or null (auto), got {self.fused_topk!r}")
         for name in ("kv_source_layer_ids", "index_source_layer_ids"):

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from nemo_dsa._checks import is_positive_int
+
 # Layers with this compression ratio carry an indexer (DeepSeek-V4: ratio-4 layers select top-k
 # groups; other ratios attend to every visible group).
 INDEXER_RATIO = 4
@@ -78,7 +80,7 @@ def derive_v41_layer_roles(
     candidate_source_layer_id)``.
     """
     for key, value in (("kv_source_every", kv_source_every), ("index_source_every", index_source_every)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_positive_int(value):
             raise ValueError(f"scoring.layer_roles.{key} must be an int >= 1, got {value!r}")
     layers = indexer_layers(compress_ratios)
     kv = tuple(layer for n, layer in enumerate(layers) if n % kv_source_every == 0)

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nemo_dsa.labels import IGNORE_INDEX
 from nemo_dsa.layers.context import LocalContext, SequenceContext
 from nemo_dsa.layers.norm import RMSNorm
 from nemo_dsa.layers.shared_state import SharedLayerState
@@ -183,7 +184,7 @@ def _sequence_context(cp_group) -> SequenceContext:
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean token cross-entropy over ``labels != -100`` (labels already aligned); 0 if none."""
     flat_labels = labels.reshape(-1)
-    counted = flat_labels != -100
-    losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), flat_labels, ignore_index=-100,
+    counted = flat_labels != IGNORE_INDEX
+    losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), flat_labels, ignore_index=IGNORE_INDEX,
                              reduction="none")
     return losses.sum() / counted.sum().clamp_min(1)

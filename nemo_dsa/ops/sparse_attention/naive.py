@@ -11,9 +11,10 @@ from __future__ import annotations
 import torch
 
 from nemo_dsa._checks import check_tensor
+from nemo_dsa.ops.chunking import DEFAULT_BUDGET_BYTES
 
 # Peak bytes for one query chunk's gathered keys and logits (fp32).
-_CHUNK_BYTES = 256 * 2**20
+_CHUNK_BYTES = DEFAULT_BUDGET_BYTES
 
 
 def _query_chunk(batch: int, width: int, heads: int, dim: int, chunk_size: int | None) -> int:

@@ -346,12 +346,12 @@ def _check_qkw(q, k, w):
     return batch, queries, heads, dim, num_keys
 
 
-def _padded_shape(heads: int, dim: int) -> tuple[int, int]:
+def padded_shape(heads: int, dim: int) -> tuple[int, int]:
     """The smallest table entry holding ``heads`` x ``dim``: other shapes run zero-padded."""
     return (next(h for h in SUPPORTED_HEADS if h >= heads), next(d for d in SUPPORTED_DIMS if d >= dim))
 
 
-def _pad_inputs(q, k, w, heads_to: int, dim_to: int):
+def pad_inputs(q, k, w, heads_to: int, dim_to: int):
     """Zero-pad heads (with zero weights) and the head dim: every added term is an exact +0."""
     heads, dim = q.shape[2], q.shape[3]
     if (heads, dim) == (heads_to, dim_to):
@@ -386,8 +386,8 @@ def v4_logits_tilelang(q, k, w, ks, ke, *, out: torch.Tensor | None = None) -> t
             raise ValueError("out must be contiguous")
     if out.numel() == 0:
         return out
-    heads_to, dim_to = _padded_shape(heads, dim)
-    q, k, w = _pad_inputs(q, k, w, heads_to, dim_to)
+    heads_to, dim_to = padded_shape(heads, dim)
+    q, k, w = pad_inputs(q, k, w, heads_to, dim_to)
     config = forward_config(heads_to, dim_to)
     kernel = compile_cached(v4_logits_kernel, pass_configs=config.pass_configs(), **config.as_kwargs())
     q_rows = q.contiguous().view(batch, queries * heads_to, dim_to)
@@ -431,8 +431,8 @@ def v4_topk_backward_tilelang(
 
     if queries == 0 or count == 0 or num_keys == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(w)
-    heads_to, dim_to = _padded_shape(heads, dim)
-    q, k, w = _pad_inputs(q, k, w, heads_to, dim_to)
+    heads_to, dim_to = padded_shape(heads, dim)
+    q, k, w = pad_inputs(q, k, w, heads_to, dim_to)
     dk_acc = torch.zeros((batch, num_keys, dim_to), dtype=torch.float32, device=q.device)
     dq = torch.empty((batch, queries, heads_to, dim_to), dtype=torch.bfloat16, device=q.device)
     dw = torch.empty((batch, queries, heads_to), dtype=torch.float32, device=q.device)
