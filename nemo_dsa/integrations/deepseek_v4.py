@@ -143,6 +143,12 @@ class NemoDsaDeepseekV4ForCausalLM(DeepseekV4ForCausalLM):
     # Document boundaries and CP transport are handled inside the model (nemo_dsa's metadata).
     _owns_packed_attention = True
     _owns_cp_attention = True
+    # nemo-automodel 0.7.0's single-process checkpoint load renames the state-dict adapter's output
+    # once more with transformers' DeepSeek-V4 key mapping (".wq_a." -> ".q_a_proj.", ...) and
+    # installs it with strict=False, which silently leaves every attention projection at its
+    # initialisation (the built-in model too). A first-match identity rule for the model's own
+    # names stops that second renaming; the mapping is not used for anything else here.
+    _checkpoint_conversion_mapping = {r"^((?:model|mtp|lm_head)\..*)$": r"\1"}
 
     @classmethod
     def supports_config(cls, config: Any) -> bool:

@@ -1,0 +1,110 @@
+"""The plugin through nemo-automodel's real train_ft recipe on CPU: two fine-tuning steps.
+
+examples/automodel/write_tiny_v4_checkpoint.py writes a tiny released-layout DeepSeek-V4
+checkpoint into a temporary directory; examples/automodel/deepseek_v4_plugin_tiny_ft.yaml loads
+it through ``from_pretrained`` (the built-in's adapter, via nemo-automodel's checkpointer) into
+NemoDsaDeepseekV4ForCausalLM and trains on packed (THD) batches. Only nemo-automodel's CUDA-only
+calls are patched.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+try:
+    import nemo_automodel  # noqa: F401
+    from nemo_automodel._transformers import auto_model as _auto_model
+except ImportError:
+    if not torch.cuda.is_available():
+        raise
+    pytest.skip("nemo-automodel (or torchao) missing on this GPU machine; run in CPU CI", allow_module_level=True)
+
+from nemo_dsa.integrations.deepseek_v4 import NemoDsaDeepseekV4ForCausalLM
+from nemo_dsa.integrations.deepseek_v4_checkpoint import read_hf_checkpoint
+from test_deepseek_v4_plugin import build_plugin
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples" / "automodel"
+
+
+def load_writer():
+    spec = importlib.util.spec_from_file_location("write_tiny_v4_checkpoint", EXAMPLES / "write_tiny_v4_checkpoint.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def cpu_automodel(monkeypatch):
+    """Patch only nemo-automodel's CUDA-only calls so its model building / recipe run on CPU."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a, **k: None)
+    original = _auto_model.apply_model_infrastructure
+
+    def on_cpu(*args, **kwargs):
+        kwargs["device"] = torch.device("cpu")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(_auto_model, "apply_model_infrastructure", on_cpu)
+
+
+def test_writer_produces_a_released_layout(tmp_path):
+    path = load_writer().write_tiny_v4_checkpoint(tmp_path / "ckpt")
+    config = json.loads((path / "config.json").read_text())
+    assert config["model_type"] == "deepseek_v4" and config["architectures"] == ["DeepseekV4ForCausalLM"]
+    assert config["hc_mult"] == 4 and config["n_routed_experts"] == 4 and config["o_groups"] == 2
+    keys = set(read_hf_checkpoint(path))
+    # Released key names: the attention sink, the indexer's own compressor, per-expert weights, MTP.
+    for key in ("layers.1.attn.attn_sink", "layers.1.attn.indexer.compressor.ape", "layers.2.attn.compressor.ape",
+                "layers.1.attn.wo_a.weight", "layers.0.ffn.experts.3.w2.weight", "layers.0.ffn.gate.tid2eid",
+                "mtp.0.e_proj.weight", "hc_head_fn"):  # fmt: skip
+        assert key in keys, key
+
+
+def test_train_ft_two_steps_from_the_checkpoint(cpu_automodel, tmp_path):
+    from nemo_automodel.components.config.loader import load_yaml_config
+    from nemo_automodel.recipes.llm.train_ft import TrainFinetuneRecipeForNextTokenPrediction
+
+    writer = load_writer()
+    build_plugin(writer.tiny_v4_config())  # skips while nemo_dsa's module lacks the released attention
+    checkpoint = writer.write_tiny_v4_checkpoint(tmp_path / "pretrained", seed=3)
+    written = read_hf_checkpoint(checkpoint)
+    cfg = load_yaml_config(str(EXAMPLES / "deepseek_v4_plugin_tiny_ft.yaml"))
+    for key, value in {
+        "model.pretrained_model_name_or_path": str(checkpoint), "step_scheduler.max_steps": 2,
+        "step_scheduler.val_every_steps": 2, "checkpoint.checkpoint_dir": str(tmp_path / "run"),
+        "checkpoint.enabled": True, "step_scheduler.ckpt_every_steps": 2, "dist_env.backend": "gloo",
+        "dataset.max_examples": 32, "validation_dataset.max_examples": 4,
+    }.items():  # fmt: skip
+        cfg.set_by_dotted(key, value)
+    recipe = TrainFinetuneRecipeForNextTokenPrediction(cfg)
+    try:
+        recipe.setup()
+        model = recipe.model_parts[0]
+        assert isinstance(model, NemoDsaDeepseekV4ForCausalLM)
+        # The pretrained weights arrived through nemo-automodel's checkpointer and the built-in adapter.
+        loaded = model.state_dict_adapter.to_hf(model.state_dict())
+        for key in ("layers.1.attn.attn_sink", "layers.1.attn.indexer.wq_b.weight", "layers.3.attn.wo_a.weight"):
+            torch.testing.assert_close(loaded[key].float(), written[key].float(), rtol=0, atol=0, msg=key)
+        batch = next(iter(recipe.dataloader))
+        assert batch["qkv_format"] == "thd" and (batch["seq_lens"] > 0).sum() > batch["input_ids"].shape[0]
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        recipe.run_train_validation_loop()
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    records = [json.loads(line) for line in (tmp_path / "run" / "training.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1]
+    assert all(math.isfinite(r["loss"]) and r["loss"] > 0 for r in records)
+    moved = [n for n, p in model.named_parameters() if not torch.equal(before[n], p.detach())]
+    assert any(".self_attn.wq_a." in n for n in moved) and any("mlp.experts" in n for n in moved)
+    assert any("mtp.layers.0.self_attn" in n for n in moved)  # the MTP loss reached its attention
+    # The saved consolidated checkpoint names the plugin, so it reloads through it.
+    (consolidated,) = (tmp_path / "run").glob("epoch_*_step_1/model/consolidated")
+    assert json.loads((consolidated / "config.json").read_text())["architectures"] == ["NemoDsaDeepseekV4ForCausalLM"]
