@@ -157,8 +157,9 @@ def sorted_sets(indices: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def assert_no_ties(gaps: dict, token_valid: torch.Tensor) -> int:
-    """Every query with more visible groups than top-k has a clear cut (a relative gap of at
-    least 1e-4 between the last kept and the first dropped score); returns how many such queries."""
+    """Every query with more visible groups than top-k has a clear cut: the last kept and the
+    first dropped score differ by more than 1e-5 of the kept one, ten times what two fp32
+    orderings of the same sums can move a score. Returns how many queries have a cut."""
     decided = 0
     for layer, (scores, topk) in gaps.items():
         if scores.shape[-1] <= topk:
@@ -166,7 +167,7 @@ def assert_no_ties(gaps: dict, token_valid: torch.Tensor) -> int:
         kept, dropped = scores[..., topk - 1], scores[..., topk]
         contested = torch.isfinite(dropped) & token_valid
         margin = (kept - dropped)[contested]
-        assert (margin > 1e-4 * kept[contested].abs()).all(), (
+        assert (margin > 1e-5 * kept[contested].abs()).all(), (
             f"layer {layer}: a score tie (or near tie) decides a selection (smallest gap {float(margin.min()):.3g}); "
             "choose other index heads / top-k"
         )
@@ -304,7 +305,9 @@ def test_logits_and_topk_match_on_aligned_packs(models):
 # --------------------------------------------------------------------------------------------
 
 
-def gradients(model, batch: dict, probes: list[torch.Tensor], attention_noise: float = 0.0) -> dict:
+def gradients(
+    model, batch: dict, probes: list[torch.Tensor], attention_noise: float = 0.0, noise_seed: int = 11
+) -> dict:
     """Gradients of a fixed random projection of logits (and MTP states) with the indexer frozen.
 
     ``attention_noise`` > 0 multiplies every attention output by ``1 + noise * N(0, 1)``: the
@@ -314,7 +317,7 @@ def gradients(model, batch: dict, probes: list[torch.Tensor], attention_noise: f
     model.zero_grad(set_to_none=True)
     for name, p in model.named_parameters():
         p.requires_grad_("compressor.indexer." not in name)
-    gen = torch.Generator().manual_seed(11)
+    gen = torch.Generator().manual_seed(noise_seed)
 
     def perturb(module, args, output):
         noise = torch.randn(output[0].shape, generator=gen, dtype=output[0].dtype)
@@ -338,17 +341,32 @@ def gradients(model, batch: dict, probes: list[torch.Tensor], attention_noise: f
         model.eval()
 
 
-# The hyper-connection mixers' gradients (Sinkhorn-normalised, summed over every token) move by
-# ~1e-4 relative when the attention outputs move by 1e-7 relative: no fp32 implementation that
-# is not bitwise the built-in's meets 1e-5 there. They are held to the built-in's own floor.
+# The hyper-connection mixers' gradients (Sinkhorn-normalised mixing, summed over every token)
+# move by ~1e-4 relative when the built-in's own attention outputs move by 1e-7 relative (the
+# size of fp32 reordering; the plugin's attention differs from the built-in's by ~3e-7): no fp32
+# implementation that is not bitwise the built-in's meets 1e-5 on them. They are held to twice
+# the largest such movement of the built-in (its floor, measured here with two noise draws);
+# every other parameter to 1e-5.
 HC_MIXERS = ("attn_hc.", "ffn_hc.", "hc_head.")
-ATTENTION_NOISE = 1e-6  # above the fp32 reordering difference of two attention implementations
+ATTENTION_NOISE = 1e-7
 
 
-def assert_gradients_match(ref: dict, got: dict, floor: dict) -> dict:
-    """rel <= 1e-5 per parameter; HC mixers within the built-in's floor. Returns the worst errors."""
+def hc_floor(model, batch: dict, probes: list[torch.Tensor], ref: dict) -> float:
+    """Largest relative movement of an HC mixer gradient under 1e-7 attention-output noise."""
+    floor = 0.0
+    for seed in (11, 12):
+        noisy = gradients(model, batch, probes, attention_noise=ATTENTION_NOISE, noise_seed=seed)
+        for name, g in ref.items():
+            if g is not None and g.any() and any(m in name for m in HC_MIXERS):
+                floor = max(floor, rel(noisy[name], g))
+    return floor
+
+
+def assert_gradients_match(ref: dict, got: dict, floor: float) -> dict:
+    """rel <= 1e-5 per parameter, HC mixers <= max(1e-5, 2 * floor). Returns the worst errors."""
     assert ref.keys() == got.keys()
-    worst = {"other": 0.0, "hc_mixers": 0.0, "hc_floor": 0.0}
+    hc_bound = max(RTOL, 2 * floor)
+    worst = {"other": 0.0, "hc_mixers": 0.0, "hc_bound": hc_bound}
     for name, g in ref.items():
         if g is None:
             assert got[name] is None or not got[name].any(), name
@@ -358,13 +376,10 @@ def assert_gradients_match(ref: dict, got: dict, floor: dict) -> dict:
             assert not got[name].any(), name
             continue
         err = rel(got[name], g)
-        if any(m in name for m in HC_MIXERS):
-            allowed = max(RTOL, rel(floor[name], g))
-            worst["hc_mixers"] = max(worst["hc_mixers"], err)
-            worst["hc_floor"] = max(worst["hc_floor"], allowed)
-        else:
-            allowed = RTOL
-            worst["other"] = max(worst["other"], err)
+        hc = any(m in name for m in HC_MIXERS)
+        key = "hc_mixers" if hc else "other"
+        worst[key] = max(worst[key], err)
+        allowed = hc_bound if hc else RTOL
         assert err <= allowed, f"{name}: rel {err:.3g} > {allowed:.3g}"
     return worst
 
@@ -376,7 +391,7 @@ def test_gradients_match_on_unpacked_rows_with_mtp(models):
     probes = [torch.randn(2, SEQ, VOCAB, generator=gen), torch.randn(2, SEQ, 64, generator=gen)]
     batch = {"input_ids": ids}
     ref = gradients(builtin, batch, probes)
-    floor = gradients(builtin, batch, probes, attention_noise=ATTENTION_NOISE)
+    floor = hc_floor(builtin, batch, probes, ref)
     got = gradients(plugin, batch, probes)
     assert all(ref[n] is None for n in ref if "compressor.indexer." in n)  # frozen in both
     print("unpacked grads worst rel", assert_gradients_match(ref, got, floor))
@@ -389,7 +404,7 @@ def test_gradients_match_on_aligned_packs(models):
     batch, valid = thd_batch([256, 100, 64, 80], [256, 100, 64, 92], seed=6)
     probe = torch.randn(*valid.shape, VOCAB, generator=torch.Generator().manual_seed(7)) * valid.unsqueeze(-1)
     ref = gradients(builtin, batch, [probe])
-    floor = gradients(builtin, batch, [probe], attention_noise=ATTENTION_NOISE)
+    floor = hc_floor(builtin, batch, [probe], ref)
     got = gradients(plugin, batch, [probe])
     print("packed grads worst rel", assert_gradients_match(ref, got, floor))
 

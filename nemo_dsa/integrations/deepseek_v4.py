@@ -32,7 +32,6 @@ reported as ``indexer_aux_loss``.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +42,7 @@ from nemo_automodel.components.models.deepseek_v4.config import DeepseekV4Config
 from nemo_automodel.components.models.deepseek_v4.model import DeepseekV4CausalLMOutput, DeepseekV4ForCausalLM
 
 from nemo_dsa.integrations.deepseek_v4_attention import DsaForwardState, NemoDsaDeepseekV4Attention
+from nemo_dsa.layers.shared_state import SharedLayerState
 from nemo_dsa.metadata import build_attention_metadata
 from nemo_dsa.models.dsa_lm.configuration import DSAModelConfig
 
@@ -62,35 +62,16 @@ _ATTN_TO_INDEXER_BACKEND = {"tilelang": "tilelang", "torch": "torch"}
 _VISION_INPUTS = ("pixel_values", "image_grid_hws", "n_images_per_sample", "vision_token_types")
 
 
-def _padded_ratios(config: DeepseekV4Config, layers: int) -> tuple[int, ...]:
-    """One ratio per main and MTP layer; missing entries are window-only, as the built-in's MTP reads them."""
-    ratios = [int(r) for r in (config.compress_ratios or [])][:layers]
-    return tuple(ratios + [0] * (layers - len(ratios)))
-
-
 def dsa_config_from_deepseek_v4(config: DeepseekV4Config, **options: Any) -> DSAModelConfig:
     """nemo_dsa's module config for every attention layer of ``config``, MTP layers included.
 
     The layers are numbered as the built-in numbers them (MTP depth d is layer
-    ``num_hidden_layers + d``), so ``num_hidden_layers`` here counts both. ``options`` are
-    ``DSAModelConfig`` fields (``scoring``, ``indexer_kl_coef`` ...); None leaves the default.
+    ``num_hidden_layers + d``, window-only unless ``compress_ratios`` lists it), so
+    ``num_hidden_layers`` here counts both. ``options`` are ``DSAModelConfig`` fields
+    (``scoring``, ``indexer_kl_coef`` ...); None leaves the default.
     """
-    layers = int(config.num_hidden_layers) + int(getattr(config, "num_nextn_predict_layers", 0) or 0)
-    overrides = {"num_hidden_layers": layers, "compress_ratios": _padded_ratios(config, layers)}
-    overrides.update({k: v for k, v in options.items() if v is not None})
-    from_hf = getattr(DSAModelConfig, "from_hf_config", None)
-    if from_hf is not None:
-        base = from_hf(config)
-        return dataclasses.replace(base, **overrides)
-    # Until DSAModelConfig.from_hf_config exists: the same-named fields (the released-V4 ones the
-    # module does not know yet are skipped by the field filter).
-    fields = {f.name for f in dataclasses.fields(DSAModelConfig)}
-    values = {name: getattr(config, name) for name in fields if hasattr(config, name)}
-    values["intermediate_size"] = int(config.moe_intermediate_size)
-    values["tie_word_embeddings"] = False
-    values.pop("backend", None)  # nemo-automodel's BackendConfig name, not the indexer kernels
-    values.update(overrides)
-    return DSAModelConfig(**values)
+    overrides = {k: v for k, v in options.items() if v is not None}
+    return DSAModelConfig.from_hf_config(config, include_mtp_layers=True, **overrides)
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -301,7 +282,7 @@ class NemoDsaDeepseekV4ForCausalLM(DeepseekV4ForCausalLM):
         if moe_padding is None and attention_mask is not None:
             moe_padding = ~attention_mask.bool()
 
-        state = DsaForwardState(metadata, ctx, _new_shared_state())
+        state = DsaForwardState(metadata, ctx, SharedLayerState())
         streams = inputs_embeds.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
         for block in self.model.layers.values():
             streams = block(
@@ -315,7 +296,7 @@ class NemoDsaDeepseekV4ForCausalLM(DeepseekV4ForCausalLM):
         if self.mtp is not None and self.training:
             if input_ids is None:
                 raise ValueError("MTP training needs input_ids (the next tokens' embeddings)")
-            mtp_state = DsaForwardState(metadata, ctx, _new_shared_state(), state.aux_losses)
+            mtp_state = DsaForwardState(metadata, ctx, SharedLayerState(), state.aux_losses)
             mtp_hidden = self.mtp(
                 hidden_states=streams, input_ids=input_ids, embed_fn=self.model.embed_tokens,
                 position_ids=position_ids, attention_mask=None, padding_mask=moe_padding,
@@ -344,15 +325,6 @@ class NemoDsaDeepseekV4ForCausalLM(DeepseekV4ForCausalLM):
             device = next((p.device for p in self.parameters() if p.device.type != "meta"), torch.device("cpu"))
             buffer_device = device
         super().initialize_weights(buffer_device=buffer_device, dtype=dtype)
-
-
-def _new_shared_state():
-    """A fresh per-forward shared state for nemo_dsa's layers."""
-    try:
-        from nemo_dsa.layers.shared_state import SharedLayerState
-    except ImportError:  # the module before its shared-state object existed took a dict
-        return {}
-    return SharedLayerState()
 
 
 ModelClass = NemoDsaDeepseekV4ForCausalLM
