@@ -430,3 +430,68 @@ def test_unaligned_documents_leak_in_the_builtin_not_in_the_plugin(models):
     print("built-in change before the perturbed token", ref_change.tolist())
     assert ref_change[10:later].max() > 1e-3  # the leak: earlier outputs of document 2 moved
     assert plugin_change.max() == 0, plugin_change
+
+
+# --------------------------------------------------------------------------------------------
+# nemo_dsa options
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("through", ["keyword", "config"])
+def test_scoring_v41_switches_the_indexer(models, through):
+    _, plugin = models
+    config = tiny_config(scoring="v41") if through == "config" else tiny_config()
+    v41 = build_plugin(config, **({"scoring": "v41"} if through == "keyword" else {}))
+    v41.load_state_dict(plugin.state_dict(), strict=True)
+    assert v41.dsa_config.scoring == "v41" and plugin.dsa_config.scoring == "v4"
+    indexer = {n: p for n, p in v41.named_parameters() if "compressor.indexer." in n}
+    assert indexer and not any(p.requires_grad for p in indexer.values())  # V4.1's indexer is frozen
+    ids = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(9))
+    selections = {}
+    hooks = [
+        m.model.layers["1"].self_attn.core.indexer.register_forward_hook(
+            lambda mod, args, out, key=key: selections.__setitem__(key, out.topk_indices)
+        )
+        for key, m in (("v4", plugin), ("v41", v41))
+    ]
+    try:
+        with torch.no_grad():
+            out = v41.eval()(ids).logits
+            plugin(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert torch.isfinite(out).all()
+    v41_rows = selections["v41"][0, -1]
+    kept = v41_rows[v41_rows >= 0]
+    assert torch.equal(kept, kept.sort().values)  # V4.1 lists its selection by key index
+    assert not torch.equal(selections["v41"], selections["v4"])
+
+
+def test_backend_and_option_keywords():
+    model = build_plugin(tiny_config(), indexer_kl_coef=0.5, indexer_straight_through=True)
+    assert model.dsa_config.indexer_kl_coef == 0.5 and model.dsa_config.indexer_straight_through
+    assert model.dsa_config.backend == "auto"  # backend.attn "sdpa" leaves the indexer kernels on auto
+    torch_backend = NemoDsaDeepseekV4ForCausalLM(tiny_config(), backend=BackendConfig(attn="torch", experts="torch_mm",
+                                                                                          dispatcher="torch"))  # fmt: skip
+    assert torch_backend.dsa_config.backend == "torch"
+    with pytest.raises(TypeError, match="DeepseekV4Config"):
+        NemoDsaDeepseekV4ForCausalLM({"model_type": "deepseek_v4"})
+
+
+def test_indexer_kl_loss_reaches_only_the_indexer(models):
+    # With indexer_kl_coef the module's KL loss rides on the logits into the backward (zero in
+    # the forward) and trains the indexer alone; without it the indexer gets no gradient.
+    builtin, plugin = models
+    kl = build_plugin(tiny_config(), indexer_kl_coef=1.0)
+    kl.load_state_dict(plugin.state_dict(), strict=True)
+    ids = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(14))
+    kl.train()
+    out = kl(ids)
+    assert out.indexer_aux_loss is not None and out.indexer_aux_loss > 0
+    with torch.no_grad():
+        torch.testing.assert_close(out.logits, plugin(ids).logits, rtol=0, atol=0)
+    out.logits.sum().mul(0).backward()  # only the attached KL term has a gradient
+    grads = {n: p.grad for n, p in kl.named_parameters()}
+    assert any(g is not None and g.any() for n, g in grads.items() if "compressor.indexer." in n)
+    assert all(g is None or not g.any() for n, g in grads.items() if "compressor.indexer." not in n)
