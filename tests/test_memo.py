@@ -6,6 +6,7 @@ import io
 import pytest
 import torch
 
+from helpers import indexer_inputs
 from nemo_dsa.memo import anchors, memo_on_tensors
 from nemo_dsa.ops.fused_selection import v4_select_topk
 from nemo_dsa.visibility import check_ks_ke
@@ -36,16 +37,9 @@ def test_validation_still_rejects_after_an_in_place_change():
         check_ks_ke(ks, ke, batch=1, queries=3, num_keys=2, device=ks.device)
 
 
-def _indexer_inputs(queries: int, keys: int, seed: int):
-    """q [1, S, 2, 16] bf16, k [1, K, 16] bf16, w [1, S, 2] fp32."""
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, queries, 2, 16, generator=g).bfloat16()
-    k = torch.randn(1, keys, 16, generator=g).bfloat16()
-    return q, k, torch.randn(1, queries, 2, generator=g)
-
 
 def test_streamed_selection_replans_when_ranges_change():
-    q, k, w = _indexer_inputs(300, 40, seed=0)
+    q, k, w = indexer_inputs(1, 300, 2, 16, 40, 0, w_scale=1.0)
     ks = torch.zeros(1, 300, dtype=torch.int32)
     ke = torch.full((1, 300), 40, dtype=torch.int32)
     first = v4_select_topk(q, k, w, ks, ke, 8, chunk_bytes=2**14)[1]
@@ -65,7 +59,7 @@ def test_inference_tensors_are_never_remembered():
 
 
 def test_streamed_selection_under_inference_mode():
-    q, k, w = _indexer_inputs(64, 16, seed=1)
+    q, k, w = indexer_inputs(1, 64, 2, 16, 16, 1, w_scale=1.0)
     with torch.inference_mode():
         ks = torch.zeros(1, 64, dtype=torch.int32)
         ke = torch.full((1, 64), 16, dtype=torch.int32)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from causal_layouts import packed_ks_ke
+from helpers import indexer_inputs, packed_ks_ke
 from nemo_dsa.ops.topk import candidate_blocks, select_topk_reference
 from nemo_dsa.ops.v4_indexer import v4_lighting_indexer, v4_logits
 from nemo_dsa.ops.v41_indexer import indexer_scores
@@ -28,19 +28,6 @@ def _documents(lengths):
         start += length
 
 
-def _inputs(quantised: bool, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    b, k = len(DOCS), SEQ // RATIO
-    if quantised:  # small integers and power-of-two weights: every dot, product and sum is exact
-        q = torch.randint(-2, 3, (b, SEQ, HEADS, DIM), generator=g).float()
-        keys = torch.randint(-2, 3, (b, k, DIM), generator=g).float()
-        w = 2.0 ** torch.randint(-3, 1, (b, SEQ, HEADS), generator=g).float()
-    else:
-        q = torch.randn(b, SEQ, HEADS, DIM, generator=g)
-        keys = torch.randn(b, k, DIM, generator=g)
-        w = torch.randn(b, SEQ, HEADS, generator=g)
-    return q.bfloat16(), keys.bfloat16(), w
-
 
 def _run(mode, q, keys, w, ks, ke):
     """Scores and top-k indices of one configuration through the public seed APIs."""
@@ -54,7 +41,7 @@ def _run(mode, q, keys, w, ks, ke):
 
 @pytest.mark.parametrize("mode", ["v4", "v41"])
 def test_pack_equals_documents_alone_exact(mode):
-    q, keys, w = _inputs(quantised=True, seed=11)
+    q, keys, w = indexer_inputs(len(DOCS), SEQ, HEADS, DIM, SEQ // RATIO, 11, quantised=True)
     ks, ke = packed_ks_ke(DOCS, SEQ, RATIO)
     pack_scores, pack_idx = _run(mode, q, keys, w, ks, ke)
     for row, lengths in enumerate(DOCS):
@@ -81,7 +68,7 @@ def test_pack_equals_documents_alone_exact(mode):
 
 @pytest.mark.parametrize("mode", ["v4", "v41"])
 def test_pack_selection_and_blocks_equal_documents_alone(mode):
-    q, keys, w = _inputs(quantised=False, seed=12)
+    q, keys, w = indexer_inputs(len(DOCS), SEQ, HEADS, DIM, SEQ // RATIO, 12, w_scale=1.0)
     ks, ke = packed_ks_ke(DOCS, SEQ, RATIO)
     if mode == "v4":
         scores = v4_logits(q, keys, w, ks, ke)

@@ -10,8 +10,8 @@ import zlib
 
 import pytest
 import torch
-from causal_layouts import KERNEL_LAYOUTS, kernel_layout_ks_ke
-from causal_layouts import KERNEL_RATIO as RATIO
+from helpers import KERNEL_LAYOUTS, indexer_inputs, kernel_layout_ks_ke
+from helpers import KERNEL_RATIO as RATIO
 
 from nemo_dsa.visibility import causal_ks_ke, visible_mask
 
@@ -21,12 +21,6 @@ pytestmark = pytest.mark.gpu
 # 2 and 4 heads take the register head sum, 8 and more the tensor-core one.
 HEAD_CONFIGS = [(2, 128), (4, 64), (8, 64), (16, 128), (32, 80), (64, 128), (128, 64), (64, 256)]
 
-
-def _inputs(batch, queries, heads, dim, num_keys, gen):
-    q = torch.randn(batch, queries, heads, dim, generator=gen).bfloat16().cuda()
-    k = torch.randn(batch, num_keys, dim, generator=gen).bfloat16().cuda()
-    w = (torch.randn(batch, queries, heads, generator=gen) * (dim * heads) ** -0.5).bfloat16().cuda()
-    return q, k, w
 
 
 def _formula(q, k, w, allowed):
@@ -83,7 +77,7 @@ def test_range_scores_match_formula(heads, dim, layout, batch, queries, num_keys
 
     gen = torch.Generator().manual_seed(zlib.crc32(f"{heads}/{dim}/{layout}".encode()))
     ks, ke, num_keys = kernel_layout_ks_ke(layout, batch, queries, num_keys, "cuda", gen)
-    q, k, w = _inputs(batch, queries, heads, dim, num_keys, gen)
+    q, k, w = indexer_inputs(batch, queries, heads, dim, num_keys, gen, w_scale="fan_in", w_dtype=torch.bfloat16, device="cuda")
     out = torch.full((batch, queries, num_keys), float("nan"), dtype=torch.bfloat16, device="cuda")
     got = v41_scores_tilelang(q, k, w, ks, ke, out=out)
     assert got.data_ptr() == out.data_ptr()
@@ -97,7 +91,7 @@ def test_masked_scores_honour_mask_elementwise(heads, dim, mask_kind):
 
     gen = torch.Generator().manual_seed(7 + heads + dim)
     batch, queries, num_keys = 2, 411, 389
-    q, k, w = _inputs(batch, queries, heads, dim, num_keys, gen)
+    q, k, w = indexer_inputs(batch, queries, heads, dim, num_keys, gen, w_scale="fan_in", w_dtype=torch.bfloat16, device="cuda")
     ks, ke = causal_ks_ke(batch, queries, num_keys, 1, torch.device("cuda"))
     allowed = visible_mask(ks, ke, num_keys)
     if mask_kind == "random":  # not a range at all, some rows empty
@@ -125,7 +119,7 @@ def test_every_key_tile_count(heads):
     ks = (row * 3) % 50
     ke = torch.where(tile == 0, ks, ks + tile * (BLOCK_K - 4) + row).clamp(max=num_keys)
     ks, ke = (x.to(torch.int32).expand(batch, queries).contiguous().cuda() for x in (ks, ke))
-    q, k, w = _inputs(batch, queries, heads, 128, num_keys, gen)
+    q, k, w = indexer_inputs(batch, queries, heads, 128, num_keys, gen, w_scale="fan_in", w_dtype=torch.bfloat16, device="cuda")
     out = torch.full((batch, queries, num_keys), float("nan"), dtype=torch.bfloat16, device="cuda")
     got = v41_scores_tilelang(q, k, w, ks, ke, out=out)
     assert_v41_equal(got, _formula(q, k, w, visible_mask(ks, ke, num_keys)))
@@ -139,7 +133,7 @@ def test_large_causal_bitwise_fraction():
     batch, queries, heads, dim = 1, 4096, 64, 128
     num_keys = queries // RATIO
     ks, ke = causal_ks_ke(batch, queries, num_keys, RATIO, torch.device("cuda"))
-    q, k, w = _inputs(batch, queries, heads, dim, num_keys, gen)
+    q, k, w = indexer_inputs(batch, queries, heads, dim, num_keys, gen, w_scale="fan_in", w_dtype=torch.bfloat16, device="cuda")
     got = v41_scores_tilelang(q, k, w, ks, ke)
     assert_v41_equal(got, _formula(q, k, w, visible_mask(ks, ke, num_keys)), max_fraction=1e-5)
 
@@ -150,7 +144,7 @@ def test_interface_dispatches_to_kernels():
 
     gen = torch.Generator().manual_seed(3)
     batch, queries, heads, dim, num_keys = 2, 130, 16, 128, 40
-    q, k, w = _inputs(batch, queries, heads, dim, num_keys, gen)
+    q, k, w = indexer_inputs(batch, queries, heads, dim, num_keys, gen, w_scale="fan_in", w_dtype=torch.bfloat16, device="cuda")
     ks, ke = causal_ks_ke(batch, queries, num_keys, RATIO, torch.device("cuda"))
     want = _formula(q, k, w, visible_mask(ks, ke, num_keys))
     assert_v41_equal(indexer_scores(q, k, w, ks=ks, ke=ke, backend="tilelang"), want)
@@ -161,10 +155,10 @@ def test_degenerate_shapes():
     from nemo_dsa.ops.v41_indexer.kernels import v41_scores_masked_tilelang, v41_scores_tilelang
 
     gen = torch.Generator().manual_seed(5)
-    q, k, w = _inputs(1, 9, 8, 64, 0, gen)  # no keys
+    q, k, w = indexer_inputs(1, 9, 8, 64, 0, gen, w_scale="fan_in", w_dtype=torch.bfloat16, device="cuda")  # no keys
     zeros = torch.zeros(1, 9, dtype=torch.int32, device="cuda")
     assert v41_scores_tilelang(q, k, w, zeros, zeros).shape == (1, 9, 0)
-    q, k, w = _inputs(2, 5, 8, 64, 3, gen)  # nothing visible: all -inf, never NaN
+    q, k, w = indexer_inputs(2, 5, 8, 64, 3, gen, w_scale="fan_in", w_dtype=torch.bfloat16, device="cuda")  # nothing visible: all -inf, never NaN
     zeros = torch.zeros(2, 5, dtype=torch.int32, device="cuda")
     assert torch.isneginf(v41_scores_tilelang(q, k, w, zeros, zeros)).all()
     nothing = torch.zeros(2, 5, 3, dtype=torch.bool, device="cuda")

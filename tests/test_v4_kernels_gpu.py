@@ -11,8 +11,8 @@ import zlib
 
 import pytest
 import torch
-from causal_layouts import KERNEL_LAYOUTS, kernel_layout_ks_ke
-from causal_layouts import KERNEL_RATIO as RATIO
+from helpers import KERNEL_LAYOUTS, indexer_inputs, kernel_layout_ks_ke
+from helpers import KERNEL_RATIO as RATIO
 
 from nemo_dsa.visibility import causal_ks_ke
 from nemo_dsa.ops.v4_indexer.naive import v4_logits
@@ -23,12 +23,6 @@ pytestmark = pytest.mark.gpu
 HEAD_CONFIGS = [(8, 64), (16, 128), (32, 64), (64, 128), (128, 64)]
 
 
-def _inputs(batch, queries, heads, dim, num_keys, gen, device="cuda"):
-    q = torch.randn(batch, queries, heads, dim, generator=gen).bfloat16().to(device)
-    k = torch.randn(batch, num_keys, dim, generator=gen).bfloat16().to(device)
-    w = (torch.randn(batch, queries, heads, generator=gen) * (dim * heads) ** -0.5).to(device)
-    return q, k, w
-
 
 @pytest.mark.parametrize("heads,dim", HEAD_CONFIGS)
 @pytest.mark.parametrize("layout,batch,queries,num_keys", KERNEL_LAYOUTS)
@@ -37,7 +31,7 @@ def test_forward_matches_float64_reference(heads, dim, layout, batch, queries, n
 
     gen = torch.Generator().manual_seed(zlib.crc32(f"{heads}-{dim}-{layout}".encode()))
     ks, ke, num_keys = kernel_layout_ks_ke(layout, batch, queries, num_keys, "cuda", gen)
-    q, k, w = _inputs(batch, queries, heads, dim, num_keys, gen)
+    q, k, w = indexer_inputs(batch, queries, heads, dim, num_keys, gen, w_scale="fan_in", device="cuda")
     out = torch.full((batch, queries, num_keys), float("nan"), device="cuda")
     got = v4_logits_tilelang(q, k, w, ks, ke, out=out)
     assert got.data_ptr() == out.data_ptr()
@@ -86,7 +80,7 @@ def test_backward_matches_autograd(heads, dim, layout, batch, queries, num_keys)
 
     gen = torch.Generator().manual_seed(zlib.crc32(f"{heads}-{dim}-{layout}-bwd".encode()))
     ks, ke, num_keys = kernel_layout_ks_ke(layout, batch, queries, num_keys, "cuda", gen)
-    q, k, w = _inputs(batch, queries, heads, dim, num_keys, gen)
+    q, k, w = indexer_inputs(batch, queries, heads, dim, num_keys, gen, w_scale="fan_in", device="cuda")
     count = min(77, num_keys)  # ragged: not a multiple of the 64-key step
     # Distinct random keys per query, some visible and some not, plus -1 padding.
     idx = torch.rand(batch, queries, num_keys, generator=gen).argsort(-1)[..., :count].int()
@@ -110,7 +104,7 @@ def test_shapes_outside_the_table_run_zero_padded(heads, dim):
 
     gen = torch.Generator().manual_seed(heads * 1000 + dim)
     ks, ke, num_keys = kernel_layout_ks_ke("packed", 2, 299, None, "cuda", gen)
-    q, k, w = _inputs(2, 299, heads, dim, num_keys, gen)
+    q, k, w = indexer_inputs(2, 299, heads, dim, num_keys, gen, w_scale="fan_in", device="cuda")
     got = v4_logits_tilelang(q, k, w, ks, ke)
     ref = v4_logits(q.double(), k.double(), w.double(), ks, ke)
     scale = v4_logits(q.double().abs(), k.double().abs(), w.double().abs(), ks, ke)
@@ -132,7 +126,7 @@ def test_backward_without_ranges_uses_every_index():
     from nemo_dsa.ops.v4_indexer.kernels import v4_topk_backward_tilelang
 
     gen = torch.Generator().manual_seed(7)
-    q, k, w = _inputs(1, 70, 64, 128, 45, gen)
+    q, k, w = indexer_inputs(1, 70, 64, 128, 45, gen, w_scale="fan_in", device="cuda")
     idx = torch.randint(-1, 45, (1, 70, 45), generator=gen).int().cuda()
     grad = torch.randn(1, 70, 45, generator=gen).cuda()
     ks = torch.zeros(1, 70, dtype=torch.int32, device="cuda")
@@ -147,7 +141,7 @@ def test_wrappers_reject_bad_inputs():
     from nemo_dsa.ops.v4_indexer.kernels import v4_logits_tilelang, v4_topk_backward_tilelang
 
     gen = torch.Generator().manual_seed(3)
-    q, k, w = _inputs(1, 16, 8, 64, 4, gen)
+    q, k, w = indexer_inputs(1, 16, 8, 64, 4, gen, w_scale="fan_in", device="cuda")
     ks, ke = causal_ks_ke(1, 16, 4, RATIO, "cuda")
     with pytest.raises(TypeError, match="w must have dtype float32"):
         v4_logits_tilelang(q, k, w.bfloat16(), ks, ke)

@@ -1,48 +1,48 @@
-"""The public seed APIs on CPU: layouts, defaults, selection, gradients and the backend seam."""
+"""The V4 indexer interface (nemo_dsa.ops.v4_indexer.interface) on CPU: the SBHD seed API and its
+BSHD entry point, defaults, selection, gradients, the streamed selection and argument errors.
+"""
 
 from __future__ import annotations
-
-import subprocess
-import sys
 
 import pytest
 import torch
 
-import nemo_dsa
-from causal_layouts import random_ks_ke
-from nemo_dsa.ops.topk import select_topk_reference
-from nemo_dsa.ops.v4_indexer import V4IndexerFunction, pytorch_extract_topk_scores, v4_indexer_bshd, v4_lighting_indexer, v4_logits
-from nemo_dsa.ops.v41_indexer import indexer_scores
+from helpers import generator, indexer_inputs, random_ks_ke
+from nemo_dsa.ops.topk import pytorch_extract_topk_scores, select_topk_reference
+from nemo_dsa.ops.v4_indexer import v4_indexer_bshd, v4_lighting_indexer, v4_logits, V4IndexerFunction
+
+S, B, H, D, K = 12, 2, 4, 16, 3
 
 
-def _v4_inputs(s, b, h, d, k, seed, grad=False):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(s, b, h, d, generator=g).bfloat16()
-    key = torch.randn(k, b, d, generator=g).bfloat16()
-    w = torch.randn(s, b, h, generator=g) * h**-0.5
-    return tuple(x.requires_grad_(grad) for x in (q, key, w))
+def _v4():
+    """SBHD seed-API inputs of this file's sizes."""
+    return indexer_inputs(B, S, H, D, K, 0, seq_first=True, w_scale=1.0)
 
 
-def test_lazy_exports_resolve_to_the_interfaces():
-    assert nemo_dsa.v4_lighting_indexer is v4_lighting_indexer
-    assert nemo_dsa.V4IndexerFunction is V4IndexerFunction
-    assert nemo_dsa.pytorch_extract_topk_scores is pytorch_extract_topk_scores
-    assert nemo_dsa.indexer_scores is indexer_scores
+def _replace(args, **changes):
+    out = dict(zip(("index_q", "index_k", "weights"), args))
+    out.update(changes)
+    return out
 
 
-def test_interfaces_import_no_tilelang():
-    code = (
-        "import sys, nemo_dsa.ops.v4_indexer.interface, nemo_dsa.ops.v41_indexer.interface, nemo_dsa.ops.mxfp4.naive;"
-        "bad = [m for m in ('tilelang', 'nemo_automodel', 'transformers') if m in sys.modules];"
-        "assert not bad, bad"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True)
+V4_CASES = [
+    (TypeError, "index_q", dict(index_q=[1.0])),
+    (ValueError, "index_q", dict(index_q=torch.randn(S, B, H * D).bfloat16())),
+    (TypeError, "index_q", dict(index_q=torch.randn(S, B, H, D))),
+    (ValueError, "index_q", dict(index_q=torch.randn(S, B, H, 24).bfloat16(), index_k=torch.randn(K, B, 24).bfloat16())),
+    (TypeError, "index_k", dict(index_k=torch.randn(K, B, D))),
+    (ValueError, "index_k", dict(index_k=torch.randn(K, B + 1, D).bfloat16())),
+    (ValueError, "index_k", dict(index_k=torch.randn(K, B, D + 16).bfloat16())),
+    (ValueError, "index_k", dict(index_k=torch.empty(K, B, D, dtype=torch.bfloat16, device="meta"))),
+    (TypeError, "weights", dict(weights=torch.randn(S, B, H).bfloat16())),
+    (ValueError, "weights", dict(weights=torch.randn(S, B, H + 1))),
+]
 
 
 @pytest.mark.parametrize("s,b,h,d,ratio,topk", [(37, 2, 4, 32, 4, 5), (20, 3, 2, 16, 1, 64), (9, 1, 3, 16, 4, 1)])
 def test_v4_default_causal_rule_and_selection(s, b, h, d, ratio, topk):
     k = s // ratio + (1 if ratio == 1 else 0)  # K may exceed the causal need (unused keys)
-    q, key, w = _v4_inputs(s, b, h, d, k, seed=s)
+    q, key, w = indexer_inputs(b, s, h, d, k, s, seq_first=True)
     score, idx = v4_lighting_indexer(q, key, w, ratio, topk)
     t = min(topk, k)
     assert score.shape == idx.shape == (b, s, t) and score.dtype == torch.float32 and idx.dtype == torch.int32
@@ -60,7 +60,7 @@ def test_v4_default_causal_rule_and_selection(s, b, h, d, ratio, topk):
 
 def test_v4_explicit_ks_ke_and_given_indices_skip_selection():
     s, b, h, d, k = 24, 2, 4, 32, 11
-    q, key, w = _v4_inputs(s, b, h, d, k, seed=1)
+    q, key, w = indexer_inputs(b, s, h, d, k, 1, seq_first=True)
     g = torch.Generator().manual_seed(2)
     ks, ke = random_ks_ke(b, s, k, g)
     score, idx = v4_lighting_indexer(q, key, w, 4, 6, ks=ks, ke=ke, backend="torch")
@@ -74,7 +74,7 @@ def test_v4_explicit_ks_ke_and_given_indices_skip_selection():
 
 def test_v4_gradients_match_autograd_on_fp32_formula():
     s, b, h, d, k, ratio, topk = 30, 2, 4, 32, 7, 4, 4
-    q, key, w = _v4_inputs(s, b, h, d, k, seed=3, grad=True)
+    q, key, w = indexer_inputs(b, s, h, d, k, 3, seq_first=True, requires_grad=True)
     score, idx = v4_lighting_indexer(q, key, w, ratio, topk)
     upstream = torch.randn(score.shape, generator=torch.Generator().manual_seed(4))
     torch.where(idx >= 0, score, 0.0).mul(upstream).sum().backward()
@@ -93,70 +93,11 @@ def test_v4_gradients_match_autograd_on_fp32_formula():
 
 
 def test_v4_function_apply_positional():
-    q, key, w = _v4_inputs(16, 1, 2, 16, 4, seed=5, grad=True)
+    q, key, w = indexer_inputs(1, 16, 2, 16, 4, 5, seq_first=True, requires_grad=True)
     score, idx = V4IndexerFunction.apply(q, key, w, 4, 3, None, None, None, "torch")
     assert not idx.requires_grad and score.requires_grad
     torch.where(idx >= 0, score, 0.0).sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad.float()).all()
-
-
-def test_extract_topk_scores_gathers_with_minus_one():
-    logits = torch.randn(2, 3, 5)
-    idx = torch.tensor([[[4, -1], [0, 2], [-1, -1]], [[1, 1], [3, 0], [2, -1]]])
-    out = pytorch_extract_topk_scores(logits, idx)
-    want = torch.where(idx >= 0, logits.gather(-1, idx.clamp(min=0)), float("-inf"))
-    assert torch.equal(out, want)
-    out1 = pytorch_extract_topk_scores(logits.transpose(1, 2), idx.transpose(1, 2), dim=1)
-    assert torch.equal(out1, want.transpose(1, 2))
-
-
-def _v41_inputs(b, s, h, d, k, seed):
-    g = torch.Generator().manual_seed(seed)
-    return (
-        torch.randn(b, s, h, d, generator=g).bfloat16(),
-        torch.randn(b, k, d, generator=g).bfloat16(),
-        (torch.randn(b, s, h, generator=g) * 0.1).bfloat16(),
-        g,
-    )
-
-
-def test_v41_allowed_and_ks_ke_agree_and_match_formula():
-    q, k, w, g = _v41_inputs(2, 21, 8, 32, 9, seed=6)
-    ks, ke = random_ks_ke(2, 21, 9, g)
-    allowed = (torch.arange(9) >= ks[..., None]) & (torch.arange(9) < ke[..., None])
-    want = torch.einsum("bshd,btd->bsht", q, k).relu().mul(w[..., None]).sum(2).masked_fill(~allowed, float("-inf"))
-    a = indexer_scores(q, k, w, allowed)
-    r = indexer_scores(q, k, w, ks=ks, ke=ke, backend="torch")
-    assert a.dtype == torch.bfloat16 and torch.equal(a, want) and torch.equal(r, want)
-
-
-def test_v41_non_contiguous_allowed_is_honoured_elementwise():
-    q, k, w, g = _v41_inputs(1, 13, 4, 16, 10, seed=7)
-    allowed = torch.rand(1, 13, 10, generator=g) < 0.5  # holes, not ranges
-    out = indexer_scores(q, k, w, allowed)
-    full = torch.einsum("bshd,btd->bsht", q, k).relu().mul(w[..., None]).sum(2)
-    assert torch.equal(torch.isneginf(out), ~allowed) and torch.equal(out[allowed], full[allowed])
-
-
-def test_v41_builds_no_graph_and_keeps_inputs():
-    q, k, w, g = _v41_inputs(1, 8, 2, 16, 3, seed=8)
-    q.requires_grad_()
-    before = q.detach().clone()
-    ks = torch.zeros(1, 8, dtype=torch.int32)
-    ke = torch.full((1, 8), 3, dtype=torch.int32)
-    out = indexer_scores(q, k, w, ks=ks, ke=ke)
-    assert not out.requires_grad and out.grad_fn is None and torch.equal(q.detach(), before)
-
-
-def test_backend_seam_on_cpu():
-    q, key, w = _v4_inputs(8, 1, 2, 16, 2, seed=9)
-    with pytest.raises(ValueError, match="backend"):
-        v4_lighting_indexer(q, key, w, 4, 2, backend="tilelang")
-    with pytest.raises(ValueError, match="backend"):
-        v4_lighting_indexer(q, key, w, 4, 2, backend="cuda")
-    q1, k1, w1, _ = _v41_inputs(1, 8, 2, 16, 2, seed=9)
-    with pytest.raises(ValueError, match="backend"):
-        indexer_scores(q1, k1, w1, torch.ones(1, 8, 2, dtype=torch.bool), backend="tilelang")
 
 
 @pytest.mark.parametrize("b, s, h, d, k, topk", [(2, 37, 4, 32, 9, 4), (1, 70, 8, 16, 17, 32)])
@@ -184,10 +125,8 @@ def test_v4_streamed_selection_equals_materialised(b, s, h, d, k, topk):
 def test_v4_bshd_entry_point_equals_sbhd_seed_api(b, s, h, d, k, topk, explicit, fused):
     """v4_indexer_bshd on BSHD tensors returns what the SBHD seed API returns on their transposes,
     and the same gradients (in each caller's layout)."""
-    g = torch.Generator().manual_seed(b * 1000 + s)
-    q = torch.randn(b, s, h, d, generator=g).bfloat16()
-    key = torch.randn(b, k, d, generator=g).bfloat16()
-    w = torch.randn(b, s, h, generator=g) * h**-0.5
+    g = generator(b * 1000 + s)
+    q, key, w = indexer_inputs(b, s, h, d, k, g)
     ks, ke = random_ks_ke(b, s, k, g) if explicit else (None, None)
     upstream = torch.randn(b, s, min(topk, k), generator=g)
     outputs = []
@@ -207,3 +146,39 @@ def test_v4_bshd_entry_point_equals_sbhd_seed_api(b, s, h, d, k, topk, explicit,
     given = outputs[0][1]
     score, idx = v4_indexer_bshd(q, key, w, 4, topk, topk_indices=given, ks=ks, ke=ke)
     assert torch.equal(score, outputs[0][0]) and torch.equal(idx, given)
+
+
+@pytest.mark.parametrize("error,name,change", V4_CASES)
+def test_v4_tensor_arguments(error, name, change):
+    with pytest.raises(error, match=name):
+        v4_lighting_indexer(**_replace(_v4(), **change), compress_ratio=4, topk=2)
+
+
+@pytest.mark.parametrize(
+    "error,name,kwargs",
+    [
+        (ValueError, "compress_ratio", dict(compress_ratio=0)),
+        (TypeError, "compress_ratio", dict(compress_ratio=4.0)),
+        (ValueError, "topk", dict(topk=0)),
+        (TypeError, "topk", dict(topk=True)),
+        (TypeError, "fused_topk", dict(fused_topk="yes")),
+    ],
+)
+def test_v4_scalar_arguments(error, name, kwargs):
+    with pytest.raises(error, match=name):
+        v4_lighting_indexer(*_v4(), **{"compress_ratio": 4, "topk": 2, **kwargs})
+
+
+@pytest.mark.parametrize(
+    "error,match,indices",
+    [
+        (TypeError, "topk_indices", torch.zeros(B, S, 2, dtype=torch.int64)),
+        (ValueError, "topk_indices", torch.zeros(B, S, 3, dtype=torch.int32)),
+        (ValueError, "topk_indices", torch.zeros(B, S, dtype=torch.int32)),
+        (ValueError, "topk_indices must lie", torch.full((B, S, 2), K, dtype=torch.int32)),
+        (ValueError, "topk_indices must lie", torch.full((B, S, 2), -2, dtype=torch.int32)),
+    ],
+)
+def test_v4_given_topk_indices(error, match, indices):
+    with pytest.raises(error, match=match):
+        v4_lighting_indexer(*_v4(), 4, 2, indices)

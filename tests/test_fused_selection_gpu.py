@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from causal_layouts import packed_ks_ke, random_ks_ke
+from helpers import indexer_inputs, packed_ks_ke, random_ks_ke
 from nemo_dsa.ops.fused_selection import DEFAULT_CHUNK_BYTES, v4_select_topk, v41_select_topk
 from nemo_dsa.ops.fused_selection import interface as fused_interface
 from nemo_dsa.ops.topk import blocks_to_mask, candidate_blocks, pytorch_extract_topk_scores, select_topk_reference
@@ -49,18 +49,6 @@ def _layout(name, batch, queries, ratio, seed):
     return ks.contiguous().cuda(), ke.contiguous().cuda(), num_keys
 
 
-def _inputs(batch, queries, heads, dim, num_keys, seed, w_dtype, quantised):
-    g = torch.Generator().manual_seed(seed)
-    if quantised:
-        q = torch.randint(-1, 2, (batch, queries, heads, dim), generator=g).float()
-        k = torch.randint(-1, 2, (batch, num_keys, dim), generator=g).float()
-        w = torch.randint(-2, 3, (batch, queries, heads), generator=g) / 4
-    else:
-        q = torch.randn(batch, queries, heads, dim, generator=g)
-        k = torch.randn(batch, num_keys, dim, generator=g)
-        w = torch.randn(batch, queries, heads, generator=g) * (dim * heads) ** -0.5
-    return q.bfloat16().cuda(), k.bfloat16().cuda(), w.to(w_dtype).cuda()
-
 
 def _v4_full(q, k, w, ks, ke, topk):
     from nemo_dsa.ops.v4_indexer.kernels import v4_logits_tilelang
@@ -89,7 +77,7 @@ BUDGETS = (DEFAULT_CHUNK_BYTES, 8 * 2**20, 300_000)
 @pytest.mark.parametrize("layout,batch,queries,heads,dim,topk", CASES)
 def test_v4_streaming_equals_the_kernels_full_matrix(layout, batch, queries, heads, dim, topk):
     ks, ke, num_keys = _layout(layout, batch, queries, 4, seed=queries)
-    q, k, w = _inputs(batch, queries, heads, dim, num_keys, queries, torch.float32, quantised=False)
+    q, k, w = indexer_inputs(batch, queries, heads, dim, num_keys, queries, w_dtype=torch.float32, w_scale="fan_in", device="cuda")
     logits, ref_scores, ref_index = _v4_full(q, k, w, ks, ke, topk)
     for budget in BUDGETS:
         scores, index = v4_select_topk(q, k, w, ks, ke, topk, backend="tilelang", chunk_bytes=budget)
@@ -108,7 +96,7 @@ def test_v4_streaming_equals_the_kernels_full_matrix(layout, batch, queries, hea
 @pytest.mark.parametrize("layout,batch,queries,heads,dim,topk", CASES[:4])
 def test_v4_streaming_quantised_equals_the_reference(layout, batch, queries, heads, dim, topk):
     ks, ke, num_keys = _layout(layout, batch, queries, 4, seed=queries + 1)
-    q, k, w = _inputs(batch, queries, heads, dim, num_keys, queries + 1, torch.float32, quantised=True)
+    q, k, w = indexer_inputs(batch, queries, heads, dim, num_keys, queries + 1, w_dtype=torch.float32, quantised=True, w_scale="fan_in", device="cuda")
     logits = v4_logits(q, k, w, ks, ke)
     ref_index = select_topk_reference(logits, topk)
     scores, index = v4_select_topk(q, k, w, ks, ke, topk, backend="tilelang", chunk_bytes=8 * 2**20)
@@ -120,7 +108,7 @@ def test_v4_streaming_quantised_equals_the_reference(layout, batch, queries, hea
 def test_v41_streaming_equals_the_kernels_full_matrix(layout, batch, queries, heads, dim, topk):
     ks, ke, num_keys = _layout(layout, batch, queries, 4, seed=queries + 2)
     for quantised in (False, True):
-        q, k, w = _inputs(batch, queries, heads, dim, num_keys, queries + 2, torch.bfloat16, quantised)
+        q, k, w = indexer_inputs(batch, queries, heads, dim, num_keys, queries + 2, w_dtype=torch.bfloat16, quantised=quantised, w_scale="fan_in", device="cuda")
         full = _v41_full(q, k, w, ks, ke)
         ref = select_topk_reference(full, topk, order="index")
         for budget in BUDGETS:
@@ -133,8 +121,8 @@ def test_v41_streaming_equals_the_kernels_full_matrix(layout, batch, queries, he
 def test_v41_candidate_blocks_on_the_gpu(layout):
     batch, queries, heads, dim, topk, block_size, topk_blocks = 2, 3001, 64, 128, 512, 8, 64
     ks, ke, num_keys = _layout(layout, batch, queries, 4, seed=5)
-    q, k, w = _inputs(batch, queries, heads, dim, num_keys, 6, torch.bfloat16, quantised=False)
-    q2, k2, w2 = _inputs(batch, queries, heads, dim, num_keys, 7, torch.bfloat16, quantised=False)
+    q, k, w = indexer_inputs(batch, queries, heads, dim, num_keys, 6, w_dtype=torch.bfloat16, w_scale="fan_in", device="cuda")
+    q2, k2, w2 = indexer_inputs(batch, queries, heads, dim, num_keys, 7, w_dtype=torch.bfloat16, w_scale="fan_in", device="cuda")
     full, full2 = _v41_full(q, k, w, ks, ke), _v41_full(q2, k2, w2, ks, ke)
     ref_blocks = candidate_blocks(full, ks, ke, block_size, topk_blocks)
     keep = blocks_to_mask(ref_blocks, ks, ke, block_size, num_keys)
@@ -153,7 +141,7 @@ def test_peak_memory_stays_within_the_chunk_budget(mode):
     batch, queries, heads, dim, topk, budget = 1, 16384, 64, 128, 512, 64 * 2**20
     ks, ke, num_keys = _layout("causal", batch, queries, 4, seed=0)
     w_dtype = torch.float32 if mode == "v4" else torch.bfloat16
-    q, k, w = _inputs(batch, queries, heads, dim, num_keys, 1, w_dtype, quantised=False)
+    q, k, w = indexer_inputs(batch, queries, heads, dim, num_keys, 1, w_dtype=w_dtype, w_scale="fan_in", device="cuda")
     select = v4_select_topk if mode == "v4" else v41_select_topk
     select(q, k, w, ks, ke, topk, chunk_bytes=budget)  # compile outside the measurement
     torch.cuda.synchronize()
@@ -177,7 +165,7 @@ def test_seed_api_streams_by_default_and_matches_the_materialised_path(layout, b
     from nemo_dsa import v4_lighting_indexer
 
     ks, ke, num_keys = _layout(layout, batch, queries, 4, seed=queries + 3)
-    q, k, w = _inputs(batch, queries, heads, dim, num_keys, queries + 3, torch.float32, quantised=False)
+    q, k, w = indexer_inputs(batch, queries, heads, dim, num_keys, queries + 3, w_dtype=torch.float32, w_scale="fan_in", device="cuda")
     calls = []
     original = fused_interface.v4_select_topk_validated
     fused_interface.v4_select_topk_validated = lambda *a, **kw: calls.append(1) or original(*a, **kw)

@@ -9,14 +9,12 @@ float scores is tested separately with the scorer replaced by slices of a fixed 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
-from causal_layouts import packed_ks_ke, random_ks_ke
+from helpers import indexer_inputs, packed_ks_ke, random_ks_ke
 from nemo_dsa.ops.fused_selection import (
     DEFAULT_CHUNK_BYTES,
     KEY_ALIGN,
@@ -50,13 +48,6 @@ INF = float("inf")
 # Inputs and layouts
 # ----------------------------------------------------------------------------------------------
 
-
-def _quantised(batch, queries, heads, dim, num_keys, seed, w_dtype):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randint(-1, 2, (batch, queries, heads, dim), generator=g).bfloat16()
-    k = torch.randint(-1, 2, (batch, num_keys, dim), generator=g).bfloat16()
-    w = (torch.randint(-2, 3, (batch, queries, heads), generator=g) / 4).to(w_dtype)
-    return q, k, w
 
 
 def _layout(name, batch, queries, ratio, seed):
@@ -230,7 +221,7 @@ CASES = [  # layout, batch, queries, heads, dim, topk, ratio
 @pytest.mark.parametrize("layout,batch,queries,heads,dim,topk,ratio", CASES)
 def test_v4_streaming_equals_full_selection(layout, batch, queries, heads, dim, topk, ratio, small_tiles):
     ks, ke, num_keys = _layout(layout, batch, queries, ratio, seed=queries)
-    q, k, w = _quantised(batch, queries, heads, dim, num_keys, seed=queries, w_dtype=torch.float32)
+    q, k, w = indexer_inputs(batch, queries, heads, dim, num_keys, seed=queries, w_dtype=torch.float32, quantised=True)
     ref_scores, ref_index = _v4_reference(q, k, w, ks, ke, topk)
     assert ref_index.shape[-1] == min(topk, num_keys)
     for budget in (DEFAULT_CHUNK_BYTES, 3_000_000) + ((20_000,) if queries < 1000 else ()):
@@ -242,7 +233,7 @@ def test_v4_streaming_equals_full_selection(layout, batch, queries, heads, dim, 
 @pytest.mark.parametrize("layout,batch,queries,heads,dim,topk,ratio", CASES)
 def test_v41_streaming_equals_full_selection(layout, batch, queries, heads, dim, topk, ratio, small_tiles):
     ks, ke, num_keys = _layout(layout, batch, queries, ratio, seed=queries + 1)
-    q, k, w = _quantised(batch, queries, heads, dim, num_keys, seed=queries + 1, w_dtype=torch.bfloat16)
+    q, k, w = indexer_inputs(batch, queries, heads, dim, num_keys, seed=queries + 1, w_dtype=torch.bfloat16, quantised=True)
     full = v41_scores(q, k, w, ks, ke)
     ref = select_topk_reference(full, topk, order="index")
     for budget in (DEFAULT_CHUNK_BYTES, 3_000_000) + ((20_000,) if queries < 1000 else ()):
@@ -254,12 +245,12 @@ def test_v41_streaming_equals_full_selection(layout, batch, queries, heads, dim,
 def test_v41_candidate_source_and_reindex_equal_full_matrix(layout, block_size, topk_blocks, small_tiles):
     batch, queries, heads, dim, topk = 2, 389, 2, 16, 24
     ks, ke, num_keys = _layout(layout, batch, queries, 4, seed=7)
-    q, k, w = _quantised(batch, queries, heads, dim, num_keys, seed=8, w_dtype=torch.bfloat16)
+    q, k, w = indexer_inputs(batch, queries, heads, dim, num_keys, seed=8, w_dtype=torch.bfloat16, quantised=True)
     full = v41_scores(q, k, w, ks, ke)
     ref_blocks = candidate_blocks(full, ks, ke, block_size, topk_blocks)
     ref_source = select_topk_reference(full, topk, order="index")
     # A second layer's scores, masked by the source layer's blocks.
-    q2, k2, w2 = _quantised(batch, queries, heads, dim, num_keys, seed=9, w_dtype=torch.bfloat16)
+    q2, k2, w2 = indexer_inputs(batch, queries, heads, dim, num_keys, seed=9, w_dtype=torch.bfloat16, quantised=True)
     full2 = v41_scores(q2, k2, w2, ks, ke)
     keep = blocks_to_mask(ref_blocks, ks, ke, block_size, num_keys)
     ref_reindex = select_topk_reference(full2.masked_fill(~keep, -INF), topk, order="index")
@@ -298,7 +289,7 @@ def test_selection_of_arbitrary_float_scores_is_independent_of_chunking(monkeypa
     monkeypatch.setattr(ChunkPlan, "ranges", ranges)
     monkeypatch.setattr(fused_interface, "v4_chunk_logits", scorer_of(torch.float32))
     monkeypatch.setattr(fused_interface, "v41_chunk_scores", scorer_of(torch.bfloat16))
-    q, k, _ = _quantised(batch, queries, heads, dim, num_keys, seed=0, w_dtype=torch.float32)
+    q, k, _ = indexer_inputs(batch, queries, heads, dim, num_keys, seed=0, w_dtype=torch.float32, quantised=True)
     w = torch.zeros(batch, queries, heads)
     expected_v4 = select_topk_reference(fixed, topk)
     expected_v41 = select_topk_reference(fixed.bfloat16(), topk, order="index")
@@ -330,7 +321,7 @@ def test_rows_with_ties_beyond_the_candidates_are_redone_after_rescoring(monkeyp
     chunks = plan_query_chunks(ks, ke, v4_row_bytes(heads, dim, topk), 30_000)
     assert len({(c.end - c.start, c.width) for c in chunks}) == len(chunks)  # the scorer can tell them apart
     monkeypatch.setattr(fused_interface, "v4_chunk_logits", scorer_of(torch.float32))
-    q, k, _ = _quantised(batch, queries, heads, dim, num_keys, seed=0, w_dtype=torch.float32)
+    q, k, _ = indexer_inputs(batch, queries, heads, dim, num_keys, seed=0, w_dtype=torch.float32, quantised=True)
     scores, index = v4_select_topk(q, k, torch.zeros(batch, queries, heads), ks, ke, topk, backend="torch", chunk_bytes=30_000)
     expected = select_topk_reference(fixed, topk)
     assert torch.equal(index, expected) and torch.equal(scores, pytorch_extract_topk_scores(fixed, expected))
@@ -339,7 +330,7 @@ def test_rows_with_ties_beyond_the_candidates_are_redone_after_rescoring(monkeyp
 
 
 def test_queries_that_see_nothing_get_minus_one_and_no_nan(small_tiles):
-    q, k, w = _quantised(2, 70, 2, 16, 30, seed=3, w_dtype=torch.float32)
+    q, k, w = indexer_inputs(2, 70, 2, 16, 30, seed=3, w_dtype=torch.float32, quantised=True)
     ks = torch.full((2, 70), 5, dtype=torch.int32)
     ke = ks.clone()
     ke[1, 40:] = 17  # a few queries of row 1 see keys 5..16
@@ -351,14 +342,14 @@ def test_queries_that_see_nothing_get_minus_one_and_no_nan(small_tiles):
 
 
 def test_no_keys_gives_empty_outputs():
-    q, k, w = _quantised(1, 5, 2, 16, 0, seed=0, w_dtype=torch.float32)
+    q, k, w = indexer_inputs(1, 5, 2, 16, 0, seed=0, w_dtype=torch.float32, quantised=True)
     zeros = torch.zeros(1, 5, dtype=torch.int32)
     scores, index = v4_select_topk(q, k, w, zeros, zeros, 4)
     assert scores.shape == index.shape == (1, 5, 0)
 
 
 def test_bad_arguments_raise_clear_errors():
-    q, k, w = _quantised(1, 9, 2, 16, 2, seed=0, w_dtype=torch.float32)
+    q, k, w = indexer_inputs(1, 9, 2, 16, 2, seed=0, w_dtype=torch.float32, quantised=True)
     ks, ke = causal_ks_ke(1, 9, 2, 4, torch.device("cpu"))
     with pytest.raises(TypeError, match="w must have dtype float32"):
         v4_select_topk(q, k, w.bfloat16(), ks, ke, 4)
@@ -382,12 +373,3 @@ def test_bad_arguments_raise_clear_errors():
         v41_select_topk(q, k, wb, ks, ke, 4, candidate_block_size=2, candidate_blocks=torch.full((1, 9, 1), 3, dtype=torch.int32))
     with pytest.raises(ValueError, match="candidate_blocks must have shape"):
         v41_select_topk(q, k, wb, ks, ke, 4, candidate_block_size=2, candidate_blocks=torch.zeros(1, 8, 1, dtype=torch.int32))
-
-
-def test_import_pulls_in_no_tilelang():
-    code = (
-        "import sys, nemo_dsa.ops.fused_selection.interface;"
-        "bad = [m for m in ('tilelang', 'nemo_automodel', 'transformers') if m in sys.modules];"
-        "assert not bad, bad"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,82 @@
+"""The V4.1 indexer interface (nemo_dsa.ops.v41_indexer.interface) on CPU: both visibility forms,
+no autograd graph, and argument errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import full_visibility, generator, indexer_inputs, random_ks_ke
+from nemo_dsa.ops.v41_indexer import indexer_scores
+
+S, B, H, D, K = 12, 2, 4, 16, 3
+
+
+def _v41(heads=H, dim=D):
+    return indexer_inputs(B, S, heads, dim, K, 0, w_dtype=torch.bfloat16, w_scale=1.0)
+
+
+def test_v41_allowed_and_ks_ke_agree_and_match_formula():
+    g = generator(6)
+    q, k, w = indexer_inputs(2, 21, 8, 32, 9, g, w_scale=0.1, w_dtype=torch.bfloat16)
+    ks, ke = random_ks_ke(2, 21, 9, g)
+    allowed = (torch.arange(9) >= ks[..., None]) & (torch.arange(9) < ke[..., None])
+    want = torch.einsum("bshd,btd->bsht", q, k).relu().mul(w[..., None]).sum(2).masked_fill(~allowed, float("-inf"))
+    a = indexer_scores(q, k, w, allowed)
+    r = indexer_scores(q, k, w, ks=ks, ke=ke, backend="torch")
+    assert a.dtype == torch.bfloat16 and torch.equal(a, want) and torch.equal(r, want)
+
+
+def test_v41_non_contiguous_allowed_is_honoured_elementwise():
+    g = generator(7)
+    q, k, w = indexer_inputs(1, 13, 4, 16, 10, g, w_scale=0.1, w_dtype=torch.bfloat16)
+    allowed = torch.rand(1, 13, 10, generator=g) < 0.5  # holes, not ranges
+    out = indexer_scores(q, k, w, allowed)
+    full = torch.einsum("bshd,btd->bsht", q, k).relu().mul(w[..., None]).sum(2)
+    assert torch.equal(torch.isneginf(out), ~allowed) and torch.equal(out[allowed], full[allowed])
+
+
+def test_v41_builds_no_graph_and_keeps_inputs():
+    g = generator(8)
+    q, k, w = indexer_inputs(1, 8, 2, 16, 3, g, w_scale=0.1, w_dtype=torch.bfloat16)
+    q.requires_grad_()
+    before = q.detach().clone()
+    ks = torch.zeros(1, 8, dtype=torch.int32)
+    ke = torch.full((1, 8), 3, dtype=torch.int32)
+    out = indexer_scores(q, k, w, ks=ks, ke=ke)
+    assert not out.requires_grad and out.grad_fn is None and torch.equal(q.detach(), before)
+
+
+@pytest.mark.parametrize(
+    "error,match,args",
+    [
+        (TypeError, "queries", (torch.randn(B, S, H, D), *_v41()[1:])),
+        (ValueError, "queries", (torch.randn(B, S, D).bfloat16(), *_v41()[1:])),
+        (ValueError, "keys", (_v41()[0], torch.randn(B + 1, K, D).bfloat16(), _v41()[2])),
+        (TypeError, "keys", (_v41()[0], torch.randn(B, K, D), _v41()[2])),
+        (ValueError, "keys must be on", (_v41()[0], torch.empty(B, K, D, dtype=torch.bfloat16, device="meta"), _v41()[2])),
+        (TypeError, "weights", (*_v41()[:2], torch.randn(B, S, H))),
+        (ValueError, "weights", (*_v41()[:2], torch.randn(B, S, H * 2).bfloat16())),
+        (ValueError, "queries must have a power-of-two number of heads", _v41(heads=3)),
+        (ValueError, "queries must have a power-of-two number of heads", _v41(heads=256)),
+        (ValueError, "queries must have an index dim divisible by 16", _v41(dim=40)),
+    ],
+)
+def test_v41_tensor_arguments(error, match, args):
+    ks, ke = full_visibility(B, S, K)
+    with pytest.raises(error, match=match):
+        indexer_scores(*args, ks=ks, ke=ke)
+
+
+def test_v41_visibility_forms():
+    args = _v41()
+    ks, ke = full_visibility(B, S, K)
+    allowed = torch.ones(B, S, K, dtype=torch.bool)
+    with pytest.raises(ValueError, match="allowed"):
+        indexer_scores(*args)
+    with pytest.raises(ValueError, match="allowed"):
+        indexer_scores(*args, allowed, ks=ks, ke=ke)
+    with pytest.raises(TypeError, match="allowed"):
+        indexer_scores(*args, allowed.to(torch.uint8))
+    with pytest.raises(ValueError, match="allowed"):
+        indexer_scores(*args, allowed[..., :-1])
