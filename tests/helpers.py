@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from nemo_dsa.metadata import build_attention_metadata
+from nemo_dsa.models.dsa_lm.configuration import DSAModelConfig
 from nemo_dsa.visibility import causal_ks_ke
 
 # ----------------------------------------------------------------------------------------------
@@ -173,11 +174,12 @@ def v41_formula(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tens
 # -- model configs --
 
 
-def tiny_config(**overrides):
+TINY_VOCAB = 61
+
+
+def tiny_config(**overrides) -> DSAModelConfig:
     """The tiny test model's ``DSAModelConfig``: 4 layers (window-only, ratio-4 indexer, ratio-8
     compressed, ratio-4 indexer), 2 heads of 32, CPU reference kernels; ``overrides`` replace fields."""
-    from nemo_dsa.models.dsa_lm.configuration import DSAModelConfig
-
     base = dict(
         vocab_size=TINY_VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=2, head_dim=32,
         qk_rope_head_dim=16, q_lora_rank=16, intermediate_size=48, compress_ratios=(0, 4, 8, 4),
@@ -185,6 +187,3 @@ def tiny_config(**overrides):
     )  # fmt: skip
     base.update(overrides)
     return DSAModelConfig(**base)
-
-
-TINY_VOCAB = 61

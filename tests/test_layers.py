@@ -7,22 +7,13 @@ import math
 import pytest
 import torch
 
+from helpers import tiny_config
 from nemo_dsa.layers.context import LocalContext
 from nemo_dsa.layers.shared_state import SharedLayerState
 from nemo_dsa.layers.sparse_attention import DSASparseAttention, with_history
 from nemo_dsa.metadata import build_attention_metadata
 from nemo_dsa.models.dsa_lm.configuration import DSAModelConfig
 from nemo_dsa.ops.sparse_attention.naive import sparse_attention
-
-
-def tiny_config(**overrides) -> DSAModelConfig:
-    base = dict(
-        vocab_size=50, hidden_size=32, num_hidden_layers=4, num_attention_heads=2, head_dim=32,
-        qk_rope_head_dim=16, q_lora_rank=16, intermediate_size=48, compress_ratios=(0, 4, 2, 4),
-        sliding_window=5, index_n_heads=4, index_head_dim=32, index_topk=3, backend="torch",
-    )
-    base.update(overrides)
-    return DSAModelConfig(**base)
 
 
 def make_layer(config: DSAModelConfig, layer_idx: int, seed: int = 0) -> DSASparseAttention:

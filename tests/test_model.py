@@ -7,20 +7,9 @@ import threading
 import pytest
 import torch
 
-import nemo_dsa.distributed.context as sequence_context
-
-from nemo_dsa.models.dsa_lm.configuration import DSAModelConfig
+from helpers import TINY_VOCAB, tiny_config
+from nemo_dsa.layers.context import SequenceContext
 from nemo_dsa.models.dsa_lm.modeling import DSAForCausalLM, causal_lm_loss
-
-
-def tiny_config(**overrides) -> DSAModelConfig:
-    base = dict(
-        vocab_size=61, hidden_size=32, num_hidden_layers=4, num_attention_heads=2, head_dim=32,
-        qk_rope_head_dim=16, q_lora_rank=16, intermediate_size=48, compress_ratios=(0, 4, 8, 4),
-        sliding_window=4, index_n_heads=4, index_head_dim=32, index_topk=2, backend="torch",
-    )
-    base.update(overrides)
-    return DSAModelConfig(**base)
 
 
 def make_model(seed: int = 0, **overrides) -> DSAForCausalLM:
@@ -32,7 +21,7 @@ def make_model(seed: int = 0, **overrides) -> DSAForCausalLM:
 def test_loss_decreases(scoring):
     model = make_model(scoring=scoring, indexer_kl_coef=0.1 if scoring == "v4" else 0.0)
     torch.manual_seed(1)
-    ids = torch.randint(0, 61, (2, 24))
+    ids = torch.randint(0, TINY_VOCAB, (2, 24))
     labels = torch.cat((ids[:, 1:], torch.full((2, 1), -100)), dim=1)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
     losses = []
@@ -50,7 +39,7 @@ def test_packed_thd_batch_matches_documents_alone():
     """THD-style kwargs (seq_lens/-1000 padding, document-local position_ids) = documents alone."""
     model = make_model(scoring="v4").eval()
     torch.manual_seed(2)
-    ids = torch.randint(0, 61, (1, 40))
+    ids = torch.randint(0, TINY_VOCAB, (1, 40))
     seq_lens = torch.tensor([[16, 24, -1000]])
     position_ids = torch.cat((torch.arange(16), torch.arange(24))).unsqueeze(0)
     packed = model(ids, position_ids=position_ids, seq_lens=seq_lens, qkv_format="thd").logits
@@ -64,7 +53,7 @@ def test_seq_lens_padded_tails_are_padding():
     """THD collater layout: each document padded to seq_lens_padded; real tokens = documents alone."""
     model = make_model(scoring="v41").eval()
     torch.manual_seed(3)
-    ids = torch.randint(0, 61, (1, 40))
+    ids = torch.randint(0, TINY_VOCAB, (1, 40))
     out = model(ids, seq_lens=torch.tensor([[13, 20, -1000]]), seq_lens_padded=torch.tensor([[16, 24, -1000]]),
                 position_ids=torch.cat((torch.arange(16), torch.arange(24))).unsqueeze(0)).logits
     torch.testing.assert_close(out[:, :13], model(ids[:, :13]).logits, rtol=1e-5, atol=1e-5)
@@ -73,12 +62,12 @@ def test_seq_lens_padded_tails_are_padding():
 
 def test_padding_rows_and_labels():
     model = make_model(scoring="v41")
-    ids = torch.randint(0, 61, (2, 19))
+    ids = torch.randint(0, TINY_VOCAB, (2, 19))
     mask = torch.ones(2, 19, dtype=torch.long)
     mask[1, 11:] = 0
     labels = ids.masked_fill(mask == 0, -100)
     out = model(ids, labels=labels, attention_mask=mask)
-    assert out.logits.shape == (2, 19, 61) and torch.isfinite(out.logits).all()
+    assert out.logits.shape == (2, 19, TINY_VOCAB) and torch.isfinite(out.logits).all()
     torch.testing.assert_close(out.loss, causal_lm_loss(out.logits, labels))
     # padding_mask (True = padding) is the same layout when no attention_mask is given.
     again = model(ids, labels=labels, padding_mask=mask == 0)
@@ -91,9 +80,9 @@ def test_padding_rows_and_labels():
 def test_bad_inputs_raise():
     model = make_model()
     with pytest.raises(ValueError, match="input_ids"):
-        model(torch.randint(0, 61, (12,)))
+        model(torch.randint(0, TINY_VOCAB, (12,)))
     with pytest.raises(ValueError, match="labels"):
-        model(torch.randint(0, 61, (1, 12)), labels=torch.zeros(1, 11, dtype=torch.long))
+        model(torch.randint(0, TINY_VOCAB, (1, 12)), labels=torch.zeros(1, 11, dtype=torch.long))
 
 
 def test_v41_layer_roles_and_candidates():
@@ -109,7 +98,7 @@ def test_v41_layer_roles_and_candidates():
     assert attn[2].compressor is None and attn[2].indexer.compressor is None
     assert attn[4].compressor is None and attn[4].indexer is None
     assert "layers.2.attn.indexer.wq_b.weight" in model.state_dict()
-    ids = torch.randint(0, 61, (2, 33))
+    ids = torch.randint(0, TINY_VOCAB, (2, 33))
     out = model(ids, labels=ids)
     out.loss.backward()
     assert torch.isfinite(out.loss)
@@ -145,7 +134,7 @@ def test_initialize_weights_deterministic_and_counts():
     assert v41.num_parameters(only_trainable=True) < v41.num_parameters()
 
 
-class ThreadContext(sequence_context.SequenceContext):
+class ThreadContext(SequenceContext):
     """Context parallelism simulated with threads (forward only): ranks exchange via a board."""
 
     def __init__(self, rank: int, size: int, board: list, barrier: threading.Barrier) -> None:
@@ -168,16 +157,16 @@ class ThreadContext(sequence_context.SequenceContext):
 
 @pytest.mark.parametrize("scoring", ["v4", "v41"])
 @pytest.mark.parametrize("cp_size", [2, 3])
-def test_context_parallel_forward_matches_single_rank(scoring, cp_size, monkeypatch):
+def test_context_parallel_forward_matches_single_rank(scoring, cp_size):
     """Shards see exactly the unsharded run: documents cross shard boundaries, and with
-    cp_size 3 the window (19 earlier tokens) is longer than a shard (16 tokens)."""
+    cp_size 3 the window (19 earlier tokens) is longer than a shard (16 tokens). The forward takes
+    a SequenceContext as its cp_group as it is (here one that exchanges through threads)."""
     model = make_model(scoring=scoring, sliding_window=20).eval()
     torch.manual_seed(4)
-    ids = torch.randint(0, 61, (2, 48))
+    ids = torch.randint(0, TINY_VOCAB, (2, 48))
     seq_lens = torch.tensor([[13, 30, 5], [47, 1, -1000]])
     with torch.no_grad():
         ref = model(ids, seq_lens=seq_lens).logits
-        monkeypatch.setattr(sequence_context, "sequence_context_for", lambda group: group)
         board, barrier, outs = [None] * cp_size, threading.Barrier(cp_size, timeout=60), [None] * cp_size
         shard = 48 // cp_size
 
@@ -202,7 +191,7 @@ def test_cuda_kernels_match_cpu_reference(scoring):
     gpu = make_model(scoring=scoring, indexer_kl_coef=0.1 if scoring == "v4" else 0.0, index_topk=3, backend="auto")
     gpu = gpu.cuda()
     torch.manual_seed(3)
-    ids = torch.randint(0, 61, (2, 70))
+    ids = torch.randint(0, TINY_VOCAB, (2, 70))
     seq_lens = torch.tensor([[29, 41], [70, -1000]])
     ref = cpu(ids, labels=ids, seq_lens=seq_lens)
     out = gpu(ids.cuda(), labels=ids.cuda(), seq_lens=seq_lens.cuda())
@@ -222,7 +211,7 @@ def test_cuda_forward_from_input_ids_alone(scoring):
     CPU-side seq_lens (a collator's) is moved there too."""
     cpu = make_model(scoring=scoring, index_topk=3)
     gpu = make_model(scoring=scoring, index_topk=3, backend="auto").cuda()
-    ids = torch.randint(0, 61, (2, 40), generator=torch.Generator().manual_seed(4))
+    ids = torch.randint(0, TINY_VOCAB, (2, 40), generator=torch.Generator().manual_seed(4))
     ref = cpu(ids, labels=ids)
     out = gpu(ids.cuda(), labels=ids.cuda())
     torch.testing.assert_close(out.logits.cpu(), ref.logits, rtol=2e-3, atol=2e-3)
@@ -233,7 +222,7 @@ def test_cuda_forward_from_input_ids_alone(scoring):
 @pytest.mark.parametrize("scoring", ["v4", "v41"])
 def test_runs_under_bf16_autocast(scoring):
     model = make_model(scoring=scoring, indexer_kl_coef=0.1 if scoring == "v4" else 0.0)
-    ids = torch.randint(0, 61, (2, 21))
+    ids = torch.randint(0, TINY_VOCAB, (2, 21))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = model(ids, labels=ids)
     out.loss.backward()
@@ -258,7 +247,7 @@ def test_streamed_selection_matches_materialised(scoring, roles, monkeypatch):
         real = getattr(streaming, name)
         monkeypatch.setattr(streaming, name, lambda *a, _real=real, **kw: calls.append(1) or _real(*a, **kw))
     torch.manual_seed(5)
-    ids = torch.randint(0, 61, (2, 70))
+    ids = torch.randint(0, TINY_VOCAB, (2, 70))
     seq_lens = torch.tensor([[29, 41], [70, -1000]])
     runs = []
     for fused in (False, True):
@@ -278,7 +267,7 @@ def test_streamed_selection_matches_materialised(scoring, roles, monkeypatch):
 def test_forward_under_inference_mode_equals_no_grad(scoring, fused_topk):
     """Metadata made under torch.inference_mode has no version counter: nothing may rely on one."""
     model = make_model(scoring=scoring, fused_topk=fused_topk).eval()
-    ids = torch.randint(0, 61, (2, 24), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, TINY_VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         expected = model(ids).logits
     with torch.inference_mode():
