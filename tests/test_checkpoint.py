@@ -84,3 +84,20 @@ def test_mismatches_raise(tmp_path):
         load_checkpoint(model(1), tmp_path / "wrong.safetensors")
     with pytest.raises(FileNotFoundError, match="path"):
         load_checkpoint(model(1), tmp_path / "nothing.safetensors")
+
+
+def test_released_attention_round_trip_in_bf16(tmp_path):
+    """The released output projection (wo_a, wo_b) under its checkpoint names; a bf16 model keeps
+    its fp32 compressors and sinks through save and load."""
+    released = dict(o_lora_rank=8, o_groups=2, compress_rope_theta=160000.0,
+                    rope_scaling={"type": "yarn", "factor": 4, "original_max_position_embeddings": 16})
+    src, dst = model(0, **released).to(torch.bfloat16), model(1, **released).to(torch.bfloat16)
+    keys = set(read_checkpoint(save_checkpoint(src, tmp_path)))
+    assert {"layers.1.attn.wo_a.weight", "layers.1.attn.wo_b.weight"} <= keys
+    assert not any(".attn.wo." in k for k in keys)
+    load_checkpoint(dst, tmp_path)
+    assert dst.layers[1].attn.wo_a.weight.shape == (2 * 8, 2 * 32 // 2)
+    assert dst.layers[1].attn.attn_sink.dtype == dst.layers[1].attn.compressor.ape.dtype == torch.float32
+    assert dst.layers[1].attn.wq_a.weight.dtype == torch.bfloat16
+    ids = torch.randint(0, 40, (1, 17))
+    torch.testing.assert_close(src(ids).logits, dst(ids).logits, rtol=0, atol=0)

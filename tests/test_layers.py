@@ -367,3 +367,35 @@ def test_v41_reindex_layer_keeps_to_candidate_blocks():
     assert (chosen >= 0).any()
     picked = torch.gather(keep, -1, chosen.clamp_min(0))
     assert bool(picked[chosen >= 0].all())
+
+
+def test_full_precision_selection_equals_the_op_on_bf16_values():
+    """fp32 index q/k (fp32 models) take the full-precision path; on values bf16 holds exactly it
+    selects what v4_indexer_bshd selects, with the same scores and gradients."""
+    from nemo_dsa.layers.indexer import v4_select_full_precision
+    from nemo_dsa.ops.v4_indexer import v4_indexer_bshd
+
+    gen = torch.Generator().manual_seed(8)
+    ids = packed_ids([[21, 14, 9], [40]], seq=44)
+    meta = build_attention_metadata(compress_ratio=4, packed_seq_ids=ids)
+    q = torch.randn(2, 44, 4, 32, generator=gen).bfloat16()
+    k = torch.randn(2, meta.num_groups, 32, generator=gen).bfloat16()
+    w = torch.randn(2, 44, 4, generator=gen) * 0.5
+    runs = []
+    for full in (True, False):
+        qq = (q.float() if full else q.clone()).requires_grad_()
+        kk = (k.float() if full else k.clone()).requires_grad_()
+        ww = w.clone().requires_grad_()
+        fn = v4_select_full_precision if full else (
+            lambda *a: v4_indexer_bshd(*a[:3], 4, a[5], ks=a[3], ke=a[4], backend="torch"))
+        score, indices = fn(qq, kk, ww, meta.ks, meta.ke, 3)
+        weight = torch.randn(score.shape, generator=torch.Generator().manual_seed(9))
+        score.masked_fill(indices < 0, 0.0).mul(weight).sum().backward()
+        runs.append((score.detach(), indices.long(), qq.grad.float(), kk.grad.float(), ww.grad))
+    (s1, i1, *g1), (s2, i2, *g2) = runs
+    assert torch.equal(i1, i2) and (i1 >= 0).any() and (i1 < 0).any()
+    torch.testing.assert_close(s1, s2, rtol=1e-6, atol=1e-6)
+    (dq1, dk1, dw1), (dq2, dk2, dw2) = g1, g2
+    torch.testing.assert_close(dw1, dw2, rtol=1e-5, atol=1e-6)
+    for a, b in ((dq1, dq2), (dk1, dk2)):  # the op returns q/k gradients in bf16: one rounding apart
+        torch.testing.assert_close(a.bfloat16().float(), b, rtol=2**-7, atol=1e-6)

@@ -146,7 +146,7 @@ class Indexer(nn.Module):
                 backend=self.backend, fused_topk=self.fused_topk,
             )
         else:
-            score, indices = _v4_select_full_precision(q, index_keys, weights, meta.ks, meta.ke, self.topk)
+            score, indices = v4_select_full_precision(q, index_keys, weights, meta.ks, meta.ke, self.topk)
         return Selection(index_keys, indices.long(), score, None)
 
     @torch.no_grad()
@@ -175,9 +175,12 @@ class Indexer(nn.Module):
         return Selection(index_keys, indices.long(), None, blocks)
 
 
-def _v4_select_full_precision(q, k, w, ks, ke, topk):
-    """V4 selection on fp32 q/k: the op's fp32 reference logits select, and the selected scores
-    ``sum_h w_h relu(q_h . k_j)`` are recomputed here with autograd (-inf at -1)."""
+def v4_select_full_precision(q, k, w, ks, ke, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``v4_indexer_bshd`` for fp32 q/k (the op takes bf16 only): ``(index_score, topk_indices)``.
+
+    The op's fp32 reference logits select (same order and tie rule), and the selected scores
+    ``sum_h w_h relu(q_h . k_j)`` are recomputed here with autograd (-inf at -1), so gradients
+    reach q, k and w through the gathered scores only, as the op's backward sends them."""
     with torch.no_grad():
         indices = select_topk(v4_logits(q, k, w, ks, ke), topk, order="score")
     batch, seq, width = indices.shape
