@@ -64,6 +64,22 @@ def indexer_inputs(
     return tuple(t.requires_grad_(requires_grad) for t in tensors)
 
 
+# The argument-error tests' sizes: small, every one distinct, so a swapped axis shows.
+ERROR_SIZES = (12, 2, 4, 16, 3)  # S, B, H, D, K
+
+
+def error_v4_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SBHD seed-API inputs (index_q, index_k, weights) of ERROR_SIZES."""
+    s, b, h, d, k = ERROR_SIZES
+    return indexer_inputs(b, s, h, d, k, 0, seq_first=True, w_scale=1.0)
+
+
+def error_v41_inputs(heads: int | None = None, dim: int | None = None):
+    """BSHD V4.1 inputs (queries, keys, weights, all bf16) of ERROR_SIZES, heads/dim overridable."""
+    s, b, h, d, k = ERROR_SIZES
+    return indexer_inputs(b, s, heads or h, dim or d, k, 0, w_dtype=torch.bfloat16, w_scale=1.0)
+
+
 # ----------------------------------------------------------------------------------------------
 # Visibility layouts
 # ----------------------------------------------------------------------------------------------

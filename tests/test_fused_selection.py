@@ -49,7 +49,6 @@ INF = float("inf")
 # ----------------------------------------------------------------------------------------------
 
 
-
 def _layout(name, batch, queries, ratio, seed):
     """(ks, ke, K) for a layout; the CP layout returns rank 1 of 3 (queries a slice, global keys)."""
     g = torch.Generator().manual_seed(seed)

@@ -49,7 +49,6 @@ def _layout(name, batch, queries, ratio, seed):
     return ks.contiguous().cuda(), ke.contiguous().cuda(), num_keys
 
 
-
 def _v4_full(q, k, w, ks, ke, topk):
     from nemo_dsa.ops.v4_indexer.kernels import v4_logits_tilelang
 

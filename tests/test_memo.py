@@ -37,7 +37,6 @@ def test_validation_still_rejects_after_an_in_place_change():
         check_ks_ke(ks, ke, batch=1, queries=3, num_keys=2, device=ks.device)
 
 
-
 def test_streamed_selection_replans_when_ranges_change():
     q, k, w = indexer_inputs(1, 300, 2, 16, 40, 0, w_scale=1.0)
     ks = torch.zeros(1, 300, dtype=torch.int32)

@@ -28,7 +28,6 @@ def _documents(lengths):
         start += length
 
 
-
 def _run(mode, q, keys, w, ks, ke):
     """Scores and top-k indices of one configuration through the public seed APIs."""
     if mode == "v4":

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from helpers import dense_visibility, full_visibility, generator, random_ks_ke
+from helpers import dense_visibility, ERROR_SIZES, full_visibility, generator, random_ks_ke
 from nemo_dsa.ops.topk import blocks_to_mask, candidate_block_mask, candidate_blocks, pytorch_extract_topk_scores, select_topk_reference
 
 
@@ -46,7 +46,7 @@ def _brute_candidates(scores, ks, ke, c, nb_keep):
     return out, mask
 
 
-S, B, H, D, K = 12, 2, 4, 16, 3
+S, B, H, D, K = ERROR_SIZES
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -6,14 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import full_visibility, generator, indexer_inputs, random_ks_ke
+from helpers import ERROR_SIZES, error_v41_inputs, full_visibility, generator, indexer_inputs, random_ks_ke
 from nemo_dsa.ops.v41_indexer import indexer_scores
 
-S, B, H, D, K = 12, 2, 4, 16, 3
-
-
-def _v41(heads=H, dim=D):
-    return indexer_inputs(B, S, heads, dim, K, 0, w_dtype=torch.bfloat16, w_scale=1.0)
+S, B, H, D, K = ERROR_SIZES
 
 
 def test_v41_allowed_and_ks_ke_agree_and_match_formula():
@@ -50,16 +46,16 @@ def test_v41_builds_no_graph_and_keeps_inputs():
 @pytest.mark.parametrize(
     "error,match,args",
     [
-        (TypeError, "queries", (torch.randn(B, S, H, D), *_v41()[1:])),
-        (ValueError, "queries", (torch.randn(B, S, D).bfloat16(), *_v41()[1:])),
-        (ValueError, "keys", (_v41()[0], torch.randn(B + 1, K, D).bfloat16(), _v41()[2])),
-        (TypeError, "keys", (_v41()[0], torch.randn(B, K, D), _v41()[2])),
-        (ValueError, "keys must be on", (_v41()[0], torch.empty(B, K, D, dtype=torch.bfloat16, device="meta"), _v41()[2])),
-        (TypeError, "weights", (*_v41()[:2], torch.randn(B, S, H))),
-        (ValueError, "weights", (*_v41()[:2], torch.randn(B, S, H * 2).bfloat16())),
-        (ValueError, "queries must have a power-of-two number of heads", _v41(heads=3)),
-        (ValueError, "queries must have a power-of-two number of heads", _v41(heads=256)),
-        (ValueError, "queries must have an index dim divisible by 16", _v41(dim=40)),
+        (TypeError, "queries", (torch.randn(B, S, H, D), *error_v41_inputs()[1:])),
+        (ValueError, "queries", (torch.randn(B, S, D).bfloat16(), *error_v41_inputs()[1:])),
+        (ValueError, "keys", (error_v41_inputs()[0], torch.randn(B + 1, K, D).bfloat16(), error_v41_inputs()[2])),
+        (TypeError, "keys", (error_v41_inputs()[0], torch.randn(B, K, D), error_v41_inputs()[2])),
+        (ValueError, "keys must be on", (error_v41_inputs()[0], torch.empty(B, K, D, dtype=torch.bfloat16, device="meta"), error_v41_inputs()[2])),
+        (TypeError, "weights", (*error_v41_inputs()[:2], torch.randn(B, S, H))),
+        (ValueError, "weights", (*error_v41_inputs()[:2], torch.randn(B, S, H * 2).bfloat16())),
+        (ValueError, "queries must have a power-of-two number of heads", error_v41_inputs(heads=3)),
+        (ValueError, "queries must have a power-of-two number of heads", error_v41_inputs(heads=256)),
+        (ValueError, "queries must have an index dim divisible by 16", error_v41_inputs(dim=40)),
     ],
 )
 def test_v41_tensor_arguments(error, match, args):
@@ -69,7 +65,7 @@ def test_v41_tensor_arguments(error, match, args):
 
 
 def test_v41_visibility_forms():
-    args = _v41()
+    args = error_v41_inputs()
     ks, ke = full_visibility(B, S, K)
     allowed = torch.ones(B, S, K, dtype=torch.bool)
     with pytest.raises(ValueError, match="allowed"):

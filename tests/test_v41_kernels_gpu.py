@@ -22,7 +22,6 @@ pytestmark = pytest.mark.gpu
 HEAD_CONFIGS = [(2, 128), (4, 64), (8, 64), (16, 128), (32, 80), (64, 128), (128, 64), (64, 256)]
 
 
-
 def _formula(q, k, w, allowed):
     """The spec's formula on bf16 tensors, query-chunked (each chunk is the unchunked formula).
 

@@ -7,16 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import generator, indexer_inputs, random_ks_ke
+from helpers import ERROR_SIZES, error_v4_inputs, generator, indexer_inputs, random_ks_ke
 from nemo_dsa.ops.topk import pytorch_extract_topk_scores, select_topk_reference
 from nemo_dsa.ops.v4_indexer import v4_indexer_bshd, v4_lighting_indexer, v4_logits, V4IndexerFunction
 
-S, B, H, D, K = 12, 2, 4, 16, 3
-
-
-def _v4():
-    """SBHD seed-API inputs of this file's sizes."""
-    return indexer_inputs(B, S, H, D, K, 0, seq_first=True, w_scale=1.0)
+S, B, H, D, K = ERROR_SIZES
 
 
 def _replace(args, **changes):
@@ -151,7 +146,7 @@ def test_v4_bshd_entry_point_equals_sbhd_seed_api(b, s, h, d, k, topk, explicit,
 @pytest.mark.parametrize("error,name,change", V4_CASES)
 def test_v4_tensor_arguments(error, name, change):
     with pytest.raises(error, match=name):
-        v4_lighting_indexer(**_replace(_v4(), **change), compress_ratio=4, topk=2)
+        v4_lighting_indexer(**_replace(error_v4_inputs(), **change), compress_ratio=4, topk=2)
 
 
 @pytest.mark.parametrize(
@@ -166,7 +161,7 @@ def test_v4_tensor_arguments(error, name, change):
 )
 def test_v4_scalar_arguments(error, name, kwargs):
     with pytest.raises(error, match=name):
-        v4_lighting_indexer(*_v4(), **{"compress_ratio": 4, "topk": 2, **kwargs})
+        v4_lighting_indexer(*error_v4_inputs(), **{"compress_ratio": 4, "topk": 2, **kwargs})
 
 
 @pytest.mark.parametrize(
@@ -181,4 +176,4 @@ def test_v4_scalar_arguments(error, name, kwargs):
 )
 def test_v4_given_topk_indices(error, match, indices):
     with pytest.raises(error, match=match):
-        v4_lighting_indexer(*_v4(), 4, 2, indices)
+        v4_lighting_indexer(*error_v4_inputs(), 4, 2, indices)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import dense_visibility, full_visibility, generator, indexer_inputs, random_ks_ke, random_topk_indices
+from helpers import dense_visibility, ERROR_SIZES, error_v4_inputs, full_visibility, generator, indexer_inputs, random_ks_ke, random_topk_indices
 from nemo_dsa.ops.v41_indexer import v41_scores, v41_scores_chunk_size
 from nemo_dsa.ops.v4_indexer import v4_backward, v4_backward_chunk_size, v4_logits, v4_logits_chunk_size
 
@@ -27,12 +27,7 @@ def _autograd_grads(q, k, w, ks, ke, idx, grad):
     return q.grad, k.grad, w.grad
 
 
-S, B, H, D, K = 12, 2, 4, 16, 3
-
-
-def _v4():
-    """SBHD seed-API inputs of this file's sizes."""
-    return indexer_inputs(B, S, H, D, K, 0, seq_first=True, w_scale=1.0)
+S, B, H, D, K = ERROR_SIZES
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -99,7 +94,7 @@ def test_v4_backward_dtypes_and_fp32_accuracy():
 
 
 def test_reference_arguments():
-    q, k, w = (x.transpose(0, 1) for x in _v4())
+    q, k, w = (x.transpose(0, 1) for x in error_v4_inputs())
     ks, ke = full_visibility(B, S, K)
     with pytest.raises(ValueError, match="k must"):
         v4_logits(q, k[..., :8], w, ks, ke)

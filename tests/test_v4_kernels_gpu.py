@@ -23,7 +23,6 @@ pytestmark = pytest.mark.gpu
 HEAD_CONFIGS = [(8, 64), (16, 128), (32, 64), (64, 128), (128, 64)]
 
 
-
 @pytest.mark.parametrize("heads,dim", HEAD_CONFIGS)
 @pytest.mark.parametrize("layout,batch,queries,num_keys", KERNEL_LAYOUTS)
 def test_forward_matches_float64_reference(heads, dim, layout, batch, queries, num_keys):

@@ -5,18 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import dense_visibility, full_visibility, generator, indexer_inputs, packed_ks_ke, random_ks_ke
+from helpers import dense_visibility, ERROR_SIZES, error_v4_inputs, full_visibility, generator, packed_ks_ke, random_ks_ke
 from nemo_dsa.ops.topk import candidate_blocks
 from nemo_dsa.ops.v41_indexer import indexer_scores, v41_scores
 from nemo_dsa.ops.v4_indexer import v4_lighting_indexer, v4_logits
 from nemo_dsa.visibility import causal_ks_ke, document_ks_ke, visible_mask
 
-S, B, H, D, K = 12, 2, 4, 16, 3
-
-
-def _v4():
-    """SBHD seed-API inputs of this file's sizes."""
-    return indexer_inputs(B, S, H, D, K, 0, seq_first=True, w_scale=1.0)
+S, B, H, D, K = ERROR_SIZES
 
 
 def _bad_ks_ke():
@@ -45,8 +40,8 @@ def _bad_ks_ke():
 @pytest.mark.parametrize("error,match,kwargs", _bad_ks_ke())
 def test_ks_ke_everywhere(error, match, kwargs):
     with pytest.raises(error, match=match):
-        v4_lighting_indexer(*_v4(), 4, 2, **kwargs)
-    q, k, w = (x.transpose(0, 1) for x in _v4())
+        v4_lighting_indexer(*error_v4_inputs(), 4, 2, **kwargs)
+    q, k, w = (x.transpose(0, 1) for x in error_v4_inputs())
     w_bf16 = w.bfloat16()
     full = {"ks": None, "ke": None, **kwargs}
     with pytest.raises(error, match=match):
