@@ -36,6 +36,7 @@ class SparseWindowAttentionFunction(torch.autograd.Function):
         out, lse = kernels.sparse_window_forward(inputs)
         ctx.inputs = inputs
         ctx.has_compressed = compressed_kv is not None
+        ctx.compressed_shape = None if compressed_kv is None else compressed_kv.shape
         ctx.save_for_backward(out, lse)
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -49,6 +50,8 @@ class SparseWindowAttentionFunction(torch.autograd.Function):
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         dq, d_raw, d_comp, delta = kernels.sparse_window_backward(inputs, out, lse, grad_out)
+        if ctx.has_compressed and d_comp.shape != ctx.compressed_shape:  # zero slots: nothing read
+            d_comp = d_comp.new_zeros(ctx.compressed_shape)
         d_sink = None
         if inputs.has_sink and ctx.needs_input_grad[8]:
             # d lse / d sink = p_sink; d out / d sink = -p_sink * out, so dL/dsink = -p_sink * delta.

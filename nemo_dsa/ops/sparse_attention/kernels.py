@@ -13,7 +13,8 @@ contiguous in range mode). Rows of a tile that the query must not see are zero-f
 copy itself (``cp.async`` with a zero source size), never loaded, so a NaN or inf in an unseen
 key cannot reach a product; their logits are then selected to -inf.
 
-Forward schedule (384 threads, hand warp-specialised):
+Forward schedule (384 threads, hand warp-specialised; the producer is warpgroup 0 so that the
+barrier TileLang puts after its cp.async wait is the producer's own named barrier):
 - producer warpgroup: gathers key tiles with 16-byte cp.async into a ring of ``num_stages``
   shared buffers (full/empty mbarriers);
 - consumer 0: S = Q K^T over the whole head dim (m64 n64), the online softmax, then
@@ -29,6 +30,7 @@ dkv = scale * dS^T Q + P^T dO into an fp32 [N_raw + K, D] buffer with 16-byte at
 """
 
 
+import re
 from dataclasses import asdict, dataclass
 
 import torch
@@ -37,7 +39,7 @@ from nemo_dsa.ops._tilelang import HOPPER_SMEM_LIMIT, compile_cached, tilelang
 
 BLOCK_HEADS = 64  # heads of one query per block: wgmma's M
 BLOCK_KEYS = 64  # keys per tile
-KERNEL_DIMS = (128, 256, 512)  # head dims built; others (multiples of 16) are zero-padded up
+KERNEL_DIMS = (128, 512)  # head dims built; others are zero-padded up (zeros add nothing to q . k)
 MAX_DIM = 512
 MAX_HEADS = 128
 MAX_WINDOW = 512
@@ -62,7 +64,7 @@ class ForwardConfig:
     num_stages: int
     consumer0_registers: int = 240
     consumer1_registers: int = 168
-    producer_registers: int = 104
+    producer_registers: int = 96
 
     def kernel_kwargs(self) -> dict:
         return asdict(self)
@@ -98,7 +100,7 @@ def kernel_dim(dim: int) -> int:
 
 
 def forward_config(dim: int, mode: str) -> ForwardConfig:
-    """Stages: as many 64-key tiles as fit beside Q in 227 KiB (2 at D = 512, 4 below)."""
+    """Stages: as many 64-key tiles as fit beside Q in 227 KiB (2 at D = 512, 4 at D = 128)."""
     if dim not in KERNEL_DIMS:
         raise ValueError(f"dim must be one of {KERNEL_DIMS} for a kernel, got {dim}")
     if mode not in MODES:
@@ -134,6 +136,50 @@ def _tile_plan(T, own, window_start, window, n_sel):
     return lo, window_tiles, window_tiles + T.ceildiv(n_sel, BLOCK_KEYS)
 
 
+# TileLang 0.1.15 numbers the named barriers of each warpgroup's shared-memory syncs itself, and
+# the barrier it puts after the producer's cp.async wait can take the id of a consumer's barrier
+# (seen in the range-mode forward): two roles on one 128-thread barrier deadlock or race. The
+# generated CUDA is therefore post-processed: every role gets its own ids.
+ROLE_BARRIER_IDS = (11, 12, 13)  # producer, consumer 0, consumer 1 (0 is __syncthreads)
+_ROLE_MARK = re.compile(r"warpgroup_reg_(?:alloc|dealloc)<")
+_PARTIAL_SYNC = re.compile(r"__sync_thread_partial\(\d+, 128\)")
+
+
+def separate_role_barriers(code: str) -> str:
+    """The forward's CUDA with each role's 128-thread named barriers renumbered to its own id
+    (roles start at their setmaxnreg); any other kernel's code is returned unchanged."""
+    if "sparse_window_fwd" not in code:
+        return code
+    marks = [m.start() for m in _ROLE_MARK.finditer(code)]
+    if len(marks) != 3:
+        raise RuntimeError(f"sparse_window_fwd: expected 3 warpgroup roles in the CUDA, found {len(marks)}")
+    parts = [code[: marks[0]]]
+    for role, (a, b) in enumerate(zip(marks, marks[1:] + [len(code)])):
+        parts.append(_PARTIAL_SYNC.sub(f"__sync_thread_partial({ROLE_BARRIER_IDS[role]}, 128)", code[a:b]))
+    return "".join(parts)
+
+
+def _cuda_postproc(code, _target):
+    return separate_role_barriers(code)
+
+
+_postproc_registered = False
+
+
+def _register_postproc() -> None:
+    global _postproc_registered
+    if not _postproc_registered:
+        from tilelang.engine.callback import register_cuda_postproc_callback
+
+        register_cuda_postproc_callback(_cuda_postproc)
+        _postproc_registered = True
+
+
+def _compile_forward(config: "ForwardConfig"):
+    _register_postproc()
+    return compile_cached(sparse_window_fwd_kernel, pass_configs=config.pass_configs(), **config.kernel_kwargs())
+
+
 # ----------------------------------------------------------------------------------------------
 # Forward
 # ----------------------------------------------------------------------------------------------
@@ -147,7 +193,8 @@ def sparse_window_fwd_kernel(
     consumer1_registers: int,
     producer_registers: int,
 ):
-    """PrimFunc of the forward for one configuration. Grid: (S * head groups, B).
+    """PrimFunc of the forward for one configuration. Grid: (S, H / 64, B); H a multiple of 64
+    (the wrapper zero-pads q's heads: padded heads compute rows nobody reads).
 
     Arguments: Q [B, S, H, D], Raw [B, N_raw, D], Comp [B, K, D] (bf16), WindowStart [B, S],
     Indices [B, S, T] or KS/KE [B, S] (int32), Sink [H] fp32, Params [2] fp32 (scale, has_sink),
@@ -175,8 +222,7 @@ def sparse_window_fwd_kernel(
         Out: T.Tensor([batch, seq_len, heads, D], bf16),
         Lse: T.Tensor([batch, seq_len, heads], f32),
     ):
-        groups = T.ceildiv(heads, HB)
-        with T.Kernel(seq_len * groups, batch, threads=FWD_THREADS) as (bx, b):
+        with T.Kernel(seq_len, heads // HB, batch, threads=FWD_THREADS) as (s, g, b):
             tx = T.get_thread_binding()
             q_l = T.alloc_shared([HB, half], bf16)
             q_r = T.alloc_shared([HB, half], bf16)
@@ -202,8 +248,7 @@ def sparse_window_fwd_kernel(
             alpha = T.alloc_fragment([HB], f32)
             sink_f = T.alloc_fragment([HB], f32)
 
-            s = bx // groups
-            h0 = (bx % groups) * HB
+            h0 = g * HB
             own = s + n_raw - seq_len
             scale_log2 = Params[0] * LOG2E
             has_sink = Params[1] > 0.5
@@ -216,9 +261,6 @@ def sparse_window_fwd_kernel(
                 n_sel = T.max(KE[b, s] - ks, 0)
             lo, window_tiles, tiles = _tile_plan(T, own, WindowStart[b, s], window, n_sel)
 
-            for h, d in T.Parallel(HB, half):
-                q_l[h, d] = T.if_then_else(h0 + h < heads, Q[b, s, T.min(h0 + h, heads - 1), d], T.cast(0, bf16))
-                q_r[h, d] = T.if_then_else(h0 + h < heads, Q[b, s, T.min(h0 + h, heads - 1), half + d], T.cast(0, bf16))
             if by_index:
                 for j in T.Parallel(MAX_SELECTED):
                     if j < n_slots:
@@ -226,7 +268,47 @@ def sparse_window_fwd_kernel(
             T.sync_threads()
 
             if tx < 128:
+                T.set_max_nreg(producer_registers, 0)
+                for t in T.serial(tiles):
+                    stage = t % num_stages
+                    T.mbarrier_wait_parity(empty[stage], ((t // num_stages) % 2) ^ 1)
+                    # 16-byte cp.async with a zero source size for rows the query must not see.
+                    if t < window_tiles:
+                        for r, d in T.Parallel(BK, half, prefer_async=True):
+                            k_l[stage, r, d] = T.if_then_else(
+                                lo + t * BK + r <= own, Raw[b, T.min(lo + t * BK + r, n_raw - 1), d], T.cast(0, bf16)
+                            )
+                            k_r[stage, r, d] = T.if_then_else(
+                                lo + t * BK + r <= own, Raw[b, T.min(lo + t * BK + r, n_raw - 1), half + d], T.cast(0, bf16)
+                            )
+                    else:
+                        base = (t - window_tiles) * BK
+                        if by_index:
+                            for r, d in T.Parallel(BK, half, prefer_async=True):
+                                k_l[stage, r, d] = T.if_then_else(
+                                    (base + r < n_sel) & (idx_s[T.min(base + r, MAX_SELECTED - 1)] >= 0) & (idx_s[T.min(base + r, MAX_SELECTED - 1)] < n_comp),
+                                    Comp[b, T.max(idx_s[T.min(base + r, MAX_SELECTED - 1)], 0), d], T.cast(0, bf16),
+                                )
+                                k_r[stage, r, d] = T.if_then_else(
+                                    (base + r < n_sel) & (idx_s[T.min(base + r, MAX_SELECTED - 1)] >= 0) & (idx_s[T.min(base + r, MAX_SELECTED - 1)] < n_comp),
+                                    Comp[b, T.max(idx_s[T.min(base + r, MAX_SELECTED - 1)], 0), half + d], T.cast(0, bf16),
+                                )
+                        else:
+                            for r, d in T.Parallel(BK, half, prefer_async=True):
+                                k_l[stage, r, d] = T.if_then_else(
+                                    base + r < n_sel, Comp[b, T.min(ks + base + r, n_comp - 1), d], T.cast(0, bf16)
+                                )
+                                k_r[stage, r, d] = T.if_then_else(
+                                    base + r < n_sel, Comp[b, T.min(ks + base + r, n_comp - 1), half + d], T.cast(0, bf16)
+                                )
+                    T.fence_proxy_async()
+                    T.mbarrier_arrive(full[stage])
+            elif tx < 256:
                 T.set_max_nreg(consumer0_registers, 1)
+                # Only consumer 0 reads Q: its 128 threads load it (16-byte loads) while the
+                # producer already fetches the first key tiles.
+                T.copy(Q[b, s, h0 : h0 + HB, 0:half], q_l, disable_tma=True)
+                T.copy(Q[b, s, h0 : h0 + HB, half:D], q_r, disable_tma=True)
                 T.fill(m_i, M_FLOOR)
                 T.fill(row_sum, 0)
                 T.fill(acc_o_l, 0)
@@ -265,7 +347,7 @@ def sparse_window_fwd_kernel(
                     T.mbarrier_arrive(empty[stage])
                 # Sink in the denominator only; empty rows (no key, no sink) give 0 and -inf.
                 for h in T.Parallel(HB):
-                    sink_f[h] = T.if_then_else(has_sink & (h0 + h < heads), Sink[T.min(h0 + h, heads - 1)] * LOG2E, M_FLOOR)
+                    sink_f[h] = T.if_then_else(has_sink, Sink[h0 + h] * LOG2E, M_FLOOR)
                 for h in T.Parallel(HB):
                     m_prev[h] = T.max(m_i[h], sink_f[h])  # final max
                     row_sum[h] = row_sum[h] * T.exp2(m_i[h] - m_prev[h]) + T.if_then_else(
@@ -277,17 +359,14 @@ def sparse_window_fwd_kernel(
                 T.copy(alpha, final_s)
                 T.mbarrier_arrive(done[0])
                 for h in T.Parallel(HB):
-                    if h0 + h < heads:
-                        Lse[b, s, h0 + h] = T.if_then_else(
-                            row_sum[h] > 0, (m_prev[h] + T.log2(row_sum[h])) / LOG2E, -T.infinity(f32)
-                        )
+                    Lse[b, s, h0 + h] = T.if_then_else(
+                        row_sum[h] > 0, (m_prev[h] + T.log2(row_sum[h])) / LOG2E, -T.infinity(f32)
+                    )
                 for h, d in T.Parallel(HB, half):
                     acc_o_l[h, d] *= alpha[h]
                 T.copy(acc_o_l, q_l)
-                for h, d in T.Parallel(HB, half):
-                    if h0 + h < heads:
-                        Out[b, s, h0 + h, d] = q_l[h, d]
-            elif tx < 256:
+                T.copy(q_l, Out[b, s, h0 : h0 + HB, 0:half], disable_tma=True)
+            else:
                 T.set_max_nreg(consumer1_registers, 1)
                 T.fill(acc_o_r, 0)
                 for t in T.serial(tiles):
@@ -302,45 +381,7 @@ def sparse_window_fwd_kernel(
                 for h, d in T.Parallel(HB, half):
                     acc_o_r[h, d] *= final_s[h]
                 T.copy(acc_o_r, q_r)
-                for h, d in T.Parallel(HB, half):
-                    if h0 + h < heads:
-                        Out[b, s, h0 + h, half + d] = q_r[h, d]
-            else:
-                T.set_max_nreg(producer_registers, 0)
-                for t in T.serial(tiles):
-                    stage = t % num_stages
-                    T.mbarrier_wait_parity(empty[stage], ((t // num_stages) % 2) ^ 1)
-                    # 16-byte cp.async with a zero source size for rows the query must not see.
-                    if t < window_tiles:
-                        for r, d in T.Parallel(BK, half, prefer_async=True):
-                            k_l[stage, r, d] = T.if_then_else(
-                                lo + t * BK + r <= own, Raw[b, T.min(lo + t * BK + r, n_raw - 1), d], T.cast(0, bf16)
-                            )
-                            k_r[stage, r, d] = T.if_then_else(
-                                lo + t * BK + r <= own, Raw[b, T.min(lo + t * BK + r, n_raw - 1), half + d], T.cast(0, bf16)
-                            )
-                    else:
-                        base = (t - window_tiles) * BK
-                        if by_index:
-                            for r, d in T.Parallel(BK, half, prefer_async=True):
-                                k_l[stage, r, d] = T.if_then_else(
-                                    (base + r < n_sel) & (idx_s[T.min(base + r, MAX_SELECTED - 1)] >= 0) & (idx_s[T.min(base + r, MAX_SELECTED - 1)] < n_comp),
-                                    Comp[b, T.max(idx_s[T.min(base + r, MAX_SELECTED - 1)], 0), d], T.cast(0, bf16),
-                                )
-                                k_r[stage, r, d] = T.if_then_else(
-                                    (base + r < n_sel) & (idx_s[T.min(base + r, MAX_SELECTED - 1)] >= 0) & (idx_s[T.min(base + r, MAX_SELECTED - 1)] < n_comp),
-                                    Comp[b, T.max(idx_s[T.min(base + r, MAX_SELECTED - 1)], 0), half + d], T.cast(0, bf16),
-                                )
-                        else:
-                            for r, d in T.Parallel(BK, half, prefer_async=True):
-                                k_l[stage, r, d] = T.if_then_else(
-                                    base + r < n_sel, Comp[b, T.min(ks + base + r, n_comp - 1), d], T.cast(0, bf16)
-                                )
-                                k_r[stage, r, d] = T.if_then_else(
-                                    base + r < n_sel, Comp[b, T.min(ks + base + r, n_comp - 1), half + d], T.cast(0, bf16)
-                                )
-                    T.fence_proxy_async()
-                    T.mbarrier_arrive(full[stage])
+                T.copy(q_r, Out[b, s, h0 : h0 + HB, half:D], disable_tma=True)
 
     return sparse_window_fwd
 
@@ -383,7 +424,8 @@ def attention_delta_kernel(dim: int):
 
 
 def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int):
-    """PrimFunc of the backward for one configuration. Grid: (S * head groups, B), 256 threads.
+    """PrimFunc of the backward for one configuration. Grid: (S, H / 64, B), 256 threads; H a
+    multiple of 64 (zero q and dO rows in padded heads contribute exact zeros).
 
     Arguments as the forward's inputs plus dO [B, S, H, D] bf16, Lse and Delta [B, S, H] fp32;
     out: dQ [B, S, H, D] bf16 and dKV [B, N_raw + K, D] fp32 (raw rows first, then compressed),
@@ -413,8 +455,7 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int):
         dQ: T.Tensor([batch, seq_len, heads, D], bf16),
         dKV: T.Tensor([batch, n_raw + n_comp, D], f32),
     ):
-        groups = T.ceildiv(heads, HB)
-        with T.Kernel(seq_len * groups, batch, threads=BWD_THREADS) as (bx, b):
+        with T.Kernel(seq_len, heads // HB, batch, threads=BWD_THREADS) as (s, g, b):
             q_s = T.alloc_shared([HB, D], bf16)
             do_s = T.alloc_shared([HB, D], bf16)
             k_s = T.alloc_shared([BK, D], bf16)
@@ -428,8 +469,7 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int):
             lse2 = T.alloc_fragment([HB], f32)
             delta = T.alloc_fragment([HB], f32)
 
-            s = bx // groups
-            h0 = (bx % groups) * HB
+            h0 = g * HB
             own = s + n_raw - seq_len
             scale = Params[0]
             scale_log2 = Params[0] * LOG2E
@@ -442,12 +482,11 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int):
                 n_sel = T.max(KE[b, s] - ks, 0)
             lo, window_tiles, tiles = _tile_plan(T, own, WindowStart[b, s], window, n_sel)
 
-            for h, d in T.Parallel(HB, D):
-                q_s[h, d] = T.if_then_else(h0 + h < heads, Q[b, s, T.min(h0 + h, heads - 1), d], T.cast(0, bf16))
-                do_s[h, d] = T.if_then_else(h0 + h < heads, dO[b, s, T.min(h0 + h, heads - 1), d], T.cast(0, bf16))
+            T.copy(Q[b, s, h0 : h0 + HB, :], q_s, disable_tma=True)
+            T.copy(dO[b, s, h0 : h0 + HB, :], do_s, disable_tma=True)
             for h in T.Parallel(HB):
-                lse2[h] = T.if_then_else(h0 + h < heads, Lse[b, s, T.min(h0 + h, heads - 1)] * LOG2E, T.cast(0, f32))
-                delta[h] = T.if_then_else(h0 + h < heads, Delta[b, s, T.min(h0 + h, heads - 1)], T.cast(0, f32))
+                lse2[h] = Lse[b, s, h0 + h] * LOG2E
+                delta[h] = Delta[b, s, h0 + h]
             T.clear(acc_dq)
             for t in T.serial(tiles):
                 base = (t - window_tiles) * BK
@@ -476,7 +515,7 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int):
                 T.gemm(do_s, k_s, acc_dp, transpose_B=True, clear_accum=True)
                 for h, c in T.Parallel(HB, BK):
                     acc_s[h, c] = T.if_then_else(
-                        (rows_s[c] >= 0) & (h0 + h < heads), T.exp2(acc_s[h, c] * scale_log2 - lse2[h]), T.cast(0, f32)
+                        rows_s[c] >= 0, T.exp2(acc_s[h, c] * scale_log2 - lse2[h]), T.cast(0, f32)
                     )
                     acc_dp[h, c] = acc_s[h, c] * (acc_dp[h, c] - delta[h]) * scale
                 T.copy(acc_s, p_s)
@@ -491,9 +530,7 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int):
                             T.atomic_add(dKV[b, rows_s[r], c * dkv_chunk + d], acc_kv[r, d])
                 T.sync_threads()
             T.copy(acc_dq, q_s)
-            for h, d in T.Parallel(HB, D):
-                if h0 + h < heads:
-                    dQ[b, s, h0 + h, d] = q_s[h, d]
+            T.copy(q_s, dQ[b, s, h0 : h0 + HB, :], disable_tma=True)
 
     return sparse_window_bwd
 
@@ -523,17 +560,28 @@ def _pad_dim(x: torch.Tensor, dim: int) -> torch.Tensor:
     return x if x.shape[-1] == dim else torch.nn.functional.pad(x, (0, dim - x.shape[-1]))
 
 
+def _pad_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """Zero-pad axis 2 (heads) of ``[B, S, H, ...]`` to ``heads``."""
+    if x.shape[2] == heads:
+        return x.contiguous()
+    pad = [0, 0] * (x.ndim - 3) + [0, heads - x.shape[2]]
+    return torch.nn.functional.pad(x, pad).contiguous()
+
+
 class KernelInputs:
     """The operands both kernels take, padded to the built head dim, and the mode they select."""
 
     def __init__(self, q, raw_kv, window_start, window, compressed_kv, indices, ks, ke, sink, scale):
         batch, seq_len, heads, dim = q.shape
-        self.dim = dim
+        self.dim, self.heads = dim, heads
         self.kdim = kernel_dim(dim)
-        self.q = _pad_dim(q, self.kdim)
+        self.kheads = -(-heads // BLOCK_HEADS) * BLOCK_HEADS  # whole 64-head blocks
+        self.q = _pad_heads(_pad_dim(q, self.kdim), self.kheads)
         self.raw = _pad_dim(raw_kv, self.kdim)
         self.n_raw = raw_kv.shape[1]
         self.window_start = window_start.contiguous()
+        if indices is not None and indices.shape[-1] == 0:
+            compressed_kv = None  # no slots: the same as no compressed keys
         if compressed_kv is None:  # no compressed keys: an empty range over one zero row
             compressed_kv = q.new_zeros(batch, 1, dim)
             ks = ke = torch.zeros(batch, seq_len, dtype=torch.int32, device=q.device)
@@ -546,22 +594,25 @@ class KernelInputs:
             self.mode = "range"
             self.selector, self.end = ks.contiguous(), ke.contiguous()
         self.has_sink = sink is not None
-        self.sink = sink.contiguous() if sink is not None else torch.zeros(heads, dtype=torch.float32, device=q.device)
+        self.sink = torch.zeros(self.kheads, dtype=torch.float32, device=q.device)
+        if sink is not None:
+            self.sink[:heads] = sink
         self.params, self.window = _params(q.device, scale, self.has_sink, window)
 
 
-def sparse_window_forward(inputs: KernelInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [B, S, H, D] bf16, lse [B, S, H] fp32) on the GPU."""
+def sparse_window_forward(inputs: KernelInputs, *, out=None, lse=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [B, S, H, D] bf16, lse [B, S, H] fp32) on the GPU; ``out`` / ``lse`` (optional,
+    contiguous, at the built head dim and padded head count) receive the result, every element
+    written; the returned tensors are views of them at the real heads and dim."""
     q = inputs.q
     batch, seq_len, heads, _ = q.shape
-    out = torch.empty_like(q)
-    lse = torch.empty((batch, seq_len, heads), dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q) if out is None else out
+    lse = torch.empty((batch, seq_len, heads), dtype=torch.float32, device=q.device) if lse is None else lse
     if q.numel():
-        config = forward_config(inputs.kdim, inputs.mode)
-        kernel = compile_cached(sparse_window_fwd_kernel, pass_configs=config.pass_configs(), **config.kernel_kwargs())
+        kernel = _compile_forward(forward_config(inputs.kdim, inputs.mode))
         kernel(q, inputs.raw, inputs.comp, inputs.window_start, inputs.selector, inputs.end, inputs.sink,
                inputs.params, inputs.window, out, lse)
-    return out[..., : inputs.dim], lse
+    return out[:, :, : inputs.heads, : inputs.dim], lse[:, :, : inputs.heads]
 
 
 def attention_delta(out: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
@@ -575,21 +626,34 @@ def attention_delta(out: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
     return delta
 
 
-def sparse_window_backward(inputs: KernelInputs, out, lse, grad_out):
-    """(dq, d raw_kv, d compressed_kv, delta) for the saved forward; gradients in bf16."""
+def sparse_window_backward(inputs: KernelInputs, out, lse, grad_out, *, dq=None):
+    """(dq, d raw_kv, d compressed_kv, delta) for the saved forward; gradients in bf16. ``dq``
+    (optional, contiguous, at the built head dim) receives dq, every element written."""
     q = inputs.q
     batch, seq_len, heads, _ = q.shape
-    grad_out = _pad_dim(grad_out, inputs.kdim)
-    delta = attention_delta(_pad_dim(out, inputs.kdim), grad_out)
-    dq = torch.empty_like(q)
+    # Padded heads: zero dO (so zero delta and gradients) and a finite lse of 0.
+    grad_out = _pad_heads(_pad_dim(grad_out, inputs.kdim), inputs.kheads)
+    delta = attention_delta(_pad_heads(_pad_dim(out, inputs.kdim), inputs.kheads), grad_out)
+    lse = _pad_heads(lse, inputs.kheads)
+    dq = torch.empty_like(q) if dq is None else dq
     n_comp = inputs.comp.shape[1]
     dkv = torch.zeros((batch, inputs.n_raw + n_comp, inputs.kdim), dtype=torch.float32, device=q.device)
     if q.numel():
         config = backward_config(inputs.kdim, inputs.mode)
         kernel = compile_cached(sparse_window_bwd_kernel, pass_configs=config.pass_configs(), **config.kernel_kwargs())
         kernel(q, inputs.raw, inputs.comp, inputs.window_start, inputs.selector, inputs.end, inputs.params,
-               inputs.window, grad_out, lse.contiguous(), delta, dq, dkv)
+               inputs.window, grad_out, lse, delta, dq, dkv)
     dim = inputs.dim
     d_raw = dkv[:, : inputs.n_raw, :dim].to(q.dtype)
     d_comp = dkv[:, inputs.n_raw :, :dim].to(q.dtype)
-    return dq[..., :dim], d_raw, d_comp, delta
+    heads = inputs.heads
+    return dq[:, :, :heads, :dim], d_raw, d_comp, delta[:, :, :heads]
+
+
+def compile_all(dim: int, mode: str) -> None:
+    """Compile (or load from TileLang's disk cache) the forward, backward and delta kernels of one
+    head dim and mode, e.g. in parallel processes before a first training step."""
+    fwd, bwd = forward_config(dim, mode), backward_config(dim, mode)
+    _compile_forward(fwd)
+    compile_cached(sparse_window_bwd_kernel, pass_configs=bwd.pass_configs(), **bwd.kernel_kwargs())
+    compile_cached(attention_delta_kernel, dim=dim)

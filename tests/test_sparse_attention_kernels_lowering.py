@@ -1,0 +1,141 @@
+"""Sparse window attention kernels on the CPU: every dispatched configuration lowers for sm_90a
+with wgmma and fits Hopper's shared memory; the forward keeps its warp-specialised schedule and
+zero-filling gathers; two configurations compile to cubins with nvcc; the wrappers' limits."""
+
+import re
+import shutil
+
+import pytest
+import torch
+from _lowering import map_in_workers
+
+from nemo_dsa.ops.sparse_attention import kernels, sparse_window_attention
+from nemo_dsa.ops.sparse_attention.kernels import (
+    HOPPER_SMEM_LIMIT,
+    BackwardConfig,
+    ForwardConfig,
+    backward_config,
+    dispatched_configs,
+    forward_config,
+    kernel_dim,
+)
+
+
+def _factory(config):
+    if isinstance(config, ForwardConfig):
+        return kernels.sparse_window_fwd_kernel
+    if isinstance(config, BackwardConfig):
+        return kernels.sparse_window_bwd_kernel
+    return kernels.attention_delta_kernel
+
+
+def _lower(config):
+    """(config, generated CUDA, dynamic shared memory bytes) for one configuration."""
+    from nemo_dsa.ops._tilelang import dynamic_shared_memory_bytes, lower
+
+    if isinstance(config, int):  # the delta kernel, by head dim
+        artifact = lower(kernels.attention_delta_kernel(config))
+    else:
+        artifact = lower(_factory(config)(**config.kernel_kwargs()), pass_configs=config.pass_configs())
+    return config, str(artifact.kernel_source), dynamic_shared_memory_bytes(artifact)
+
+
+def _compile(config):
+    from nemo_dsa.ops._tilelang import compile_cubin
+
+    kernel = compile_cubin(_factory(config)(**config.kernel_kwargs()), pass_configs=config.pass_configs())
+    return str(kernel.get_kernel_source())
+
+
+def _forward_problems(config: ForwardConfig, source: str) -> list[str]:
+    """What the forward's CUDA lacks of its schedule: S = Q K^T as m64n64 wgmmas, one m64 x D/2
+    P V wgmma per consumer, the setmaxnreg split, and zero-filling cp.async gathers."""
+    problems = []
+    if not re.search(r"wgmma_ss<[^>]*\b64, 64, 16\b", source):
+        problems.append("S = Q K^T as m64n64k16 wgmma")
+    if len(re.findall(rf"wgmma_ss<[^>]*\b64, {config.dim // 2}, 16\b", source)) < 2:
+        problems.append(f"one m64n{config.dim // 2} P V wgmma per consumer")
+    if f"warpgroup_reg_dealloc<{config.producer_registers}>" not in source:
+        problems.append("producer setmaxnreg.dec")
+    for registers in {config.consumer0_registers, config.consumer1_registers}:
+        if f"warpgroup_reg_alloc<{registers}>" not in source:
+            problems.append(f"consumer setmaxnreg.inc {registers}")
+    if "cp_async_gs_conditional<16>" not in source:
+        problems.append("16-byte zero-filling cp.async gathers")
+    # Each role synchronises only among itself: one named-barrier id per role, none shared (a
+    # producer barrier with a consumer's id deadlocks the block).
+    marks = [m.start() for m in re.finditer(r"warpgroup_reg_(?:alloc|dealloc)<", source)] + [len(source)]
+    role_ids = [set(re.findall(r"__sync_thread_partial\((\d+), 128\)", source[a:b])) for a, b in zip(marks, marks[1:])]
+    if len(role_ids) != 3 or any(len(ids) > 1 for ids in role_ids) or len(set().union(*role_ids)) != sum(map(len, role_ids)):
+        problems.append(f"one named barrier per role, distinct across roles (got {role_ids})")
+    return problems
+
+
+def test_every_dispatched_config_lowers_with_wgmma_and_fits_shared_memory():
+    configs = dispatched_configs()
+    assert len(configs) == len(set(configs)) == 2 * len(kernels.KERNEL_DIMS) * len(kernels.MODES)
+    results = map_in_workers(_lower, configs + list(kernels.KERNEL_DIMS))
+    for config, source, smem in results:
+        assert smem <= HOPPER_SMEM_LIMIT, f"{config}: {smem} bytes of dynamic shared memory"
+        if isinstance(config, ForwardConfig):
+            assert not _forward_problems(config, source), f"{config}: missing {_forward_problems(config, source)}"
+            assert smem >= config.shared_memory_bytes(), f"{config}: tiles need more than {smem} bytes"
+        elif isinstance(config, BackwardConfig):
+            assert "wgmma_ss<" in source, f"{config}: no wgmma"
+            assert "AtomicAdd" in source, f"{config}: dkv is not accumulated atomically"
+            assert smem > 0
+    budget = 128 * sum(
+        getattr(configs[0], name) for name in ("consumer0_registers", "consumer1_registers", "producer_registers")
+    )
+    assert budget <= 65536, f"setmaxnreg budgets ask for {budget} registers"
+
+
+def test_schedule_check_can_fail():
+    """The forward check fails on a plain T.gemm kernel without the warp-specialised roles."""
+    from nemo_dsa.ops._tilelang import lower_to_cuda_source
+
+    T = kernels.tilelang().language
+
+    @T.prim_func
+    def plain(Q: T.Tensor([64, 512], T.bfloat16), K: T.Tensor([64, 512], T.bfloat16), S: T.Tensor([64, 64], T.float32)):
+        with T.Kernel(1, threads=128):
+            q = T.alloc_shared([64, 512], T.bfloat16)
+            k = T.alloc_shared([64, 512], T.bfloat16)
+            acc = T.alloc_fragment([64, 64], T.float32)
+            T.copy(Q, q)
+            T.copy(K, k)
+            T.gemm(q, k, acc, transpose_B=True, clear_accum=True)
+            T.copy(acc, S)
+
+    assert _forward_problems(forward_config(512, "indices"), lower_to_cuda_source(plain))
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found: cannot build cubins")
+def test_representative_configs_compile_to_cubin():
+    fwd, bwd = forward_config(512, "indices"), backward_config(128, "range")
+    fwd_source, bwd_source = map_in_workers(_compile, [fwd, bwd])
+    assert not _forward_problems(fwd, fwd_source)
+    assert "AtomicAdd" in bwd_source
+
+
+def test_dims_and_modes_map_to_kernels():
+    assert [kernel_dim(d) for d in (16, 128, 130, 256, 320, 512)] == [128, 128, 512, 512, 512, 512]
+    with pytest.raises(ValueError, match="head_dim"):
+        kernel_dim(528)
+    with pytest.raises(ValueError, match="dim must be one of"):
+        forward_config(192, "indices")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        backward_config(512, "dense")
+
+
+def _cuda_like_args(**change):
+    q = torch.zeros(1, 4, 8, 64, dtype=torch.bfloat16)
+    args = dict(q=q, raw_kv=torch.zeros(1, 4, 64, dtype=torch.bfloat16), window_start=torch.zeros(1, 4, dtype=torch.int32),
+                window=2, compressed_kv=None, scale=0.1, backend="tilelang")
+    args.update(change)
+    return args
+
+
+def test_kernel_path_rejects_cpu_tensors():
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        sparse_window_attention(**_cuda_like_args())
