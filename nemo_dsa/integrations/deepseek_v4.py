@@ -13,9 +13,16 @@ per compression ratio (ratio 1 for window-only layers), from what the trainer pa
 (``position_ids``, ``seq_lens`` / ``seq_lens_padded`` of nemo-automodel's THD collater,
 ``cu_seqlens``, ``packed_seq_ids``, ``attention_mask`` / ``padding_mask``, and under context
 parallelism the shards and ``_dsv4_cp_group`` of the built-in's CP sharder), runs the built-in's
-blocks with it, and builds none of the built-in's dense masks or RoPE tables. Under CP the
-sharder's ``seq_lens`` describe the documents before its compression padding, so the metadata
-comes from the per-rank ``position_ids``, ``packed_seq_ids`` and ``padding_mask`` instead.
+blocks with it, and builds none of the built-in's dense [B, 1, S, S] masks (the MTP block still
+computes its small RoPE cos/sin tables, which nothing reads). Under CP the sharder's ``seq_lens``
+describe the documents before its compression padding, so the metadata comes from the per-rank
+``position_ids``, ``packed_seq_ids`` and ``padding_mask`` instead; the compression padding
+inside a document's id is padding to nemo_dsa (the built-in treats it as part of the document;
+real tokens see the same keys either way, since a query never sees tokens after itself).
+
+Packed documents need not start on a multiple of the compression ratio: nemo_dsa's visibility
+rule is causal for every layout, where the built-in's per-document group numbering lets a query
+see a group that holds later tokens (the tests show both).
 
 Registered through the ``nemo_automodel.architectures`` entry point. A config selects it with
 ``architectures: [NemoDsaDeepseekV4ForCausalLM]`` (e.g. ``config: {architectures: [...]}`` beside
