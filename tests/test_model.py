@@ -121,6 +121,21 @@ def test_bad_roles_raise(overrides, field):
         tiny_config(**overrides)
 
 
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (dict(o_lora_rank=8, o_groups=3), "o_groups"),
+        (dict(o_lora_rank=-1), "o_lora_rank"),
+        (dict(compress_rope_theta=0.0), "compress_rope_theta"),
+        (dict(rope_scaling={"type": "yarn", "factor": 4}), "rope_scaling"),
+        (dict(rope_scaling={"rope_type": "dynamic", "factor": 2}), "rope_scaling"),
+    ],
+)
+def test_bad_released_attention_fields_raise(overrides, field):
+    with pytest.raises(ValueError, match=field):
+        tiny_config(**overrides)
+
+
 def test_initialize_weights_deterministic_and_counts():
     a, b = make_model(seed=5), make_model(seed=5)
     for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values()):

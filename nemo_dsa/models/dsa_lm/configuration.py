@@ -1,8 +1,10 @@
-"""Configuration of the DeepSeek-V4-style causal LM with DSA attention.
+"""Configuration of the DeepSeek-V4 attention and of nemo_dsa's causal LM around it.
 
 A plain dataclass (no transformers dependency): Hydra builds it from YAML, and the
 nemo-automodel integration wraps it in a ``PretrainedConfig``. Field names follow the
-DeepSeek-V4 config where one exists (``q_lora_rank``, ``compress_ratios``, ``index_topk`` ...).
+DeepSeek-V4 config where one exists (``q_lora_rank``, ``o_groups``, ``compress_ratios``,
+``compress_rope_theta``, ``rope_scaling``, ``index_topk`` ...); ``from_hf_config`` reads a released
+model's HF config (``hf_config.py`` has the field table).
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from dataclasses import asdict, dataclass
 from nemo_dsa._checks import is_positive_int
 from nemo_dsa.layers.rope import yarn_parameters
 from nemo_dsa.models.dsa_lm.hf_config import dsa_fields_from_hf
-
 from nemo_dsa.models.dsa_lm.layer_roles import (
     attention_role,
     index_source_layers,
@@ -128,6 +129,10 @@ class DSAModelConfig:
             raise ValueError(
                 f"o_groups must divide num_attention_heads={self.num_attention_heads}, got {self.o_groups}"
             )
+        for name in ("rope_theta", "compress_rope_theta"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
         if self.rope_scaling is not None:
             self.rope_scaling = dict(self.rope_scaling)
         yarn_parameters(self.rope_scaling)  # raises ValueError naming rope_scaling
