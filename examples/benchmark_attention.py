@@ -154,19 +154,26 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    print_table(rows)
+
+
+def print_table(rows: list[dict]) -> None:
     print("| S | fwd ours | fwd built-in | ratio | TFLOP/s ours / built-in | fwd+bwd ours | fwd+bwd built-in | ratio | TFLOP/s ours / built-in | peak MiB fwd+bwd ours / built-in |")
     print("|---|---|---|---|---|---|---|---|---|---|")
 
-    def f(v, spec):
-        return "OOM" if v is None else format(v, spec)
+    def f(r, key, spec):
+        """'-' for a side that was not run (--ours-only), OOM for one that ran out of memory."""
+        if key not in r:
+            return "-"
+        return "OOM" if r[key] is None else format(r[key], spec)
 
     for r in rows:
         print(
-            f"| {r['seq']} | {f(r.get('ours_fwd_ms'), '.2f')} ms | {f(r.get('builtin_fwd_ms'), '.2f')} ms | "
-            f"{f(r.get('speedup_fwd'), '.2f')}x | {f(r.get('ours_fwd_tflops'), '.0f')} / {f(r.get('builtin_fwd_tflops'), '.0f')} | "
-            f"{f(r.get('ours_fwd_bwd_ms'), '.1f')} ms | {f(r.get('builtin_fwd_bwd_ms'), '.1f')} ms | {f(r.get('speedup_fwd_bwd'), '.2f')}x | "
-            f"{f(r.get('ours_fwd_bwd_tflops'), '.0f')} / {f(r.get('builtin_fwd_bwd_tflops'), '.0f')} | "
-            f"{f(r.get('ours_fwd_bwd_peak_mib'), '.0f')} / {f(r.get('builtin_fwd_bwd_peak_mib'), '.0f')} |"
+            f"| {r['seq']} | {f(r, 'ours_fwd_ms', '.2f')} ms | {f(r, 'builtin_fwd_ms', '.2f')} ms | "
+            f"{f(r, 'speedup_fwd', '.2f')}x | {f(r, 'ours_fwd_tflops', '.0f')} / {f(r, 'builtin_fwd_tflops', '.0f')} | "
+            f"{f(r, 'ours_fwd_bwd_ms', '.1f')} ms | {f(r, 'builtin_fwd_bwd_ms', '.1f')} ms | {f(r, 'speedup_fwd_bwd', '.2f')}x | "
+            f"{f(r, 'ours_fwd_bwd_tflops', '.0f')} / {f(r, 'builtin_fwd_bwd_tflops', '.0f')} | "
+            f"{f(r, 'ours_fwd_bwd_peak_mib', '.0f')} / {f(r, 'builtin_fwd_bwd_peak_mib', '.0f')} |"
         )
 
 

@@ -43,6 +43,7 @@ def _lower(config):
 def _compile(config):
     from nemo_dsa.ops._tilelang import compile_cubin
 
+    kernels.register_barrier_postproc()  # as the launch wrappers do before compiling
     kernel = compile_cubin(_factory(config)(**config.kernel_kwargs()), pass_configs=config.pass_configs())
     return str(kernel.get_kernel_source())
 
@@ -78,7 +79,9 @@ def test_every_dispatched_config_lowers_with_wgmma_and_fits_shared_memory():
     for config, source, smem in results:
         assert smem <= HOPPER_SMEM_LIMIT, f"{config}: {smem} bytes of dynamic shared memory"
         if isinstance(config, ForwardConfig):
-            assert not _forward_problems(config, source), f"{config}: missing {_forward_problems(config, source)}"
+            # What nvcc compiles: the CUDA after the per-role barrier renumbering.
+            compiled = kernels.separate_role_barriers(source)
+            assert not _forward_problems(config, compiled), f"{config}: missing {_forward_problems(config, compiled)}"
             assert smem >= config.shared_memory_bytes(), f"{config}: tiles need more than {smem} bytes"
         elif isinstance(config, BackwardConfig):
             assert "wgmma_ss<" in source, f"{config}: no wgmma"
@@ -88,6 +91,22 @@ def test_every_dispatched_config_lowers_with_wgmma_and_fits_shared_memory():
         getattr(configs[0], name) for name in ("consumer0_registers", "consumer1_registers", "producer_registers")
     )
     assert budget <= 65536, f"setmaxnreg budgets ask for {budget} registers"
+
+
+def test_role_barrier_renumbering_separates_shared_ids():
+    """TileLang gave the producer's copy barrier consumer 0's id in this shape of code; after the
+    renumbering each role has its own id, and other kernels' code is left alone."""
+    code = (
+        "void sparse_window_fwd() { warpgroup_reg_dealloc<96>(); __sync_thread_partial(3, 128);"
+        " warpgroup_reg_alloc<240>(); __sync_thread_partial(3, 128); __sync_thread_partial(3, 128);"
+        " warpgroup_reg_alloc<168>(); __sync_thread_partial(4, 128); }"
+    )
+    fixed = kernels.separate_role_barriers(code)
+    ids = [int(i) for i in re.findall(r"__sync_thread_partial\((\d+), 128\)", fixed)]
+    assert ids == [kernels.ROLE_BARRIER_IDS[0]] + [kernels.ROLE_BARRIER_IDS[1]] * 2 + [kernels.ROLE_BARRIER_IDS[2]]
+    assert kernels.separate_role_barriers(code.replace("sparse_window_fwd", "other")) == code.replace("sparse_window_fwd", "other")
+    with pytest.raises(RuntimeError, match="3 warpgroup roles"):
+        kernels.separate_role_barriers("sparse_window_fwd warpgroup_reg_alloc<240>")
 
 
 def test_schedule_check_can_fail():
@@ -115,6 +134,8 @@ def test_representative_configs_compile_to_cubin():
     fwd, bwd = forward_config(512, "indices"), backward_config(128, "range")
     fwd_source, bwd_source = map_in_workers(_compile, [fwd, bwd])
     assert not _forward_problems(fwd, fwd_source)
+    for role_id in kernels.ROLE_BARRIER_IDS:  # the post-processing hook ran before nvcc
+        assert f"__sync_thread_partial({role_id}, 128)" in fwd_source
     assert "AtomicAdd" in bwd_source
 
 

@@ -166,7 +166,9 @@ def _cuda_postproc(code, _target):
 _postproc_registered = False
 
 
-def _register_postproc() -> None:
+def register_barrier_postproc() -> None:
+    """Install :func:`separate_role_barriers` as TileLang's CUDA post-processing hook, once per
+    process (it passes every other kernel's code through unchanged)."""
     global _postproc_registered
     if not _postproc_registered:
         from tilelang.engine.callback import register_cuda_postproc_callback
@@ -176,7 +178,7 @@ def _register_postproc() -> None:
 
 
 def _compile_forward(config: "ForwardConfig"):
-    _register_postproc()
+    register_barrier_postproc()
     return compile_cached(sparse_window_fwd_kernel, pass_configs=config.pass_configs(), **config.kernel_kwargs())
 
 
