@@ -84,7 +84,8 @@ from nemo_dsa.layers.indexer_loss import indexer_kl_loss
 from nemo_dsa.layers.norm import RMSNorm, rms_normalize
 from nemo_dsa.layers.rope import apply_rope, rope_angles
 from nemo_dsa.layers.shared_state import Ratio4State, SharedLayerState
-from nemo_dsa.ops.sparse_attention.naive import sparse_attention
+from nemo_dsa.ops.sparse_attention import sparse_attention, sparse_window_attention
+from nemo_dsa.ops.sparse_attention.naive import window_key_indices
 
 
 class DSASparseAttention(KeepsFP32Parameters):
@@ -167,20 +168,11 @@ class DSASparseAttention(KeepsFP32Parameters):
         kv = apply_rope(self.kv_norm(self.wkv(x)), angles)
 
         history = self.window - 1
-        window_kv, window_indices = self._window(kv, meta, ctx, history)
-        keys, indices, bias = window_kv, window_indices, None
-        selection = None
+        raw_kv = with_history(ctx, kv, history)
+        compressed_kv, compressed_indices, selection = None, None, None
         if self.ratio > 0:
             compressed_kv, compressed_indices, selection = self._compressed(x, query_latent, angles, meta, ctx, shared)
-            offset = window_kv.shape[1]
-            keys = torch.cat((window_kv, compressed_kv), dim=1)
-            indices = torch.cat(
-                (window_indices, torch.where(compressed_indices >= 0, compressed_indices + offset, -1)), dim=-1
-            )
-            if self._straight_through(selection):
-                score = selection.index_score.masked_fill(compressed_indices < 0, 0.0)
-                bias = F.pad(score - score.detach(), (window_indices.shape[-1], 0))
-        out, lse = sparse_attention(q, keys, indices, self.attn_sink, self.scale, bias=bias)
+        out, lse = self._attend(q, raw_kv, meta, history, compressed_kv, compressed_indices, selection)
         out = apply_rope(out, angles, inverse=True)
         out = self._output_projection(out.flatten(2))
         aux = None
@@ -198,22 +190,49 @@ class DSASparseAttention(KeepsFP32Parameters):
             return self.wo_b(self.wo_a(out))
         return self.wo(out)
 
-    def _window(self, kv, meta, ctx, history):
-        """Keys ``[B, history + S, D]`` (previous tokens, then the shard) and window indices."""
-        batch, seq, _ = kv.shape
-        window_kv = with_history(ctx, kv, history)
-        docs = with_history(ctx, meta.doc_ids, history)
-        slots = torch.arange(seq, device=kv.device).unsqueeze(1) + torch.arange(self.window, device=kv.device)
-        key_docs = docs[:, slots]  # [B, S, W]; slot history + i is the query itself
-        query_docs = meta.doc_ids.unsqueeze(-1)
-        visible = (key_docs == query_docs) & (query_docs > 0)
-        return window_kv, torch.where(visible, slots.expand(batch, -1, -1), -1)
+    def _attend(self, q, raw_kv, meta, history, compressed_kv, compressed_indices, selection):
+        """One softmax over each query's window of ``raw_kv`` and its compressed keys, sink included.
+
+        The window is read by position (``window_start``); compressed keys by the selection's
+        indices, or by the visible range ``[ks, ke)`` on layers that see every visible group, so
+        no index list exists for either. The kernels take bf16 and no logit bias: fp32 models and
+        the opt-in straight-through term run the reference on every device when ``backend`` is auto.
+        """
+        window_start = document_window_start(meta, history)
+        kwargs = {}
+        if compressed_kv is not None:
+            compressed_kv = compressed_kv.to(q.dtype)
+            if compressed_indices is None:
+                kwargs.update(ks=meta.ks, ke=meta.ke)
+            else:
+                kwargs.update(indices=compressed_indices.to(torch.int32))
+        if self._straight_through(selection):
+            return self._attend_with_index_bias(q, raw_kv, window_start, compressed_kv, compressed_indices, selection)
+        backend = self.config.backend
+        if backend == "auto" and q.dtype != torch.bfloat16:
+            backend = "torch"
+        return sparse_window_attention(
+            q, raw_kv, window_start, self.window, compressed_kv,
+            sink=self.attn_sink, scale=self.scale, backend=backend, **kwargs,
+        )  # fmt: skip
+
+    def _attend_with_index_bias(self, q, raw_kv, window_start, compressed_kv, compressed_indices, selection):
+        """The straight-through variant: the selected groups' logits get ``score - score.detach()``."""
+        seq = q.shape[1]
+        window_indices = window_key_indices(window_start, self.window, seq, raw_kv.shape[1])
+        offset = raw_kv.shape[1]
+        keys = torch.cat((raw_kv, compressed_kv), dim=1)
+        indices = torch.cat(
+            (window_indices, torch.where(compressed_indices >= 0, compressed_indices + offset, -1)), dim=-1
+        )
+        score = selection.index_score.masked_fill(compressed_indices < 0, 0.0)
+        bias = F.pad(score - score.detach(), (window_indices.shape[-1], 0))
+        return sparse_attention(q, keys, indices, self.attn_sink, self.scale, bias=bias)
 
     def _compressed(self, x, query_latent, angles, meta, ctx, shared: SharedLayerState):
         """Global compressed KV ``[B, K, D]`` and each query's indices into it ``[B, S, T]``."""
-        if self.role == "all_groups":
-            compressed_kv = ctx.gather_sequence(self.compressor(x, meta, ctx), 1)
-            return compressed_kv, visible_range_indices(meta.ks, meta.ke), None
+        if self.role == "all_groups":  # every visible group: the range [ks, ke), no index list
+            return ctx.gather_sequence(self.compressor(x, meta, ctx), 1), None, None
         state = shared.ratio4
         if self.role == "source":
             compressed_kv = ctx.gather_sequence(self.compressor(x, meta, ctx), 1)
@@ -269,9 +288,14 @@ def with_history(ctx: SequenceContext, x: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat((ctx.previous_tail(x, n, 1), x), dim=1)
 
 
-def visible_range_indices(ks: torch.Tensor, ke: torch.Tensor) -> torch.Tensor:
-    """Every key in ``[ks, ke)`` per query, int64 ``[B, S, max(ke - ks)]``, -1 padded."""
-    width = int((ke - ks).max()) if ks.numel() else 0
-    offsets = torch.arange(width, device=ks.device)
-    indices = ks.long().unsqueeze(-1) + offsets
-    return torch.where(indices < ke.long().unsqueeze(-1), indices, -1)
+def document_window_start(meta, history: int) -> torch.Tensor:
+    """int32 ``[B, S]``: the first row of each query's document on the ``history + S`` raw-kv axis.
+
+    Query i owns row ``history + i``; its document began ``local_positions[i]`` tokens earlier
+    (possibly on an earlier context-parallel rank: clamped to row 0, the window never reaches
+    further back). Padding queries get ``history + i + 1``, an empty window.
+    """
+    seq = meta.doc_ids.shape[1]
+    own = torch.arange(seq, device=meta.doc_ids.device) + history
+    start = torch.where(meta.token_valid, own - meta.local_positions, own + 1)
+    return start.clamp_min(0).to(torch.int32)
