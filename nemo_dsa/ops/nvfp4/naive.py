@@ -1,0 +1,73 @@
+"""NVFP4 quantize-dequantize of the released DeepSeek-V4.1 compressed KV, straight-through gradient.
+
+The rule (DeepSeek-V4.1 rounds its compressed KV this way, after RoPE), per block of
+``block_size`` (16) consecutive channels, in fp32:
+
+- ``amax`` = max |x| over the block (a final partial block counts only its own channels);
+- ``scale`` = ``e4m3(max(amax, 6 * 2^-9) / 6)``: the fp32 quotient rounded to ``float8_e4m3fn``
+  (nearest, ties to even), so not a power of two in general;
+- ``v = clamp(x / scale, -6, 6)`` (a correctly rounded fp32 division), rounded to the nearest E2M1
+  level +-{0, 0.5, 1, 1.5, 2, 3, 4, 6}; a value exactly half-way between two levels goes to the
+  level whose E2M1 mantissa bit is 0 (0, 1, 2, 4 and 6 are "even": 0.25 -> 0, 0.75 -> 1,
+  1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4);
+- the result ``level * scale`` is returned in the input dtype. The backward is the identity.
+
+A block holding a NaN or inf comes back as NaN. A block whose max exceeds 6 * 448 gets the largest
+E4M3 scale, 448 (torch's cast saturates, as in the release), so its values clamp to +-6 * 448.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nemo_dsa._checks import check_tensor, is_positive_int
+
+BLOCK = 16
+E2M1_MAX = 6.0
+AMAX_FLOOR = 6.0 * 2.0**-9
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Non-negative E2M1 levels in code order: code n has mantissa bit n % 2.
+E2M1_LEVELS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def round_to_e2m1(values: torch.Tensor) -> torch.Tensor:
+    """Round fp32 ``values`` in [-6, 6] to the nearest E2M1 level, ties to the even code."""
+    levels = values.new_tensor(E2M1_LEVELS)
+    magnitude = values.abs()
+    distance = (magnitude.unsqueeze(-1) - levels).abs()
+    nearest = distance.min(-1, keepdim=True).values
+    # Among the (one or two) nearest levels prefer an even code: rank ties by code parity.
+    # At most two levels are nearest, and then they are neighbours: one even code, one odd.
+    parity = torch.arange(len(E2M1_LEVELS), device=values.device) % 2
+    code = torch.where(distance == nearest, parity, 2).argmin(-1)
+    return torch.copysign(levels[code], values)
+
+
+def _quant_dequant(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    channels = x.shape[-1]
+    blocks = torch.nn.functional.pad(x.float(), (0, -channels % block_size)).unflatten(-1, (-1, block_size))
+    amax = blocks.abs().amax(-1, keepdim=True)
+    scale = (amax.clamp_min(AMAX_FLOOR) / E2M1_MAX).to(torch.float8_e4m3fn).float()
+    out = round_to_e2m1((blocks / scale).clamp(-E2M1_MAX, E2M1_MAX)) * scale
+    out = torch.where(torch.isfinite(amax), out, float("nan"))
+    return out.flatten(-2)[..., :channels].to(x.dtype)
+
+
+class _NVFP4QuantDequant(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, block_size: int) -> torch.Tensor:
+        return _quant_dequant(x, block_size)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None  # straight-through estimator
+
+
+def nvfp4_quant_dequant(x: torch.Tensor, block_size: int = BLOCK) -> torch.Tensor:
+    """NVFP4 quantize-dequantize ``x [..., C]`` per ``block_size`` channels (module docstring)."""
+    check_tensor("x", x, dtypes=FLOAT_DTYPES)
+    if x.ndim < 1:
+        raise ValueError(f"x must have a channel dimension, got shape {tuple(x.shape)}")
+    if not is_positive_int(block_size):
+        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+    return _NVFP4QuantDequant.apply(x, block_size)
