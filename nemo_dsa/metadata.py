@@ -1,4 +1,4 @@
-"""Attention metadata: which compressed keys each query may see (DSA-SPEC "Tokens" .. "Visibility").
+"""Attention metadata: which compressed keys each query may see (docs/semantics.md "Tokens" .. "Visibility").
 
 The builder turns whatever the trainer emits (position_ids, seq_lens[_padded], cu_seqlens,
 packed_seq_ids, attention_mask) into one per-token description of the local shard:
@@ -23,7 +23,7 @@ Conventions fixed here (the rest of nemo_dsa relies on them):
   span of ``seq_lens_padded[k]`` tokens (``seq_lens[k]`` without ``seq_lens_padded``) whose first
   ``seq_lens[k]`` tokens are the document and the rest padding; non-positive entries count as 0
   (nemo-automodel's THD collater pads with -1000). Spans tile the global row from position 0 and
-  must sum to ``G`` exactly (DSA-SPEC: lengths that do not sum to S*P raise).
+  must sum to ``G`` exactly (docs/semantics.md: lengths that do not sum to S*P raise).
 
 When several inputs are given they must agree: the token/padding split (seq_lens/cu_seqlens,
 packed_seq_ids > 0, attention_mask) exactly, and the document starts (seq_lens/cu_seqlens,

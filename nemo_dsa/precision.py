@@ -1,6 +1,6 @@
 """Precision control for the fp32 references: matmuls in full IEEE fp32, never TF32.
 
-The V4 reference promises fp32 products and sums (DSA-SPEC "Scoring"); TF32 would silently drop
+The V4 reference promises fp32 products and sums (docs/semantics.md "Index scoring"); TF32 would silently drop
 13 mantissa bits on CUDA. Every reference that multiplies fp32 matrices runs inside
 :func:`ieee_fp32_matmul`.
 """

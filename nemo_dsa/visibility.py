@@ -1,6 +1,6 @@
 """Which compressed keys a query sees: the one definition every op, reference and the metadata use.
 
-DSA-SPEC "Visibility": query i of row b sees compressed key j iff ``ks[b, i] <= j < ke[b, i]``
+docs/semantics.md "Visibility": query i of row b sees compressed key j iff ``ks[b, i] <= j < ke[b, i]``
 (the compact pair, int32 [B, S]); a query that sees nothing has ``ks == ke``. For a document
 starting at global position ``a`` and a query at global position ``p`` with compression ratio R:
 ``ks = ceil(a / R)`` and ``ke = max(ks, floor((p + 1) / R))`` (a group becomes visible once its

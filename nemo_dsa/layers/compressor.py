@@ -18,7 +18,7 @@ Position of a pooled key, compared with nemo-automodel 0.7.0's built-in DeepSeek
 rotates a packed document's key at ``(first-token local position // R) * R``, nemo_dsa at the
 first-token local position. On documents that start on a multiple of R the two are the same
 number; elsewhere nemo_dsa keeps the group's true position (the built-in's group index there is
-also the one that lets a query see a group holding later tokens, see DSA-SPEC "Visibility").
+also the one that lets a query see a group holding later tokens, see docs/semantics.md).
 """
 
 from __future__ import annotations

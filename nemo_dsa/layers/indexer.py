@@ -10,7 +10,7 @@ The indexer's inputs (the attention input and the query latent) are detached fro
 as in DeepSeek's sparse-attention training (arXiv 2512.02556): whatever trains the indexer (the KL
 loss, the opt-in straight-through term) reaches only the indexer's own parameters.
 
-Scoring (DSA-SPEC "Scoring"):
+Scoring (docs/semantics.md "Index scoring"):
 - ``v4``: trainable fp32 logits through ``v4_indexer_bshd``; returns the gathered
   ``index_score`` so the caller can train the indexer. q and k are in the model's precision, as in
   the release: bf16 in bf16 models (and under bf16 autocast), fp32 in fp32 models (the V4 op takes

@@ -1,6 +1,6 @@
 """DeepSeek-V4 sparse attention: sliding window + compressed KV (+ indexer) + sink.
 
-Per query (DSA-SPEC "Sparse attention (the module)"): multi-query attention over one shared
+Per query (docs/semantics.md "Sparse attention"): multi-query attention over one shared
 KV head, softmax scale ``head_dim^-0.5``, to
   (a) the raw tokens of its sliding window: the last ``sliding_window`` positions up to itself,
       same document, real tokens;
@@ -34,7 +34,7 @@ are not rounded (nemo_dsa now scores fp32 models in fp32 too); it gives the inde
 (nemo_dsa's default since the straight-through term is opt-in); it reads YaRN only from a
 ``rope_scaling`` whose ``type`` key is "yarn" (nemo_dsa also reads transformers' ``rope_type``);
 on packs whose documents start off a multiple of R its pooled-key positions and visibility differ
-(nemo_dsa follows DSA-SPEC "Visibility"); its padding positions (a row's right padding, a THD
+(nemo_dsa follows docs/semantics.md "Visibility"); its padding positions (a row's right padding, a THD
 document's padded tail) still attend and output values, nemo_dsa's output zeros there (neither
 reaches a counted label); it rotates at the ``position_ids`` it is given, nemo_dsa at the
 positions its metadata derives from the layout (the same numbers for document-local THD

@@ -3,7 +3,7 @@
 At S = 131072, R = 4 the full V4 logit matrix is 16 GiB of fp32 per indexer layer. Here queries
 are processed in chunks of Sc rows (``plan``); each chunk is scored with the ordinary scoring path
 (TileLang kernels on CUDA, the torch references otherwise) on the *key window* its queries can
-see, then selected exactly with the spec's rule (``window``; DSA-SPEC "Top-k selection": best
+see, then selected exactly with the documented rule (``window``; docs/semantics.md "Top-k selection": best
 finite scores, ties to the smaller key index, -1 padding). Only [B, Sc, W] transients live at a
 time (W <= K the window width), with Sc chosen so that they fit ``chunk_bytes``. Selection is
 independent of the chunking (every query's selection is a function of its own row only), so the
@@ -181,8 +181,8 @@ def v41_select_topk(
         q, k, w: [B, S, H, D], [B, K, D], [B, S, H], all bf16 (MXFP4/RoPE already applied to q, k).
         ks, ke: int32 [B, S] visible ranges on the global compressed axis.
         topk: keys per query; T = min(topk, K).
-        candidate_block_size: C, compressed positions per candidate block (DSA-SPEC "V4.1
-            candidate blocks"); needed with either of the next two.
+        candidate_block_size: C, compressed positions per candidate block (docs/semantics.md,
+            candidate blocks); needed with either of the next two.
         candidate_topk_blocks: candidate-source layer: also compute the kept blocks from this
             layer's scores (its own selection is not masked, as in the released model).
         candidate_blocks: reindex layer: int32 [B, S, NBk] kept block numbers (relative to ks,

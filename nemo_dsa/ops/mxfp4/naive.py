@@ -1,6 +1,6 @@
 """MXFP4 quantize-dequantize (E2M1 values, power-of-two block scale) with a straight-through gradient.
 
-DSA-SPEC "Scoring", V4.1 mode: per block of 32 consecutive channels, scale = the smallest power of
+docs/semantics.md "Index scoring", MXFP4: per block of 32 consecutive channels, scale = the smallest power of
 two >= max|x| / 6 (max clamped to at least 6 * 2^-126), taken from the fp32 bit pattern rather
 than a logarithm; x / scale is clamped to [-6, 6] and rounded to the nearest of
 +-{0, 0.5, 1, 1.5, 2, 3, 4, 6}, a tie going to the level whose E2M1 mantissa bit is 0; the result

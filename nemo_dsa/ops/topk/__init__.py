@@ -1,4 +1,4 @@
-"""Exact top-k selection (DSA-SPEC "Top-k selection") and what is built on it.
+"""Exact top-k selection (docs/semantics.md "Top-k selection") and what is built on it.
 
 Modules, imports one way: ``rows`` (row selection by unique keys) -> ``naive`` (the reference)
 -> ``kernels`` (the TileLang radix select) -> ``interface`` (validation and dispatch).

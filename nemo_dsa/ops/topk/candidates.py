@@ -1,6 +1,6 @@
 """V4.1 candidate blocks: the blocks of compressed keys a candidate-source layer keeps for later layers.
 
-DSA-SPEC "V4.1 candidate blocks". Block numbers count from each query's ``ks`` (they move with the
+docs/semantics.md "Top-k selection" (candidate blocks). Block numbers count from each query's ``ks`` (they move with the
 document start); the block scores are reduced with the exact row selection of
 :mod:`nemo_dsa.ops.topk.rows`, so ties go to the smaller block.
 """
@@ -26,7 +26,7 @@ def candidate_blocks(
 ) -> torch.Tensor:
     """V4.1 candidate blocks, compact form: kept block numbers, int32 ``[B, S, min(topk_blocks, NB)]``.
 
-    DSA-SPEC "V4.1 candidate blocks". For query i, block n covers the compressed positions
+    docs/semantics.md, candidate blocks. For query i, block n covers the compressed positions
     ``[ks_i + n*C, ks_i + (n+1)*C)`` clipped to its visible range ``[ks_i, ke_i)`` (blocks are
     counted from the document's first group, so they move with ks). A block's score is the max of
     its finite visible scores. The block holding the last visible group ``ke_i - 1`` is always

@@ -1,6 +1,6 @@
 """Top-k selection on a score matrix: the TileLang radix select on CUDA, the reference elsewhere.
 
-Both paths implement DSA-SPEC "Top-k selection" exactly (same indices, bit for bit); the
+Both paths implement docs/semantics.md "Top-k selection" exactly (same indices, bit for bit); the
 reference (``naive.select_topk_reference``) is the readable one, the kernel (``kernels``) the
 fast one. Importing the kernel module does not import TileLang (its factories do, when built).
 """

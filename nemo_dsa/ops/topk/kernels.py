@@ -1,6 +1,6 @@
 """TileLang exact top-k for Hopper: one radix select per score row, ties to the smaller index.
 
-Semantics (DSA-SPEC "Top-k selection", the same as ``naive.select_topk_reference``): the best
+Semantics (docs/semantics.md "Top-k selection", the same as ``naive.select_topk_reference``): the best
 T = min(count, W) *finite* scores of each row, ties to the smaller key index, -1 padding; rows
 come out by descending score (``order="score"``, V4) or by ascending index (``order="index"``,
 V4.1). Only keys in the row's ``[ks, ke)`` are read: the scoring kernels write -inf outside it.

@@ -1,6 +1,6 @@
-"""Top-k selection reference: exact, deterministic, the spec's tie rule, plain torch.
+"""Top-k selection reference: exact, deterministic, the documented tie rule, plain torch.
 
-DSA-SPEC "Top-k selection": keep the best T = min(topk, K) *finite* scores of each row, ties to
+docs/semantics.md "Top-k selection": keep the best T = min(topk, K) *finite* scores of each row, ties to
 the smaller key index, -1 padding. Rows are selected by :mod:`nemo_dsa.ops.topk.rows` (T +
 TIE_MARGIN candidates ordered by unique keys, undecided rows redone with a key per score); this
 module only validates, chunks and reassembles. The TileLang radix select (``kernels``) must give

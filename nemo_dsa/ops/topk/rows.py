@@ -1,6 +1,6 @@
-"""Exact row selection with the spec's tie rule: the building blocks of every torch top-k path.
+"""Exact row selection with the documented tie rule: the building blocks of every torch top-k path.
 
-DSA-SPEC "Top-k selection": keep the best T = min(topk, K) *finite* scores, ties going to the
+docs/semantics.md "Top-k selection": keep the best T = min(topk, K) *finite* scores, ties going to the
 smaller key index, -1 padding when a query has fewer than T finite scores. torch.topk leaves ties
 unspecified, so selection runs on a unique key per score
 
@@ -36,7 +36,7 @@ def orderable_image(scores: torch.Tensor) -> torch.Tensor:
 
     IEEE floats order like sign-magnitude integers: flipping the magnitude bits of negative
     values turns that into two's-complement order. -0.0 lands on -1 (the only bit pattern that
-    does) and is folded onto +0.0's 0 so the two zeros tie as the spec's scores do; non-finite
+    does) and is folded onto +0.0's 0 so the two zeros tie as equal scores do; non-finite
     scores get the type's minimum, which no finite score reaches, so they are never preferred.
     fp16 is first widened to fp32 (exact), since its exponent field differs from bf16's.
     """

@@ -1,4 +1,4 @@
-"""V4.1 indexer: frozen BF16-boundary scores (DSA-SPEC "Scoring", V4.1).
+"""V4.1 indexer: frozen BF16-boundary scores (docs/semantics.md "Index scoring", V4.1).
 
 ``heads`` (the head-count rule) and ``naive`` (reference) -> ``kernels`` (TileLang) ->
 ``interface`` (validation and dispatch). Public names load lazily (``nemo_dsa._lazy``).

@@ -1,6 +1,6 @@
 """TileLang V4.1 frozen indexer scorer for Hopper: bf16 scores with the released rounding points.
 
-Math (DSA-SPEC "Scoring", V4.1), per visible (query i, key j):
+Math (docs/semantics.md "Index scoring", V4.1), per visible (query i, key j):
     s_h = bf16(q_h . k_j)            one rounding of the fp32-accumulated wgmma result
     r_h = bf16(relu(s_h) * w_h)      bf16 x bf16 product is exact in fp32, so the packed
                                      bf16x2 multiply (mul.bf16x2) rounds it exactly once

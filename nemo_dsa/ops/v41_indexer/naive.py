@@ -1,6 +1,6 @@
 """V4.1 indexer reference in plain torch: scores with the released BF16 rounding boundaries.
 
-DSA-SPEC "Scoring" (V4.1): the score is exactly
+docs/semantics.md "Index scoring" (V4.1): the score is exactly
 ``einsum('bshd,btd->bsht', q, k).relu().mul(w[..., None]).sum(2)`` evaluated on bf16 tensors
 (one bf16 rounding after the fp32-accumulated dot product, one after the weight multiply, an fp32
 head sum rounded once), -inf where the key is invisible. The loop runs over query chunks only:

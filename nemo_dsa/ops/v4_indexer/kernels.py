@@ -1,6 +1,6 @@
 """TileLang kernels of the V4 indexer for Hopper: fp32 logits forward, top-k scores backward.
 
-Math (DSA-SPEC "Scoring", V4): logit(i, j) = sum_h w[i, h] * relu(q[i, h] . k[j]), fp32 products
+Math (docs/semantics.md "Index scoring", V4): logit(i, j) = sum_h w[i, h] * relu(q[i, h] . k[j]), fp32 products
 and sums, -inf outside [ks[i], ke[i]). The backward sends the gradient of the gathered top-k
 scores to q, k and w (relu' = 1 where q.k > 0; nothing for -1 or invisible indices).
 

@@ -1,6 +1,6 @@
 """V4 indexer references in plain torch: fp32 logits and the gradients through gathered top-k scores.
 
-DSA-SPEC "Scoring" (V4): logit(i, j) = sum_h w[i, h] * relu(q[i, h] . k[j]) with bf16 inputs upcast
+docs/semantics.md "Index scoring" (V4): logit(i, j) = sum_h w[i, h] * relu(q[i, h] . k[j]) with bf16 inputs upcast
 to fp32 and fp32 products and sums; -inf outside the query's visible range [ks, ke). The backward
 ("Top-k selection") sends gradient only through the logits gathered at the top-k indices.
 
