@@ -1,4 +1,4 @@
-"""Brute-force oracles written straight from DSA-SPEC's rules (Python loops; small sizes only).
+"""Brute-force oracles written straight from docs/semantics.md's rules (Python loops; small sizes only).
 
 A row is described by per-token labels over the GLOBAL row: 0 = padding, any other value names
 a document (each document one contiguous run). Other test files may import these read-only.
@@ -10,7 +10,7 @@ import torch
 
 
 def oracle_row(labels: list[int], ratio: int) -> dict:
-    """Everything the spec derives for one global row, by definition (no closed forms).
+    """Everything docs/semantics.md derives for one global row, by definition (no closed forms).
 
     Returns lists: ``doc_ids`` (1 + document start, 0 = padding), ``local_positions``,
     ``group_valid``, ``group_doc_ids`` (length K = len // ratio) and ``visible`` (len x K bools).

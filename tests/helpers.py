@@ -1,7 +1,7 @@
 """Shared test helpers: input builders, visibility layouts, and (at the end) model configs.
 
 Input builders draw in a fixed order from a seeded generator, so a test's inputs depend only on
-its seed. Visibility ranges are built straight from DSA-SPEC's rules (``packed_ks_ke``), drawn at
+its seed. Visibility ranges are built straight from docs/semantics.md's rules (``packed_ks_ke``), drawn at
 random (``random_ks_ke``) or taken from the layouts the kernel GPU tests share.
 """
 
@@ -159,12 +159,12 @@ def kernel_layout_ks_ke(layout: str, batch: int, queries: int, num_keys: int | N
 
 
 # ----------------------------------------------------------------------------------------------
-# Oracles written from DSA-SPEC (independent of the library's implementations)
+# Oracles written from docs/semantics.md (independent of the library's implementations)
 # ----------------------------------------------------------------------------------------------
 
 
 def dense_visibility(ks: torch.Tensor, ke: torch.Tensor, num_keys: int) -> torch.Tensor:
-    """bool [..., S, K]: key j visible iff ks <= j < ke (DSA-SPEC "Visibility")."""
+    """bool [..., S, K]: key j visible iff ks <= j < ke (docs/semantics.md "Visibility")."""
     j = torch.arange(num_keys)
     return (j >= ks[..., None]) & (j < ke[..., None])
 
@@ -183,7 +183,7 @@ def random_topk_indices(batch: int, queries: int, count: int, num_keys: int, g: 
 
 
 def v41_formula(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """DSA-SPEC's V4.1 score on bf16 tensors, unmasked: relu(q . k) * w summed over heads."""
+    """docs/semantics.md's V4.1 score on bf16 tensors, unmasked: relu(q . k) * w summed over heads."""
     return torch.einsum("bshd,btd->bsht", q, k).relu().mul(w[..., None]).sum(2)
 
 

@@ -190,7 +190,7 @@ def _grad_tolerance(name: str, scoring: str, tol: float, kernels: bool = False) 
     rounded to bf16 before the ranks' parts are summed, where one process rounds the whole sum
     once: the key compressor's gradients agree to bf16 precision (~2^-8), and those differences
     reach earlier layers through the hidden states. With the TileLang kernels (``kernels``) the
-    index-query gradient is bf16 too (the spec's dq dtype), so fp32-noise differences upstream
+    index-query gradient is bf16 too (dq in q's dtype, docs/semantics.md), so fp32-noise differences upstream
     can flip its last bit: the indexer's query projections agree to bf16 precision as well.
     Everything else agrees to fp32 noise.
     """

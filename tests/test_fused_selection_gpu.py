@@ -5,7 +5,7 @@ and a CP-local slice:
 - against select_topk_reference on the full score matrix of the *same kernel*: bitwise (indices and scores),
   for several chunk budgets (chunks start on the kernels' tile boundaries);
 - against the torch reference on quantised inputs (exact arithmetic, many ties): bitwise;
-- against the torch reference on continuous inputs: the selected scores agree within the spec's
+- against the torch reference on continuous inputs: the selected scores agree within docs/semantics.md's
   tolerance (scores are only 1e-5 / 1-ulp equal there, so index sets may differ at near-ties).
 Plus the memory bound: the peak allocation beyond inputs and outputs stays within the budget.
 """
@@ -82,7 +82,7 @@ def test_v4_streaming_equals_the_kernels_full_matrix(layout, batch, queries, hea
         scores, index = v4_select_topk(q, k, w, ks, ke, topk, backend="tilelang", chunk_bytes=budget)
         assert torch.equal(index, ref_index), budget
         assert torch.equal(scores, ref_scores), budget
-    # Against the float64 reference: same selected scores within the spec's tolerance.
+    # Against the float64 reference: same selected scores within docs/semantics.md's tolerance.
     exact = v4_logits(q.double(), k.double(), w.double(), ks, ke)
     taken = pytorch_extract_topk_scores(exact, index.long())
     finite = index >= 0

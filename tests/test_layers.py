@@ -85,7 +85,7 @@ def _pool(comp, tokens_x, docs, local_pos, j, cfg):
 
 
 def oracle(layer, x, ids):
-    """Dense per-query loops straight from the spec: window + every visible group + sink."""
+    """Dense per-query loops straight from docs/semantics.md: window + every visible group + sink."""
     cfg, r = layer.config, layer.ratio
     x = x.double()
     batch, seq, _ = x.shape

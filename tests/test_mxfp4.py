@@ -1,4 +1,4 @@
-"""MXFP4 quantize-dequantize (nemo_dsa.ops.mxfp4) against a scalar oracle of DSA-SPEC's rule."""
+"""MXFP4 quantize-dequantize (nemo_dsa.ops.mxfp4) against a scalar oracle of docs/semantics.md's rule."""
 
 from __future__ import annotations
 

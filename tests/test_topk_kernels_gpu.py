@@ -1,7 +1,7 @@
 """TileLang radix select against the reference selection on the GPU (pytest -m gpu on the H200).
 
 Bitwise equality of indices and picked scores with ``select_topk_reference`` (which implements the
-spec's rule with unique keys): fresh random rows of ragged widths, both dtypes and orders, T in
+docs/semantics.md rule with unique keys): fresh random rows of ragged widths, both dtypes and orders, T in
 {64, 100, 512, 1024, 2048}, visible ranges, quantised scores with long runs of ties at the cut,
 NaN/+-inf, signed zeros, rows with fewer finite scores than T and rows that see nothing, and rows
 past the kernel's register cache (8192 keys) and past 65536 keys. Outputs are poisoned before the

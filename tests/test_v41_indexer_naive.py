@@ -1,4 +1,4 @@
-"""The V4.1 indexer reference (nemo_dsa.ops.v41_indexer.naive): bitwise the spec's bf16 formula."""
+"""The V4.1 indexer reference (nemo_dsa.ops.v41_indexer.naive): bitwise docs/semantics.md's bf16 formula."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """V4.1 TileLang scorer against the torch formula (H200 only: ``pytest -m gpu``).
 
-Criterion (DSA-SPEC "Scoring", V4.1): identical -inf pattern; finite scores bitwise equal to
+Criterion (docs/semantics.md "Index scoring", V4.1): identical -inf pattern; finite scores bitwise equal to
 ``einsum('bshd,btd->bsht', q, k).relu().mul(w[..., None]).sum(2)`` except where only the order of
 the fp32 accumulation orders differ (see ``assert_v41_equal``; >= 99.999 % bitwise at the
 model's shape). Outputs are poisoned with NaN before the kernel writes them.
@@ -23,7 +23,7 @@ HEAD_CONFIGS = [(2, 128), (4, 64), (8, 64), (16, 128), (32, 80), (64, 128), (128
 
 
 def _formula(q, k, w, allowed):
-    """The spec's formula on bf16 tensors, query-chunked (each chunk is the unchunked formula).
+    """docs/semantics.md's formula on bf16 tensors, query-chunked (each chunk is the unchunked formula).
 
     Also returns, in float64, the exact head sum of the bf16 per-head terms and the sum of their
     magnitudes: the yardstick for scores where only the fp32 summation order differs.

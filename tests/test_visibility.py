@@ -56,7 +56,7 @@ def test_ks_ke_everywhere(error, match, kwargs):
 
 @pytest.mark.parametrize("ratio", [1, 3, 4])
 def test_document_rule_equals_the_spec_oracle(ratio):
-    """document_ks_ke on packed rows equals packed_ks_ke, built token by token from DSA-SPEC; the
+    """document_ks_ke on packed rows equals packed_ks_ke, built token by token from docs/semantics.md; the
     unpacked causal_ks_ke is its single-document case, clamped to the keys given."""
     docs = [[5, 13, 1, 22], [41]]
     seq = 41
