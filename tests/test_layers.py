@@ -359,11 +359,11 @@ def test_v41_reindex_layer_keeps_to_candidate_blocks():
     meta = build_attention_metadata(compress_ratio=4, packed_seq_ids=ids)
     shared = SharedLayerState()
     source(x, meta, LocalContext(), shared)
-    blocks = shared.ratio4.candidate_blocks
+    blocks = shared.source.candidate_blocks
     keep = blocks_to_mask(blocks, meta.ks, meta.ke, 2, meta.num_groups)
     assert (keep.sum(-1) < (meta.ke - meta.ks)).any()  # the candidates do exclude visible groups
     reindex(x, meta, LocalContext(), shared)
-    chosen = shared.ratio4.selection.topk_indices
+    chosen = shared.source.selection.topk_indices
     assert (chosen >= 0).any()
     picked = torch.gather(keep, -1, chosen.clamp_min(0))
     assert bool(picked[chosen >= 0].all())

@@ -6,7 +6,7 @@ from nemo_dsa.layers.indexer import Indexer, Selection
 from nemo_dsa.layers.indexer_loss import indexer_kl_loss
 from nemo_dsa.layers.norm import RMSNorm, rms_normalize
 from nemo_dsa.layers.rope import apply_rope, rope_angles
-from nemo_dsa.layers.shared_state import Ratio4State, SharedLayerState
+from nemo_dsa.layers.shared_state import SharedLayerState, SourceState
 from nemo_dsa.layers.sparse_attention import DSASparseAttention
 
 __all__ = [
@@ -15,10 +15,10 @@ __all__ = [
     "Indexer",
     "LocalContext",
     "RMSNorm",
-    "Ratio4State",
     "Selection",
     "SequenceContext",
     "SharedLayerState",
+    "SourceState",
     "apply_rope",
     "indexer_kl_loss",
     "rms_normalize",

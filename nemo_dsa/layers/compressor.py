@@ -1,14 +1,18 @@
 """Compressed KV: softmax-gated pooling of every R-token group into one key.
 
 Per group j (global tokens [jR, (j+1)R)), each token projects a value (``wkv``) and per-channel
-gate logits (``wgate``) plus a learned position bias (``ape``, one row per slot in the group);
-the softmax over the group's tokens weights the values. Ratio-4 layers pool 2R tokens, as the
-released DeepSeek-V4 checkpoint does (its ratio-4 ``wkv``/``wgate``/``ape`` are twice as wide):
-the first half of the channels of group j-1's tokens join group j, but only when group j-1 holds
-tokens of the same document (otherwise their logits are -inf). Invalid groups (padding or a
-document boundary inside) pool to zeros; the visibility rule never shows them to a query.
-The pooled key is RMS-normalised and rotated at the document-local position of its first token
-(with the layer's RoPE: ``compress_rope_theta`` and YaRN in the released model).
+gate logits (``wgate``) plus, with ``ape`` (DeepSeek-V4), a learned position bias (one row per
+slot in the group); the softmax over the group's tokens weights the values. With ``overlap``
+(DeepSeek-V4), ratio-4 layers pool 2R tokens, as the released V4 checkpoint does (its ratio-4
+``wkv``/``wgate``/``ape`` are twice as wide): the first half of the channels of group j-1's tokens
+join group j, but only when group j-1 holds tokens of the same document (otherwise they are
+selected away: -inf logits and zero values, so a NaN or inf in another document cannot reach
+group j). Ratio 1 (DeepSeek-V4.1) has nothing to pool: the key is ``norm(wkv(x))``, with ``wkv``
+applied in the input's dtype as the release does; V4.1's ratio-2 compressors have no overlap and
+no ``ape``. Invalid groups (padding or a document boundary inside) pool to zeros; the visibility
+rule never shows them to a query. The pooled key is RMS-normalised (the unrotated ``latent``,
+from which V4.1 derives its index keys) and rotated at the document-local position of its first
+token (with the layer's RoPE: ``compress_rope_theta`` and YaRN in the released models).
 
 Precision, as the released DeepSeek-V4 runs it: ``wkv``, ``wgate`` and ``ape`` are fp32 parameters
 (kept fp32 inside bf16 models), the projections and the pooling run in fp32 (also under autocast),
@@ -24,6 +28,7 @@ also the one that lets a query see a group holding later tokens, see docs/semant
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from nemo_dsa.layers.context import SequenceContext
@@ -48,6 +53,9 @@ class Compressor(KeepsFP32Parameters):
         rope_theta: float,
         eps: float,
         rope_scaling: dict | None = None,
+        *,
+        overlap: bool = True,
+        ape: bool = True,
     ) -> None:
         super().__init__()
         self.ratio = ratio
@@ -55,49 +63,70 @@ class Compressor(KeepsFP32Parameters):
         self.rope_dim = rope_dim
         self.rope_theta = rope_theta
         self.rope_scaling = rope_scaling
-        self.overlap = ratio == OVERLAP_RATIO
+        self.overlap = overlap and ratio == OVERLAP_RATIO
+        self.gated = ratio > 1  # a one-token group has nothing to weigh
         width = head_dim * (2 if self.overlap else 1)
         self.wkv = nn.Linear(hidden_size, width, bias=False, dtype=torch.float32)
-        self.wgate = nn.Linear(hidden_size, width, bias=False, dtype=torch.float32)
-        self.ape = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32))
+        if self.gated:
+            self.wgate = nn.Linear(hidden_size, width, bias=False, dtype=torch.float32)
+        if self.gated and ape:
+            self.ape = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32))
+        else:
+            self.ape = None
         self.norm = RMSNorm(head_dim, eps)
+        self.fp32_parameters = tuple(n for n, _ in self.named_parameters() if not n.startswith("norm."))
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """This module's own parameters: zero position biases (the model initialises the
         projections, the norm resets itself)."""
-        nn.init.zeros_(self.ape)
+        if self.ape is not None:
+            nn.init.zeros_(self.ape)
 
     def forward(self, x: torch.Tensor, meta, ctx: SequenceContext) -> torch.Tensor:
         """Pool ``x [B, S, hidden]``; ``meta`` is this ratio's ``AttentionMetadata``.
 
-        Returns the local groups ``[B, S // R, head_dim]`` (the caller gathers them along the
-        sequence under context parallelism). Under CP the overlap reads the previous rank's last
-        group through ``ctx.previous_tail``.
+        Returns the local groups ``[B, S // R, head_dim]``, rotated (the caller gathers them along
+        the sequence under context parallelism). Under CP the overlap reads the previous rank's
+        last group through ``ctx.previous_tail``.
         """
+        return self.rotate(self.latent(x, meta, ctx), meta)
+
+    def latent(self, x: torch.Tensor, meta, ctx: SequenceContext) -> torch.Tensor:
+        """The pooled, normalised, not yet rotated groups ``[B, S // R, head_dim]`` (zeros where invalid)."""
         batch, seq, _ = x.shape
         r, d = self.ratio, self.head_dim
         groups = seq // r
         if groups == 0:
             return x.new_zeros(batch, 0, d)
+        group_valid = meta.group_valid.bool()
+        if not self.gated:  # ratio 1: the projection in the input's dtype (the release's rounding)
+            pooled = F.linear(x[:, :groups], self.wkv.weight.to(x.dtype))
+            pooled = pooled.masked_fill(~group_valid.unsqueeze(-1), 0.0)
+            return self.norm(pooled).masked_fill(~group_valid.unsqueeze(-1), 0.0)
         tokens = x[:, : groups * r].float()
         with torch.autocast(x.device.type, enabled=False):
             values = self.wkv(tokens)
             logits = self.wgate(tokens)
-        group_valid = meta.group_valid.bool()
         if self.overlap:
             values, logits = self._with_previous_group(values, logits, meta, ctx)
-            logits = logits + torch.cat((self.ape[:, :d], self.ape[:, d:]), dim=0).float()
         else:
             values = values.view(batch, groups, r, d)
-            logits = logits.view(batch, groups, r, d) + self.ape.float()
+            logits = logits.view(batch, groups, r, d)
+        if self.ape is not None:
+            ape = torch.cat((self.ape[:, :d], self.ape[:, d:]), dim=0) if self.overlap else self.ape
+            logits = logits + ape.float()
         pooled = (values * logits.softmax(dim=2)).sum(dim=2)
         pooled = pooled.masked_fill(~group_valid.unsqueeze(-1), 0.0)
-        pooled = self.norm(pooled.to(x.dtype))
-        first_token_positions = meta.local_positions[:, : groups * r : r]
+        return self.norm(pooled.to(x.dtype))
+
+    def rotate(self, latent: torch.Tensor, meta) -> torch.Tensor:
+        """``latent [B, G, head_dim]`` rotated at each group's first token's document-local position."""
+        groups = latent.shape[1]
+        first_token_positions = meta.local_positions[:, : groups * self.ratio : self.ratio]
         angles = rope_angles(first_token_positions, self.rope_dim, self.rope_theta, self.rope_scaling)
-        pooled = apply_rope(pooled, angles)
-        return pooled.masked_fill(~group_valid.unsqueeze(-1), 0.0)
+        rotated = apply_rope(latent, angles)
+        return rotated.masked_fill(~meta.group_valid.bool()[:, :groups].unsqueeze(-1), 0.0)
 
     def _with_previous_group(self, values, logits, meta, ctx):
         """``[B, G, 2R, d]`` pools: group j-1's first-half channels, then group j's second half."""
@@ -111,11 +140,12 @@ class Compressor(KeepsFP32Parameters):
         prev_docs = torch.cat((ctx.previous_tail(doc_ids, r, 1), doc_ids[:, :-r]), dim=1).view(batch, groups, r)
         group_docs = meta.group_doc_ids.to(prev_docs.dtype)
         same_document = (prev_docs == group_docs.unsqueeze(-1)).all(-1) & meta.group_valid.bool()
-        prev_logits = prev_logits.view(batch, groups, r, d).masked_fill(
-            ~same_document.view(batch, groups, 1, 1), float("-inf")
-        )
+        # Select, never multiply: a weight of 0 times another document's NaN / inf is NaN.
+        joins = same_document.view(batch, groups, 1, 1)
+        prev_logits = torch.where(joins, prev_logits.view(batch, groups, r, d), float("-inf"))
+        prev_values = torch.where(joins, prev_values.view(batch, groups, r, d), 0.0)
         current_values = values[..., d:].reshape(batch, groups, r, d)
         current_logits = logits[..., d:].reshape(batch, groups, r, d)
-        pooled_values = torch.cat((prev_values.view(batch, groups, r, d), current_values), dim=2)
+        pooled_values = torch.cat((prev_values, current_values), dim=2)
         pooled_logits = torch.cat((prev_logits, current_logits), dim=2)
         return pooled_values, pooled_logits

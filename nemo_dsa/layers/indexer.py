@@ -1,7 +1,9 @@
 """The lightning indexer: scores every visible compressed group for each query and keeps top-k.
 
 Index queries come from the attention's query latent (``wq_b``), index keys from the indexer's
-own ratio-4 compressor, and per-head weights from ``weights_proj`` with the released scaling
+own ratio-4 compressor (DeepSeek-V4, ``index_keys = "compressor"``) or as ``k_norm(wk(latent))``
+from the layer's compressed latent, the normalised pooled KV before RoPE (DeepSeek-V4.1,
+``index_keys = "latent"``), rotated at the groups' first-token positions; per-head weights from ``weights_proj`` with the released scaling
 ``index_head_dim^-0.5 * index_n_heads^-0.5`` folded in (DeepSeek-V3.2/V4 inference code). RoPE is
 applied to the trailing ``qk_rope_head_dim`` channels of both, with the compressed layers' RoPE
 (``compress_rope_theta`` and YaRN in the released model) at the queries' document-local positions.
@@ -16,8 +18,12 @@ Scoring (docs/semantics.md "Index scoring"):
   the release: bf16 in bf16 models (and under bf16 autocast), fp32 in fp32 models (the V4 op takes
   bf16 only, so fp32 q/k are scored by the op's fp32 reference and the selected scores gathered
   here, differentiably; ``fused_topk`` applies to bf16 scoring).
-- ``v41``: frozen (``requires_grad=False``) BF16-boundary scores with MXFP4 quantize-dequantize
-  of q and k after RoPE, selection in ascending key order, optional V4.1 candidate blocks.
+- ``v41``: frozen (``requires_grad=False``) scores with MXFP4 quantize-dequantize of q and k after
+  RoPE, selection in ascending key order, optional V4.1 candidate blocks. In the model's
+  precision, as the release: bf16 models score with the op's BF16 boundaries (the products and
+  the weighted head terms rounded to bf16, summed in fp32); fp32 models score in fp32
+  (``v41_scores_full_precision``: ``sum_h w_h relu(q_h . k_j)``, nothing rounded; MXFP4 values
+  are exact in either).
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ from torch import nn
 
 from nemo_dsa.layers.context import SequenceContext
 from nemo_dsa.layers.compressor import OVERLAP_RATIO, Compressor
-from nemo_dsa.layers.rope import apply_rope
+from nemo_dsa.layers.norm import RMSNorm
+from nemo_dsa.layers.rope import apply_rope, rope_angles
 from nemo_dsa.ops.dispatch import resolve_backend, resolve_fused_topk
 from nemo_dsa.ops.fused_selection import interface as fused_selection
 from nemo_dsa.ops.mxfp4 import mxfp4_quant_dequant
@@ -62,15 +69,19 @@ class Indexer(nn.Module):
         self.fused_topk = config.fused_topk
         self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
         self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
-        rope_theta, rope_scaling = config.rope_parameters(compressed=True)
-        self.compressor = (
-            Compressor(
-                config.hidden_size, self.head_dim, OVERLAP_RATIO, config.qk_rope_head_dim, rope_theta,
-                config.rms_norm_eps, rope_scaling,
-            )
-            if owns_keys
-            else None
-        )
+        self.rope_dim = config.qk_rope_head_dim
+        self.rope_theta, self.rope_scaling = config.rope_parameters(compressed=True)
+        self.keys_from_latent = config.index_keys == "latent"
+        self.compressor = None
+        if owns_keys and self.keys_from_latent:
+            self.wk = nn.Linear(config.head_dim, self.head_dim, bias=False)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        elif owns_keys:
+            self.compressor = Compressor(
+                config.hidden_size, self.head_dim, OVERLAP_RATIO, config.qk_rope_head_dim, self.rope_theta,
+                config.rms_norm_eps, self.rope_scaling, overlap=config.compressor_overlap, ape=config.compressor_ape,
+            )  # fmt: skip
+        self.owns_keys = owns_keys
         if self.scoring == "v41":
             # The V4.1 indexer is released frozen: it is never trained.
             self.requires_grad_(False)
@@ -80,19 +91,39 @@ class Indexer(nn.Module):
         return self.scoring == "v41"
 
     def index_dtype(self, x: torch.Tensor) -> torch.dtype:
-        """The dtype of index q and k: bf16 for V4.1, bf16 models and bf16 autocast, else fp32."""
+        """The dtype of index q and k, the model's precision: bf16 in bf16 models and under bf16
+        autocast, else fp32 (both scorings, as the releases score)."""
         low_precision = x.dtype in (torch.bfloat16, torch.float16) or torch.is_autocast_enabled(x.device.type)
-        return torch.bfloat16 if self.frozen or low_precision else torch.float32
+        return torch.bfloat16 if low_precision else torch.float32
 
-    def index_keys(self, x: torch.Tensor, meta, ctx: SequenceContext) -> torch.Tensor:
-        """Index keys ``[B, K, D]`` (:meth:`index_dtype`) on the global compressed axis (gathered under CP)."""
-        if self.compressor is None:
+    def index_keys(
+        self, x: torch.Tensor, meta, ctx: SequenceContext, latent: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Index keys ``[B, K, D]`` (:meth:`index_dtype`) on the global compressed axis (gathered under CP).
+
+        ``latent`` (``index_keys = "latent"``): the layer compressor's local unrotated groups
+        ``[B, S // R, head_dim]``; ``meta`` is that ratio's metadata.
+        """
+        if not self.owns_keys:
             raise ValueError("this indexer layer does not own index keys; pass keys from its source layer")
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.frozen):
-            keys = self.compressor(x.detach(), meta, ctx).to(self.index_dtype(x))
+            if self.keys_from_latent:
+                if latent is None:
+                    raise ValueError("latent: an index_keys='latent' indexer needs its layer's compressed latent")
+                keys = self._keys_from_latent(latent.detach(), meta)
+            else:
+                keys = self.compressor(x.detach(), meta, ctx)
+            keys = keys.to(self.index_dtype(x))
             if self.frozen:
                 keys = _mxfp4(keys)
             return ctx.gather_sequence(keys, 1)
+
+    def _keys_from_latent(self, latent: torch.Tensor, meta) -> torch.Tensor:
+        """``k_norm(wk(latent))`` rotated at each group's first token's document-local position."""
+        groups, ratio = latent.shape[1], meta.compress_ratio
+        positions = meta.local_positions[:, : groups * ratio : ratio]
+        angles = rope_angles(positions, self.rope_dim, self.rope_theta, self.rope_scaling)
+        return apply_rope(self.k_norm(self.wk(latent)), angles)
 
     def forward(
         self,
@@ -153,6 +184,10 @@ class Indexer(nn.Module):
     def _select_v41(self, x, query_latent, angles, meta, index_keys, candidate_source,
                     kept_blocks, block_size, topk_blocks) -> Selection:
         q, weights = self._queries(x, query_latent, angles)
+        if q.dtype == torch.float32:  # an fp32 model scores in fp32, as the release does
+            scores = v41_scores_full_precision(_mxfp4(q), index_keys.to(q.dtype), weights, meta.ks, meta.ke)
+            return self._select_from_v41_scores(scores, meta, index_keys, candidate_source, kept_blocks,
+                                                block_size, topk_blocks)  # fmt: skip
         if resolve_fused_topk(self.fused_topk, resolve_backend(self.backend, q)):  # no [B, S, K] scores
             picked = fused_selection.v41_select_topk(
                 _mxfp4(q), index_keys, weights.to(torch.bfloat16), meta.ks, meta.ke, self.topk,
@@ -165,6 +200,11 @@ class Indexer(nn.Module):
             return Selection(index_keys, indices.long(), None, blocks)
         scores = indexer_scores(_mxfp4(q), index_keys, weights.to(torch.bfloat16),
                                 ks=meta.ks, ke=meta.ke, backend=self.backend)
+        return self._select_from_v41_scores(scores, meta, index_keys, candidate_source, kept_blocks,
+                                            block_size, topk_blocks)  # fmt: skip
+
+    def _select_from_v41_scores(self, scores, meta, index_keys, candidate_source, kept_blocks,
+                                block_size, topk_blocks) -> Selection:  # fmt: skip
         blocks = None
         if candidate_source:
             blocks = find_candidate_blocks(scores, meta.ks, meta.ke, block_size, topk_blocks)
@@ -188,6 +228,16 @@ def v4_select_full_precision(q, k, w, ks, ke, topk: int) -> tuple[torch.Tensor, 
     keys = torch.gather(k, 1, picked).view(batch, seq, width, k.shape[-1])
     score = (torch.einsum("bshd,bstd->bsht", q, keys).relu() * w.unsqueeze(-1)).sum(2)
     return score.masked_fill(indices < 0, float("-inf")), indices
+
+
+def v41_scores_full_precision(q, k, w, ks, ke) -> torch.Tensor:
+    """V4.1 index scores of fp32 ``q [B, S, H, D]``, ``k [B, K, D]``, ``w [B, S, H]``: fp32
+    ``[B, S, K]`` = ``sum_h w_h relu(q_h . k_j)`` inside ``[ks, ke)``, -inf outside (the release's
+    fp32 arithmetic: per-head products, ReLU, weighted, summed over heads)."""
+    scores = (torch.einsum("bshd,btd->bsht", q, k).relu() * w.unsqueeze(-1)).sum(dim=2)
+    keys = torch.arange(k.shape[1], device=k.device)
+    visible = (keys >= ks.unsqueeze(-1)) & (keys < ke.unsqueeze(-1))
+    return scores.masked_fill(~visible, float("-inf"))
 
 
 def _mxfp4(x: torch.Tensor) -> torch.Tensor:

@@ -10,9 +10,10 @@ from nemo_dsa.layers.indexer import Selection
 
 
 @dataclass
-class Ratio4State:
-    """The latest ratio-4 source's outputs, reused by later ``reindex`` / ``reuse`` layers."""
+class SourceState:
+    """The latest kv source's outputs, reused by later ``reindex`` / ``reuse`` layers of its ratio."""
 
+    ratio: int  # its compression ratio (a consumer of another ratio is an error)
     compressed_kv: torch.Tensor  # [B, K, head_dim] on the global compressed axis
     selection: Selection  # its index keys and the latest top-k
     candidate_blocks: torch.Tensor | None = None  # int32 [B, S, NB] (V4.1 candidate source), else None
@@ -22,4 +23,4 @@ class Ratio4State:
 class SharedLayerState:
     """Per-forward state the model threads through its layers (one fresh object per forward)."""
 
-    ratio4: Ratio4State | None = None
+    source: SourceState | None = None

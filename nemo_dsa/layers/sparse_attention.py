@@ -83,9 +83,15 @@ from nemo_dsa.layers.indexer import Indexer, Selection
 from nemo_dsa.layers.indexer_loss import indexer_kl_loss
 from nemo_dsa.layers.norm import RMSNorm, rms_normalize
 from nemo_dsa.layers.rope import apply_rope, rope_angles
-from nemo_dsa.layers.shared_state import Ratio4State, SharedLayerState
+from nemo_dsa.layers.shared_state import SharedLayerState, SourceState
+from nemo_dsa.ops.fp8 import fp8_quant_dequant
+from nemo_dsa.ops.nvfp4 import nvfp4_quant_dequant
 from nemo_dsa.ops.sparse_attention import sparse_attention, sparse_window_attention
 from nemo_dsa.ops.sparse_attention.naive import window_key_indices
+
+
+FP8_BLOCK = 32  # V4.1 window KV: fp8 blocks of 32 channels
+NVFP4_BLOCK = 16  # V4.1 compressed KV: nvfp4 blocks of 16 channels
 
 
 class DSASparseAttention(KeepsFP32Parameters):
@@ -123,7 +129,7 @@ class DSASparseAttention(KeepsFP32Parameters):
         self.compressor = (
             Compressor(
                 hidden, self.head_dim, self.ratio, self.rope_dim, self.rope_theta, config.rms_norm_eps,
-                self.rope_scaling,
+                self.rope_scaling, overlap=config.compressor_overlap, ape=config.compressor_ape,
             )
             if owns_compressed_kv
             else None
@@ -163,9 +169,13 @@ class DSASparseAttention(KeepsFP32Parameters):
         batch, seq, _ = x.shape
         angles = rope_angles(meta.local_positions, self.rope_dim, self.rope_theta, self.rope_scaling)
         query_latent = self.q_norm(self.wq_a(x))
-        q = rms_normalize(self.wq_b(query_latent).unflatten(-1, (self.n_heads, self.head_dim)), self.eps)
+        q = self.wq_b(query_latent).unflatten(-1, (self.n_heads, self.head_dim))
+        if self.config.q_head_rms:
+            q = rms_normalize(q, self.eps)
         q = apply_rope(q, angles)
         kv = apply_rope(self.kv_norm(self.wkv(x)), angles)
+        if self.config.window_kv_quant == "fp8":
+            kv = fp8_quant_dequant(kv, FP8_BLOCK)
 
         history = self.window - 1
         raw_kv = with_history(ctx, kv, history)
@@ -229,18 +239,30 @@ class DSASparseAttention(KeepsFP32Parameters):
         bias = F.pad(score - score.detach(), (window_indices.shape[-1], 0))
         return sparse_attention(q, keys, indices, self.attn_sink, self.scale, bias=bias)
 
+    def _compressed_kv(self, x, meta, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's compressor: ``(global rotated KV [B, K, D], local unrotated latent [B, S // R, D])``.
+
+        With ``compressed_kv_quant = "nvfp4"`` (V4.1) the rotated KV is quantize-dequantized in
+        blocks of 16 before it is gathered and attended."""
+        latent = self.compressor.latent(x, meta, ctx)
+        compressed = self.compressor.rotate(latent, meta)
+        if self.config.compressed_kv_quant == "nvfp4":
+            compressed = nvfp4_quant_dequant(compressed, NVFP4_BLOCK)
+        return ctx.gather_sequence(compressed, 1), latent
+
     def _compressed(self, x, query_latent, angles, meta, ctx, shared: SharedLayerState):
         """Global compressed KV ``[B, K, D]`` and each query's indices into it ``[B, S, T]``."""
         if self.role == "all_groups":  # every visible group: the range [ks, ke), no index list
-            return ctx.gather_sequence(self.compressor(x, meta, ctx), 1), None, None
-        state = shared.ratio4
+            return self._compressed_kv(x, meta, ctx)[0], None, None
+        state = shared.source
         if self.role == "source":
-            compressed_kv = ctx.gather_sequence(self.compressor(x, meta, ctx), 1)
-            index_keys = self.indexer.index_keys(x, meta, ctx)
+            compressed_kv, latent = self._compressed_kv(x, meta, ctx)
+            index_keys = self.indexer.index_keys(x, meta, ctx, latent=latent)
         else:
-            if state is None:
+            if state is None or state.ratio != self.ratio:
                 raise ValueError(
-                    f"layer {self.layer_idx} ({self.role}) needs a preceding ratio-4 kv source layer's state in `shared`"
+                    f"layer {self.layer_idx} ({self.role}, ratio {self.ratio}) needs a preceding kv source layer "
+                    f"of ratio {self.ratio} in `shared`, got {None if state is None else f'ratio {state.ratio}'}"
                 )
             compressed_kv, index_keys = state.compressed_kv, state.selection.index_keys
         if self.role == "reuse":
@@ -254,7 +276,7 @@ class DSASparseAttention(KeepsFP32Parameters):
             block_size=cfg.candidate_block_size, topk_blocks=cfg.candidate_topk_blocks,
         )
         blocks = selection.candidate_blocks if selection.candidate_blocks is not None else inherited_blocks
-        shared.ratio4 = Ratio4State(compressed_kv, selection, blocks)
+        shared.source = SourceState(self.ratio, compressed_kv, selection, blocks)
         return compressed_kv, selection.topk_indices, selection
 
     def _straight_through(self, selection: Selection | None) -> bool:

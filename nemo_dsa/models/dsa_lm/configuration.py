@@ -19,12 +19,16 @@ from nemo_dsa.models.dsa_lm.layer_roles import (
     index_source_layers,
     indexer_layers,
     kv_source_layers,
+    latest_kv_source,
 )
 from nemo_dsa.ops.dispatch import BACKENDS
 from nemo_dsa.ops.v41_indexer.heads import MAX_HEADS as V41_MAX_HEADS
 from nemo_dsa.ops.v41_indexer.heads import is_supported_heads
 
 SCORINGS = ("v4", "v41")
+INDEX_KEY_SOURCES = ("compressor", "latent")
+WINDOW_KV_QUANTS = (None, "fp8")
+COMPRESSED_KV_QUANTS = (None, "nvfp4")
 
 
 @dataclass
@@ -59,6 +63,24 @@ class DSAModelConfig:
     candidate_source_layer_id: int = -1
     candidate_topk_blocks: int = 2048
     candidate_block_size: int = 8
+    # The release's attention variant. Defaults are DeepSeek-V4's; ``from_hf_config`` sets
+    # DeepSeek-V4.1's from a V4.1 text config (indexer_ratios = every ratio > 0, q_head_rms off,
+    # compressor_overlap / compressor_ape off, index_keys "latent", fp8 / nvfp4 KV rounding).
+    # Ratios whose layers carry an indexer and the source / reindex / reuse roles.
+    indexer_ratios: tuple[int, ...] = (4,)
+    # A weightless per-head RMS norm on q before RoPE (V4: yes; V4.1: no).
+    q_head_rms: bool = True
+    # Ratio-4 compressors pool 2R tokens, half the channels from the previous group (V4).
+    compressor_overlap: bool = True
+    # Compressors add a learned per-slot position bias ``ape`` to their gate logits (V4).
+    compressor_ape: bool = True
+    # Index keys: "compressor" = the indexer's own ratio-4 compressor (V4); "latent" =
+    # ``k_norm(wk(compressed latent))`` of the layer's compressor, before RoPE (V4.1).
+    index_keys: str = "compressor"
+    # Quantize-dequantize after RoPE (V4.1): window KV to fp8 (blocks of 32), compressed KV to
+    # nvfp4 (blocks of 16); None = kept in the model's precision (V4).
+    window_kv_quant: str | None = None
+    compressed_kv_quant: str | None = None
     rms_norm_eps: float = 1e-6
     # Output projection. o_lora_rank > 0: DeepSeek-V4's grouped low-rank projection, ``wo_a``
     # (o_groups groups, each H*head_dim/o_groups -> o_lora_rank) then ``wo_b``; 0: one dense ``wo``.
@@ -81,6 +103,7 @@ class DSAModelConfig:
 
     def __post_init__(self) -> None:
         self.compress_ratios = tuple(int(r) for r in self.compress_ratios)
+        self.indexer_ratios = tuple(int(r) for r in self.indexer_ratios)
         for name in ("kv_source_layer_ids", "index_source_layer_ids"):
             value = getattr(self, name)
             if value is not None:
@@ -140,6 +163,18 @@ class DSAModelConfig:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.fused_topk is not None and not isinstance(self.fused_topk, bool):
             raise TypeError(f"fused_topk must be true, false or null (auto), got {self.fused_topk!r}")
+        if any(r < 1 for r in self.indexer_ratios):
+            raise ValueError(f"indexer_ratios must be compression ratios >= 1, got {self.indexer_ratios}")
+        for name in ("q_head_rms", "compressor_overlap", "compressor_ape"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        for name, choices in (
+            ("index_keys", INDEX_KEY_SOURCES),
+            ("window_kv_quant", WINDOW_KV_QUANTS),
+            ("compressed_kv_quant", COMPRESSED_KV_QUANTS),
+        ):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
         for name in ("kv_source_layer_ids", "index_source_layer_ids"):
             ids = getattr(self, name) or ()
             bad = [i for i in ids if not 0 <= i < self.num_hidden_layers]
@@ -149,24 +184,35 @@ class DSAModelConfig:
         self._validate_layer_roles()
 
     def _kv_sources(self) -> tuple[int, ...]:
-        return kv_source_layers(self.compress_ratios, self.kv_source_layer_ids)
+        return kv_source_layers(self.compress_ratios, self.kv_source_layer_ids, self.indexer_ratios)
 
     def _index_sources(self) -> tuple[int, ...]:
-        return index_source_layers(self.compress_ratios, self.kv_source_layer_ids, self.index_source_layer_ids)
+        return index_source_layers(
+            self.compress_ratios, self.kv_source_layer_ids, self.index_source_layer_ids, self.indexer_ratios
+        )
 
     def _validate_layer_roles(self) -> None:
-        ratio4 = indexer_layers(self.compress_ratios)
+        indexed = indexer_layers(self.compress_ratios, self.indexer_ratios)
         for name, ids in (("kv_source_layer_ids", self._kv_sources()), ("index_source_layer_ids", self._index_sources())):
-            bad = [i for i in ids if i not in ratio4]
+            bad = [i for i in ids if i not in indexed]
             if bad:
-                raise ValueError(f"{name} must name ratio-4 (indexer) layers {ratio4}, got {bad}")
+                raise ValueError(
+                    f"{name} must name indexer layers (ratios {list(self.indexer_ratios)}) {indexed}, got {bad}"
+                )
         missing = [i for i in self._kv_sources() if i not in self._index_sources()]
         if missing:
             raise ValueError(f"index_source_layer_ids must include every kv source layer, missing {missing}")
-        if ratio4 and ratio4[0] not in self._kv_sources():
+        if indexed and indexed[0] not in self._kv_sources():
             raise ValueError(
-                f"kv_source_layer_ids must include the first ratio-4 layer {ratio4[0]} (later layers reuse its keys)"
+                f"kv_source_layer_ids must include the first indexer layer {indexed[0]} (later layers reuse its keys)"
             )
+        for layer in indexed:  # a reindex / reuse layer reads the latest kv source: same ratio
+            source = latest_kv_source(self._kv_sources(), layer)
+            if self.compress_ratios[source] != self.compress_ratios[layer]:
+                raise ValueError(
+                    f"kv_source_layer_ids: layer {layer} (ratio {self.compress_ratios[layer]}) would read kv source "
+                    f"{source} of ratio {self.compress_ratios[source]}; it needs a preceding source of its own ratio"
+                )
         candidate = self.candidate_source_layer_id
         if candidate != -1:
             if self.scoring != "v41":
@@ -177,11 +223,20 @@ class DSAModelConfig:
                 )
             if self.candidate_block_size < 1 or self.candidate_topk_blocks < 1:
                 raise ValueError("candidate_block_size and candidate_topk_blocks must be >= 1")
+            ratio = self.compress_ratios[candidate]
+            later = [i for i in self._index_sources() if i > candidate and self.compress_ratios[i] != ratio]
+            if later:  # later selecting layers mask with its blocks, on a compressed axis of its ratio
+                raise ValueError(
+                    f"index_source_layer_ids: layers {later} follow candidate_source_layer_id {candidate} "
+                    f"(ratio {ratio}) with another ratio; its candidate blocks cannot apply to them"
+                )
 
     def attention_role(self, layer_idx: int) -> str:
         """This layer's role (``nemo_dsa.models.dsa_lm.layer_roles``): ``window``, ``all_groups``,
-        or for ratio-4 layers ``source`` / ``reindex`` / ``reuse``."""
-        return attention_role(self.compress_ratios, layer_idx, self.kv_source_layer_ids, self.index_source_layer_ids)
+        or for indexer layers (ratios in ``indexer_ratios``) ``source`` / ``reindex`` / ``reuse``."""
+        return attention_role(
+            self.compress_ratios, layer_idx, self.kv_source_layer_ids, self.index_source_layer_ids, self.indexer_ratios
+        )
 
     def rope_parameters(self, *, compressed: bool) -> tuple[float, dict | None]:
         """``(theta, rope_scaling)`` of a layer: compressed (ratio > 0) or window-only."""

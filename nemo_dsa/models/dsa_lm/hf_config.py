@@ -1,4 +1,4 @@
-"""DeepSeek-V4 HF config -> ``DSAModelConfig`` fields (the attention-relevant ones).
+"""DeepSeek-V4 / V4.1 HF config -> ``DSAModelConfig`` fields (the attention-relevant ones).
 
 Reads transformers' ``DeepseekV4Config`` (``layer_types`` + ``compress_rates``, nested
 ``rope_parameters = {"main", "compress"}``), nemo-automodel's ``DeepseekV4Config``
@@ -33,7 +33,27 @@ scoring                       "v4"
 ============================  =====================================================================
 
 ``num_key_value_heads`` must be 1 (one shared KV head); anything else is a ValueError. Fields the
-attention does not read (experts, hyper-connections, hash layers, vision) are ignored.
+attention does not read (experts, hyper-connections, hash layers, Engram, DSpark, vision) are ignored.
+
+DeepSeek-V4.1 (nemo-automodel's ``DeepseekV41TextConfig``, ``model_type`` "deepseek_v41_text", or
+the nested ``DeepseekV41Config`` whose ``text_config`` holds it; a mapping is V4.1 when it has
+``kv_source_layer_ids``): the fields above, plus
+
+============================  =====================================================================
+kv_source_layer_ids,          same names; ids past the layers built are dropped (the release keeps
+index_source_layer_ids,       its whole schedule in a config whose num_hidden_layers is cut), a
+candidate_source_layer_id,    candidate source past them becomes -1
+candidate_topk_blocks,
+candidate_block_size
+scoring                       "v41" (frozen MXFP4 indexer)
+indexer_ratios                every ratio > 0 in compress_ratios (each compressed layer has a role)
+q_head_rms                    False (V4.1 has no per-head q RMS)
+compressor_overlap,           False, False (ratio-2 compressors pool 2 tokens without overlap or
+compressor_ape                position bias; ratio 1 is ``wkv`` + norm)
+index_keys                    "latent" (``k_norm(wk(compressed latent))``)
+window_kv_quant               "fp8" (blocks of 32)
+compressed_kv_quant           "nvfp4" (blocks of 16)
+============================  =====================================================================
 """
 
 from __future__ import annotations
@@ -96,8 +116,54 @@ def _rope(get) -> tuple[float, float, dict | None]:
     return theta, compress_theta, None if yarn is None else {"type": "yarn", **yarn}
 
 
+V41_MODEL_TYPES = ("deepseek_v41_text", "deepseek_v41")
+_V41_ROLE_IDS = ("kv_source_layer_ids", "index_source_layer_ids")
+_V41_SAME_NAME = ("candidate_topk_blocks", "candidate_block_size")
+# The attention variant of DeepSeek-V4.1 (DSAModelConfig fields; see the module table).
+V41_ATTENTION = {
+    "scoring": "v41",
+    "q_head_rms": False,
+    "compressor_overlap": False,
+    "compressor_ape": False,
+    "index_keys": "latent",
+    "window_kv_quant": "fp8",
+    "compressed_kv_quant": "nvfp4",
+}
+
+
+def is_v41_config(hf_config) -> bool:
+    """Whether ``hf_config`` (or its nested ``text_config``) is a DeepSeek-V4.1 text config."""
+    get = _reader(_text_config(hf_config))
+    return get("model_type", None) in V41_MODEL_TYPES or get("kv_source_layer_ids", None) is not None
+
+
+def _text_config(hf_config):
+    """The text model's config: V4.1's nested ``text_config`` when there is one, else ``hf_config``."""
+    text = _reader(hf_config)("text_config", None)
+    return hf_config if text is None or text is _MISSING else text
+
+
+def _v41_fields(get, ratios: tuple[int, ...]) -> dict[str, Any]:
+    layers = len(ratios)
+    fields: dict[str, Any] = dict(V41_ATTENTION)
+    for name in _V41_ROLE_IDS:
+        ids = get(name, None)
+        if ids is not None:
+            fields[name] = tuple(int(i) for i in ids if int(i) < layers)
+    candidate = int(get("candidate_source_layer_id", -1))
+    fields["candidate_source_layer_id"] = candidate if candidate < layers else -1
+    for name in _V41_SAME_NAME:
+        value = get(name, None)
+        if value is not None:
+            fields[name] = int(value)
+    fields["indexer_ratios"] = tuple(sorted({r for r in ratios if r > 0}))
+    return fields
+
+
 def dsa_fields_from_hf(hf_config, *, include_mtp_layers: bool = False) -> dict[str, Any]:
-    """``DSAModelConfig`` keyword arguments from a DeepSeek-V4 HF config (see the module table)."""
+    """``DSAModelConfig`` keyword arguments from a DeepSeek-V4 or V4.1 HF config (the module tables)."""
+    v41 = is_v41_config(hf_config)
+    hf_config = _text_config(hf_config)
     get = _reader(hf_config)
     kv_heads = get("num_key_value_heads", 1)
     if kv_heads not in (None, 1):
@@ -125,4 +191,6 @@ def dsa_fields_from_hf(hf_config, *, include_mtp_layers: bool = False) -> dict[s
     if moe_width:
         fields["intermediate_size"] = int(moe_width)
     fields["scoring"] = "v4"
+    if v41:
+        fields.update(_v41_fields(get, fields["compress_ratios"]))
     return fields

@@ -1,11 +1,13 @@
 """Which layer does what: the one place that derives attention roles from the layer schedule.
 
-Every layer's role comes from ``compress_ratios`` and the V4.1 id lists:
-``window`` (ratio 0), ``all_groups`` (ratio > 0, != 4), and on ratio-4 (indexer) layers
-``source`` (owns compressed KV and index keys, selects), ``reindex`` (reuses the latest source's
-keys, selects again) or ``reuse`` (attends at the latest selection). Without
-``kv_source_layer_ids`` every ratio-4 layer is a source; without ``index_source_layer_ids`` the
-index sources are the kv sources. :func:`derive_v41_layer_roles` turns the scoring node's
+Every layer's role comes from ``compress_ratios``, the ratios that carry an indexer
+(``indexer_ratios``: DeepSeek-V4's 4, DeepSeek-V4.1's every ratio > 0) and the V4.1 id lists:
+``window`` (ratio 0), ``all_groups`` (a ratio without an indexer: every visible group), and on
+indexer layers ``source`` (owns compressed KV and index keys, selects), ``reindex`` (reuses the
+latest source's keys, selects again) or ``reuse`` (attends at the latest selection). Without
+``kv_source_layer_ids`` every indexer layer is a source; without ``index_source_layer_ids`` the
+index sources are the kv sources. A reindex or reuse layer reads the latest kv source before it,
+which must have its ratio (checked by ``DSAModelConfig``). :func:`derive_v41_layer_roles` turns the scoring node's
 ``layer_roles`` schedule (every n-th indexer layer) into those id lists.
 """
 
@@ -15,21 +17,26 @@ from collections.abc import Sequence
 
 from nemo_dsa._checks import is_positive_int
 
-# Layers with this compression ratio carry an indexer (DeepSeek-V4: ratio-4 layers select top-k
-# groups; other ratios attend to every visible group).
+# DeepSeek-V4: ratio-4 layers carry an indexer that selects top-k groups; other ratios attend to
+# every visible group. (DeepSeek-V4.1 gives every compressed layer an indexer role.)
 INDEXER_RATIO = 4
+DEFAULT_INDEXER_RATIOS = (INDEXER_RATIO,)
 ROLES = ("window", "all_groups", "source", "reindex", "reuse")
 
 
-def indexer_layers(compress_ratios: Sequence[int]) -> list[int]:
-    """Indices of the layers that carry an indexer."""
-    return [i for i, r in enumerate(compress_ratios) if r == INDEXER_RATIO]
+def indexer_layers(compress_ratios: Sequence[int], indexer_ratios: Sequence[int] = DEFAULT_INDEXER_RATIOS) -> list[int]:
+    """Indices of the layers that carry an indexer (a ratio in ``indexer_ratios``)."""
+    return [i for i, r in enumerate(compress_ratios) if r > 0 and r in indexer_ratios]
 
 
-def kv_source_layers(compress_ratios: Sequence[int], kv_source_layer_ids: Sequence[int] | None) -> tuple[int, ...]:
+def kv_source_layers(
+    compress_ratios: Sequence[int],
+    kv_source_layer_ids: Sequence[int] | None,
+    indexer_ratios: Sequence[int] = DEFAULT_INDEXER_RATIOS,
+) -> tuple[int, ...]:
     """Layers owning compressed KV and index keys (default: every indexer layer)."""
     if kv_source_layer_ids is None:
-        return tuple(indexer_layers(compress_ratios))
+        return tuple(indexer_layers(compress_ratios, indexer_ratios))
     return tuple(kv_source_layer_ids)
 
 
@@ -37,10 +44,11 @@ def index_source_layers(
     compress_ratios: Sequence[int],
     kv_source_layer_ids: Sequence[int] | None,
     index_source_layer_ids: Sequence[int] | None,
+    indexer_ratios: Sequence[int] = DEFAULT_INDEXER_RATIOS,
 ) -> tuple[int, ...]:
     """Layers that select their own top-k (default: the kv sources)."""
     if index_source_layer_ids is None:
-        return kv_source_layers(compress_ratios, kv_source_layer_ids)
+        return kv_source_layers(compress_ratios, kv_source_layer_ids, indexer_ratios)
     return tuple(index_source_layer_ids)
 
 
@@ -49,18 +57,25 @@ def attention_role(
     layer_idx: int,
     kv_source_layer_ids: Sequence[int] | None = None,
     index_source_layer_ids: Sequence[int] | None = None,
+    indexer_ratios: Sequence[int] = DEFAULT_INDEXER_RATIOS,
 ) -> str:
     """The role of ``layer_idx``, one of :data:`ROLES` (see the module docstring)."""
     ratio = compress_ratios[layer_idx]
     if ratio == 0:
         return "window"
-    if ratio != INDEXER_RATIO:
+    if ratio not in indexer_ratios:
         return "all_groups"
-    if layer_idx in kv_source_layers(compress_ratios, kv_source_layer_ids):
+    if layer_idx in kv_source_layers(compress_ratios, kv_source_layer_ids, indexer_ratios):
         return "source"
-    if layer_idx in index_source_layers(compress_ratios, kv_source_layer_ids, index_source_layer_ids):
+    if layer_idx in index_source_layers(compress_ratios, kv_source_layer_ids, index_source_layer_ids, indexer_ratios):
         return "reindex"
     return "reuse"
+
+
+def latest_kv_source(kv_sources: Sequence[int], layer_idx: int) -> int | None:
+    """The kv source whose state ``layer_idx`` reads: the last one at or before it (None if none)."""
+    earlier = [i for i in kv_sources if i <= layer_idx]
+    return earlier[-1] if earlier else None
 
 
 def derive_v41_layer_roles(
