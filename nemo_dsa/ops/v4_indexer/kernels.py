@@ -433,14 +433,34 @@ def v4_topk_backward_tilelang(
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(w)
     heads_to, dim_to = padded_shape(heads, dim)
     q, k, w = pad_inputs(q, k, w, heads_to, dim_to)
-    dk_acc = torch.zeros((batch, num_keys, dim_to), dtype=torch.float32, device=q.device)
+    k_rows, indices_rows, ks_rows, ke_rows = dead_slots_to_zero_row(k, topk_indices, ks, ke)
+    dk_acc = torch.zeros((batch, num_keys + 1, dim_to), dtype=torch.float32, device=q.device)
     dq = torch.empty((batch, queries, heads_to, dim_to), dtype=torch.bfloat16, device=q.device)
     dw = torch.empty((batch, queries, heads_to), dtype=torch.float32, device=q.device)
     kernel = compile_cached(v4_topk_backward_kernel, **backward_config(heads_to, dim_to).as_kwargs())
     kernel(
-        q.contiguous(), k.contiguous(), w.contiguous(), ks.contiguous(), ke.contiguous(),
-        topk_indices.contiguous(), grad_scores.contiguous(), dq, dw, dk_acc,
+        q.contiguous(), k_rows, w.contiguous(), ks_rows, ke_rows, indices_rows, grad_scores.contiguous(), dq, dw, dk_acc,
     )
+    dk_acc = dk_acc[:, 1:]  # row 0 is the zero row: it never receives gradient
     if (heads_to, dim_to) != (heads, dim):
         return dq[:, :, :heads, :dim].contiguous(), dk_acc[..., :dim].to(torch.bfloat16), dw[..., :heads].contiguous()
     return dq, dk_acc.to(torch.bfloat16), dw
+
+
+def dead_slots_to_zero_row(k, topk_indices, ks, ke):
+    """Point every dead slot (-1, outside [0, K) or outside the query's [ks, ke)) at a zero key row.
+
+    The backward kernel gathers a real row for a dead slot and relies on g = 0 there, but
+    0 * NaN = NaN: a non-finite key the query never selected (or key 0, read for -1) would turn
+    its dq NaN. With a zero row in front (row 0; key j moves to row j + 1) and dead slots
+    pointing at it, the kernel skips them (the ranges become [1, K + 1)) and their products are
+    exact zeros. Returns (k with the zero row, contiguous; indices; ks; ke), all contiguous.
+    """
+    batch, num_keys = k.shape[0], k.shape[1]
+    k_rows = torch.nn.functional.pad(k, (0, 0, 1, 0)).contiguous()
+    live = (topk_indices >= ks.unsqueeze(-1)) & (topk_indices < ke.unsqueeze(-1))
+    live &= (topk_indices >= 0) & (topk_indices < num_keys)
+    indices_rows = torch.where(live, topk_indices + 1, 0).to(torch.int32).contiguous()
+    ks_rows = torch.ones((batch, ks.shape[1]), dtype=torch.int32, device=k.device)
+    ke_rows = torch.full_like(ks_rows, num_keys + 1)
+    return k_rows, indices_rows, ks_rows, ke_rows

@@ -116,14 +116,19 @@ def v4_backward(
                 index = topk_indices[b, part].long()
                 live = (index >= ks[b, part, None]) & (index < ke[b, part, None])  # also excludes -1
                 safe = torch.where(live, index, 0)
-                grad = torch.where(live, grad_scores[b, part].to(dtype), 0.0)  # where, not *, keeps NaN out
-                gathered = keys[safe]  # [c, T, D]
+                # Select, never multiply by a zero gradient: a dead slot reads key 0 (which may be
+                # NaN/inf), and 0 * NaN would reach this query's dq/dw and key 0's dk. Dead slots
+                # get a zero key, zero dots and a zero coefficient, so they add exact zeros.
+                grad = torch.where(live, grad_scores[b, part].to(dtype), 0.0)
+                gathered = torch.where(live.unsqueeze(-1), keys[safe], 0.0)  # [c, T, D]
                 queries_c, weights_c = q[b, part].to(dtype), w[b, part].to(dtype)
-                dots = torch.matmul(queries_c, gathered.transpose(1, 2))  # [c, H, T]
+                slot_live = live.unsqueeze(1)  # [c, 1, T]
+                dots = torch.where(slot_live, torch.matmul(queries_c, gathered.transpose(1, 2)), 0.0)  # [c, H, T]
                 dw[b, part] = (grad.unsqueeze(1) * dots.relu()).sum(-1)
-                coeff = grad.unsqueeze(1) * weights_c.unsqueeze(-1) * (dots > 0)  # [c, H, T]
+                coeff = torch.where(slot_live & (dots > 0), grad.unsqueeze(1) * weights_c.unsqueeze(-1), 0.0)
                 dq[b, part] = torch.matmul(coeff, gathered)
-                per_slot = torch.matmul(coeff.transpose(1, 2), queries_c)  # [c, T, D]
+                # A non-finite query selects nothing, yet coeff^T q would still be 0 * NaN at key 0.
+                per_slot = torch.where(live.unsqueeze(-1), torch.matmul(coeff.transpose(1, 2), queries_c), 0.0)
                 # index_put_(accumulate=True) rather than index_add_, which is ~100x slower on CPU here.
                 dk[b].index_put_((safe.reshape(-1),), per_slot.reshape(-1, dim), accumulate=True)
                 del gathered, dots, coeff, per_slot  # free before the next chunk allocates its own
