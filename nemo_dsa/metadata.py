@@ -13,7 +13,9 @@ Conventions fixed here (the rest of nemo_dsa relies on them):
   starts in the global row, so every CP rank names the same document the same way without
   communicating; user-supplied ``packed_seq_ids`` values are only used to tell documents apart.
 * padding queries get ``ks = ke = 0``; ``local_positions`` is 0 for padding.
-* a document ``[a, b)``: ``ks = ceil(a/R)``, ``ke = max(ks, floor((p+1)/R))``
+* a document ``[a, b)``: ``ks = min(ceil(a/R), K)``, ``ke = max(ks, floor((p+1)/R))``, so
+  ``0 <= ks <= ke <= K = floor(G/R)`` for every layout (a document starting in the row's
+  trailing partial group sees nothing, ``ks = ke = K``)
   (``nemo_dsa.visibility.document_ks_ke``, the one definition of the rule): only ``a`` and ``p``
   are needed, so each rank computes its rows from local information.
 * ``cu_seqlens`` is ``[ndocs+1]`` (one row, flash-attn style) or ``[B, ndocs+1]`` where a row with
@@ -245,7 +247,7 @@ def build_attention_metadata(
     # --- outputs ---------------------------------------------------------------------------------
     doc_ids = torch.where(valid, start + 1, 0)
     local_positions = torch.where(valid, pos - start, 0)
-    doc_ks, doc_ke = document_ks_ke(start, pos, ratio)
+    doc_ks, doc_ke = document_ks_ke(start, pos, ratio, G // ratio)
     ks = torch.where(valid, doc_ks, 0)
     ke = torch.where(valid, doc_ke, 0)
 

@@ -3,8 +3,10 @@
 docs/semantics.md "Visibility": query i of row b sees compressed key j iff ``ks[b, i] <= j < ke[b, i]``
 (the compact pair, int32 [B, S]); a query that sees nothing has ``ks == ke``. For a document
 starting at global position ``a`` and a query at global position ``p`` with compression ratio R:
-``ks = ceil(a / R)`` and ``ke = max(ks, floor((p + 1) / R))`` (a group becomes visible once its
-last token is at or before the query; groups reaching back before the document are not visible).
+``ks = min(ceil(a / R), K)`` and ``ke = max(ks, floor((p + 1) / R))`` (a group becomes visible once
+its last token is at or before the query; groups reaching back before the document are not
+visible; K clamps ks for a document starting in a row's trailing partial group), so
+``0 <= ks <= ke <= K``.
 
 This module holds the rule (:func:`document_ks_ke`, and its unpacked case :func:`causal_ks_ke`),
 the dense boolean form (:func:`visible_mask`) and the validation of a given pair
@@ -54,15 +56,20 @@ def _floor_div(x: torch.Tensor, ratio: int) -> torch.Tensor:
 
 
 def document_ks_ke(
-    doc_start: torch.Tensor, positions: torch.Tensor, ratio: int
+    doc_start: torch.Tensor, positions: torch.Tensor, ratio: int, num_keys: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The visibility rule on int64 tensors of global positions: (ks, ke), int64, same shape.
 
     ``doc_start`` is the global position of each query's document start, ``positions`` its own
     global position (``positions >= doc_start >= 0``). Only ``a`` and ``p`` are needed: the
     document end would bound ``ke`` by ``floor(b / R)``, which never binds since ``p < b``.
+    ``num_keys`` (K, the row's complete groups) clamps ``ks = min(ceil(a / R), K)``: a document
+    starting inside the trailing partial group sees nothing and must not point past the keys;
+    ``ke <= K`` then holds by itself (``p + 1 <= G``).
     """
     ks = _floor_div(doc_start + ratio - 1, ratio)
+    if num_keys is not None:
+        ks = ks.clamp_max(num_keys)
     return ks, torch.maximum(ks, _floor_div(positions + 1, ratio))
 
 

@@ -10,7 +10,10 @@ from _oracles import oracle_batch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from helpers import indexer_inputs
 from nemo_dsa.metadata import AttentionMetadata, build_attention_metadata
+from nemo_dsa.ops.v4_indexer import v4_indexer_bshd
+from nemo_dsa.visibility import check_ks_ke
 
 SENTINEL = -1000  # nemo-automodel's THD collater pads seq_lens with this
 
@@ -173,6 +176,25 @@ def cases(draw, flavour: str):
 # ------------------------------------------------------------------------------------------------
 
 
+def oracle_ks_ke(labels: list[list[int]], ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ks/ke int32 [B, G] by definition, loops only: ks is the first group starting at or after
+    the document's start (K if there is none: the document starts in the trailing partial
+    group), ke = ks + the number of visible groups of ``oracle_row``; padding gets 0, 0."""
+    num_keys = len(labels[0]) // ratio
+    visible = oracle_batch(labels, ratio)["visible"]
+    ks = torch.zeros(len(labels), len(labels[0]), dtype=torch.int32)
+    ke = torch.zeros_like(ks)
+    for b, row in enumerate(labels):
+        for p, label in enumerate(row):
+            if label == 0:
+                continue
+            start = row.index(label)
+            first = next((j for j in range(num_keys) if j * ratio >= start), num_keys)
+            ks[b, p] = first
+            ke[b, p] = first + int(visible[b, p].sum())
+    return ks, ke
+
+
 def assert_no_leak(meta: AttentionMetadata, labels: list[list[int]]) -> None:
     """Every visible group holds only real tokens of the query's document at positions <= the query's."""
     R = meta.compress_ratio
@@ -213,6 +235,9 @@ def test_builder_matches_oracle_and_cp_shards(flavour, data):
     keys = torch.arange(G // R)
     assert torch.equal(allowed, (full.ks[..., None] <= keys) & (keys < full.ke[..., None]))
     assert bool((full.ks <= full.ke).all())
+    oracle_ks, oracle_ke = oracle_ks_ke(labels, R)
+    assert torch.equal(full.ks, oracle_ks) and torch.equal(full.ke, oracle_ke)
+    assert bool((full.ks >= 0).all()) and bool((full.ke <= G // R).all())
     padding = ~full.token_valid
     assert bool((full.ks[padding] == 0).all()) and bool((full.ke[padding] == 0).all())
     assert_no_leak(full, labels)
@@ -239,6 +264,36 @@ def test_builder_matches_oracle_and_cp_shards(flavour, data):
 # ------------------------------------------------------------------------------------------------
 # fixed examples
 # ------------------------------------------------------------------------------------------------
+
+
+def test_document_in_trailing_partial_group_is_accepted():
+    # G = 7, R = 4: K = 1; the second document starts at 5, inside the partial group [4, 8).
+    meta = build_attention_metadata(compress_ratio=4, seq_lens=torch.tensor([[5, 2]]))
+    assert meta.num_groups == 1
+    assert meta.ks.tolist() == [[0, 0, 0, 0, 0, 1, 1]] and meta.ke.tolist() == [[0, 0, 0, 1, 1, 1, 1]]
+    check_ks_ke(meta.ks, meta.ke, batch=1, queries=7, num_keys=meta.num_groups, device=meta.device)
+    q, k, w = indexer_inputs(1, 7, 2, 16, meta.num_groups, 0)
+    score, index = v4_indexer_bshd(q, k, w, 4, 2, ks=meta.ks, ke=meta.ke, backend="torch")
+    assert index[0, 5:].eq(-1).all() and index[0, 3, 0] == 0
+
+
+@pytest.mark.parametrize("ratio", [2, 3, 4, 8, 128])
+def test_ks_ke_bounds_on_random_layouts_with_partial_groups(ratio):
+    """0 <= ks <= ke <= K and the exact oracle, on many rows whose length is not a multiple of R."""
+    rng = random.Random(ratio)
+    for _ in range(60):
+        length = ratio * rng.randint(0, 3) + rng.randint(1, ratio - 1) if ratio > 1 else rng.randint(1, 20)
+        labels = [draw_row(rng, length, ratio, rng.random() < 0.5, False) for _ in range(rng.randint(1, 3))]
+        lens = [spans_of(row) for row in labels]
+        width = max(len(a) for a, _ in lens)
+        seq_lens = torch.tensor([a + [0] * (width - len(a)) for a, _ in lens])
+        padded = torch.tensor([b + [0] * (width - len(b)) for _, b in lens])
+        meta = build_attention_metadata(compress_ratio=ratio, seq_lens=seq_lens, seq_lens_padded=padded)
+        num_keys = length // ratio
+        assert meta.num_groups == num_keys
+        assert bool((0 <= meta.ks).all() & (meta.ks <= meta.ke).all() & (meta.ke <= num_keys).all())
+        oracle_ks, oracle_ke = oracle_ks_ke(labels, ratio)
+        assert torch.equal(meta.ks, oracle_ks) and torch.equal(meta.ke, oracle_ke), labels
 
 
 def test_unaligned_document_start_does_not_leak():
