@@ -88,7 +88,6 @@ def test_warmup_cosine_schedule():
         (["recipe.cp_size=0"], "recipe.cp_size"),
         (["recipe.cp_size=2"], "torchrun"),
         (["recipe.grad_clip=0"], "recipe.grad_clip"),
-        (["+recipe.max_step=2"], "max_step"),  # a typo would otherwise be ignored silently
         (["model=v4_flash"], "meta device"),
         (["model.config.vocab_size=10"], "vocab_size"),
         (["resume=/nonexistent/ckpt"], "resume"),
@@ -97,6 +96,18 @@ def test_warmup_cosine_schedule():
 def test_recipe_errors_name_the_key(tmp_path, overrides, match):
     with pytest.raises(ValueError, match=match):
         _run(tmp_path, *overrides)
+
+
+@pytest.mark.parametrize("override", ["recipe.max_step=2", "+recipe.max_step=2", "recipe.max_steps=abc"])
+def test_the_recipe_schema_rejects_unknown_keys_and_wrong_types(tmp_path, override):
+    """RecipeConfig in Hydra's ConfigStore: a typo (Hydra's error) or a key added past the schema
+    with ``+`` (ours, naming the closest key) is refused when composing."""
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises((ConfigCompositionException, ValueError), match="max_step") as info:
+        load_config([*SHORT, f"run_dir={tmp_path}", override])
+    if override.startswith("+"):
+        assert "did you mean max_steps?" in str(info.value)
 
 
 def test_main_prints_config_and_help(capsys):

@@ -1,0 +1,387 @@
+"""The run: set-up, resume, the training step (non-finite gradients skipped), evaluation, checkpoints."""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nemo_dsa.labels import IGNORE_INDEX
+from nemo_dsa.recipe.files import RunDirLock, atomic_write
+from nemo_dsa.recipe.metrics import MetricsLog, plot_losses, read_metrics, write_summary
+from nemo_dsa.recipe.optim import apply_recipe, build_optimizer
+from nemo_dsa.recipe.parallel import (
+    Parallel,
+    all_reduce_sum,
+    is_collective_timeout,
+    launch_rank,
+    setup_parallel,
+    stalled_collective,
+)
+from nemo_dsa.recipe.schema import check_recipe, recipe_changes
+from nemo_dsa.recipe.state import (
+    STATE_FILE,
+    CorruptCheckpoint,
+    clean_failed_saves,
+    list_checkpoints,
+    read_state,
+    restore,
+    save_checkpoint,
+    set_aside,
+)
+
+# The batch fields handed to the model: exactly what nemo-automodel's THD collater emits
+# (document-local positions, seq_lens / seq_lens_padded) plus the per-token document ids and mask.
+MODEL_INPUTS = (
+    "input_ids", "labels", "position_ids", "seq_lens", "seq_lens_padded", "packed_seq_ids", "attention_mask",
+)
+HEARTBEAT_DIR = ".heartbeats"
+
+
+def note(message: str) -> None:
+    """A line for the user on stderr (the progress bar owns stdout's last line)."""
+    print(f"nemo-dsa-train: {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# One step
+# ---------------------------------------------------------------------------------------------
+
+
+def model_inputs(batch: dict[str, torch.Tensor], device: torch.device, par: Parallel, ratios) -> dict[str, Any]:
+    batch = {k: batch[k] for k in MODEL_INPUTS if k in batch}
+    if par.group is not None:
+        from nemo_dsa.data import PAD_ID
+        from nemo_dsa.distributed import shard_batch
+
+        batch = shard_batch(batch, par.group, compress_ratios=ratios, pad_token_id=PAD_ID)
+    inputs = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    if par.group is not None:
+        inputs["cp_group"] = par.group
+    return inputs
+
+
+def loss_terms(model, inputs: dict[str, Any], precision: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sum of token LM losses, this rank's share of the indexer loss, labelled-token count)."""
+    count = (inputs["labels"] != IGNORE_INDEX).sum()
+    with torch.autocast(inputs["input_ids"].device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+        out = model(**inputs)
+    if out.lm_loss is None:
+        raise RuntimeError("the model returned no loss although labels were given")
+    aux = out.aux_loss.float() if out.aux_loss is not None else torch.zeros((), device=count.device)
+    return out.lm_loss.float() * count, aux, count
+
+
+def train_step(model, optimizer, schedule, batch, *, recipe, device, par: Parallel) -> dict[str, Any]:
+    """One optimizer step over one batch; returns loss, lr, grad norm, token count and ``skipped``.
+
+    A step whose loss or gradient norm is not finite is skipped: the gradients are dropped and the
+    weights and optimizer moments stay as they were (the schedule still advances, so the lr keeps
+    following the step number). Every rank sees the same all-reduced gradients, so all skip together.
+    """
+    inputs = model_inputs(batch, device, par, model.config.compress_ratios)
+    loss_sum, aux, count = loss_terms(model, inputs, recipe.precision)
+    total = all_reduce_sum(count.float(), par).clamp_min(1)
+    # Normalise the LM loss by the global token count, so summing rank gradients gives the global
+    # mean's; the indexer loss is already this rank's share of the global one (see the model).
+    (loss_sum / total + aux).backward()
+    if par.group is not None:
+        import torch.distributed as dist
+
+        for p in model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=par.group)
+    max_norm = float("inf") if recipe.grad_clip is None else recipe.grad_clip  # inf: measure, do not clip
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
+    loss = (all_reduce_sum(loss_sum.detach(), par) / total + all_reduce_sum(aux.detach(), par)).item()
+    lr = optimizer.param_groups[0]["lr"]
+    skipped = not (math.isfinite(grad_norm) and math.isfinite(loss))
+    if not skipped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    schedule.step()
+    return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": int(batch["attention_mask"].sum()),
+            "skipped": skipped}
+
+
+@torch.no_grad()
+def evaluate(model, batches, *, recipe, device, par: Parallel) -> float:
+    """Token-weighted mean LM loss over fixed validation batches."""
+    was_training = model.training
+    model.eval()
+    loss_sum = torch.zeros((), device=device)
+    count = torch.zeros((), device=device)
+    for batch in batches:
+        inputs = model_inputs(batch, device, par, model.config.compress_ratios)
+        s, _, n = loss_terms(model, inputs, recipe.precision)
+        loss_sum += s
+        count += n
+    model.train(was_training)
+    return (all_reduce_sum(loss_sum, par) / all_reduce_sum(count.float(), par).clamp_min(1)).item()
+
+
+# ---------------------------------------------------------------------------------------------
+# Resume
+# ---------------------------------------------------------------------------------------------
+
+
+def _compare(path: Path, state: dict, model_config: dict, recipe_now: dict) -> dict[str, tuple]:
+    saved = state["model_config"]
+    changed = sorted(k for k in set(saved) | set(model_config) if saved.get(k) != model_config.get(k))
+    if changed:
+        raise ValueError(f"resume: checkpoint {path} was trained with a different model config (keys {changed}); "
+                         "use another run_dir to train the new config")
+    if "recipe" not in state:
+        return {}  # a checkpoint from before recipes were saved: nothing to compare with
+    applied, refused = recipe_changes(state["recipe"], recipe_now)
+    if refused:
+        detail = ", ".join(f"{k}: {state['recipe'].get(k)!r} -> {recipe_now.get(k)!r}" for k in refused)
+        raise ValueError(f"resume: checkpoint {path} cannot continue with a changed {', '.join(refused)} ({detail}); "
+                         "these fix the data stream and the validation set: use another run_dir or resume=never")
+    return applied
+
+
+def resume(cfg, run_dir: Path, objects: tuple, model_config: dict, recipe_now: dict, par: Parallel):
+    """Restore the checkpoint ``cfg.resume`` names; returns ``(path or None, state, applied changes, fallbacks)``.
+
+    ``resume=auto`` takes the newest intact checkpoint: a corrupt or truncated newer one is reported
+    by path, set aside as ``corrupt-step_*`` and the previous one is used.
+    """
+    fallbacks: list[str] = []
+    if cfg.resume == "never":
+        if list_checkpoints(run_dir):
+            raise ValueError(f"resume=never but {run_dir} already holds checkpoints: pick another run_dir")
+        return None, {}, {}, fallbacks
+    if cfg.resume == "auto":
+        candidates = list(reversed(list_checkpoints(run_dir)))
+    else:
+        path = Path(cfg.resume)
+        if not (path / STATE_FILE).is_file():
+            raise ValueError(f"resume must be 'auto', 'never' or a checkpoint directory, got {cfg.resume!r}")
+        candidates = [path]
+    for path in candidates:
+        try:
+            state = read_state(path)
+        except CorruptCheckpoint as e:
+            if cfg.resume != "auto":
+                raise
+            fallbacks.append(str(e))
+            if par.is_main:
+                note(f"{e}; set aside as {set_aside(path).name}, falling back to the previous checkpoint")
+            continue
+        applied = _compare(path, state, model_config, recipe_now)
+        restore(path, state, *objects)
+        return path, state, applied, fallbacks
+    return None, {}, {}, fallbacks
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    step: int
+    resumed_from: int | None
+    losses: list[float] = field(default_factory=list)  # the train losses logged by this process
+    val_loss: float | None = None
+    skipped_steps: int = 0
+    is_main: bool = True
+
+
+def _build_model(cfg, device: torch.device):
+    from hydra.utils import instantiate
+
+    from nemo_dsa.data import VOCAB_SIZE
+
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    model = instantiate(cfg.model)  # nemo_dsa.builder.build_model: fails here on a bad config
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError(f"model {cfg.model.get('name')!r} is built on the meta device (a shape preset): "
+                         "it cannot be trained; pick model=tiny or model=small")
+    if model.config.vocab_size < VOCAB_SIZE:
+        raise ValueError(f"model.config.vocab_size must be >= {VOCAB_SIZE} (the byte tokenizer's vocabulary), "
+                         f"got {model.config.vocab_size}")
+    return model.to(device).train()
+
+
+def _device(cfg, recipe) -> torch.device:
+    device = torch.device(cfg.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device=cuda was requested but no CUDA device is available")
+    if recipe.precision == "bf16" and device.type != "cuda":
+        raise ValueError("recipe.precision=bf16 runs on device=cuda only (CPU runs are fp32)")
+    return device
+
+
+def train(cfg) -> TrainResult:
+    """Run the recipe described by a composed config (see ``load_config``)."""
+    recipe = cfg.recipe
+    check_recipe(recipe)
+    device = _device(cfg, recipe)
+    run_dir = Path(cfg.run_dir)
+    lock = RunDirLock(run_dir).acquire() if launch_rank() == 0 else None  # before anything is written
+    try:
+        return _run(cfg, recipe, device, run_dir)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run(cfg, recipe, device: torch.device, run_dir: Path) -> TrainResult:
+    from omegaconf import OmegaConf
+    from tqdm.auto import tqdm
+
+    from nemo_dsa.data import build_streams
+
+    if recipe.num_threads:
+        torch.set_num_threads(int(recipe.num_threads))
+    par = setup_parallel(recipe.cp_size, recipe.dist_timeout_s)
+    if device.type == "cuda" and par.size > 1:
+        device = torch.device("cuda", torch.cuda.current_device())  # init_from_env chose LOCAL_RANK
+    if par.is_main:
+        for leftover in clean_failed_saves(run_dir):
+            note(f"removed {leftover}, the leftover of a save that did not finish")
+    model = _build_model(cfg, device)
+    model_config = model.config.to_dict()
+    recipe_now = {**OmegaConf.to_container(recipe, resolve=True), "seed": cfg.seed}
+    optimizer, schedule = build_optimizer(model, recipe)
+    stream, val_batches = build_streams(
+        seq_len=recipe.seq_len, batch_size=recipe.batch_size, seed=cfg.seed,
+        val_percent=recipe.val_percent, val_batches=recipe.val_batches, min_piece=recipe.min_piece,
+    )
+    path, saved, applied, fallbacks = resume(cfg, run_dir, (model, optimizer, schedule, stream), model_config,
+                                             recipe_now, par)
+    apply_recipe(optimizer, schedule, recipe)  # this run's lr, betas, weight decay (a no-op when fresh)
+    resumed_from = None if path is None else int(saved["step"])
+    start = resumed_from or 0
+    metrics = MetricsLog(run_dir / "metrics.jsonl", enabled=par.is_main, elapsed_before=saved.get("elapsed_s", 0.0))
+    if par.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+        if resumed_from is None:
+            metrics.start_fresh()
+        else:
+            metrics.keep_until(resumed_from)
+            note(f"resuming from step {resumed_from} ({path})")
+    for reason in fallbacks:
+        metrics.log({"step": start, "event": "checkpoint_fallback", "reason": reason})
+    if applied:
+        changes = {k: [old, new] for k, (old, new) in applied.items()}
+        metrics.log({"step": start, "event": "recipe_change", "changed": changes})
+        if par.is_main:
+            note("recipe changes taking effect from step " + f"{start + 1}: "
+                 + ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in applied.items()))
+
+    stop = recipe.stop_at_step or recipe.max_steps
+    title = f"{cfg.model.name} / scoring {cfg.scoring.name} / {cfg.recipe.name}"
+    result = TrainResult(run_dir=run_dir, step=start, resumed_from=resumed_from, is_main=par.is_main,
+                         skipped_steps=int(saved.get("skipped_steps", 0)))
+    n_params = sum(p.numel() for p in model.parameters())
+    bar = tqdm(total=stop, initial=start, disable=not (recipe.progress_bar and par.is_main), dynamic_ncols=True,
+               desc="train")
+    # Steps since the last logged record (restored on resume, so a window spanning a stop
+    # averages exactly what an uninterrupted run does).
+    window = saved.get("log_window") or {}
+    window_losses: list[float] = list(window.get("losses", []))
+    window_tokens, window_time = window.get("tokens", 0), window.get("time", 0.0)
+    heartbeats = run_dir / HEARTBEAT_DIR if par.size > 1 else None
+
+    metrics.log({"step": start, "event": "resume" if resumed_from is not None else "start", "model": cfg.model.name,
+                 "scoring": cfg.scoring.name, "params": n_params, "device": str(device), "cp_size": par.size})
+    for step in range(start + 1, stop + 1):
+        tic = time.perf_counter()
+        val_loss = None
+        try:
+            stats = train_step(model, optimizer, schedule, next(stream), recipe=recipe, device=device, par=par)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            window_time += time.perf_counter() - tic  # step time only: not eval, checkpoints, plots
+            if val_batches and (step % recipe.val_every == 0 or step == stop):
+                val_loss = evaluate(model, val_batches, recipe=recipe, device=device, par=par)
+        except RuntimeError as e:
+            if par.size > 1 and is_collective_timeout(e):
+                raise stalled_collective(e, par, step, _read_heartbeats(heartbeats)) from e
+            raise
+        bar.update(1)
+        if stats["skipped"]:
+            result.skipped_steps += 1
+            metrics.log({"step": step, "event": "skipped", "reason": "non-finite loss or gradient",
+                         "step_loss": _json_float(stats["loss"]), "step_grad_norm": _json_float(stats["grad_norm"]),
+                         "skipped_steps": result.skipped_steps})
+            if par.is_main:
+                note(f"step {step}: non-finite loss {stats['loss']} or gradient norm {stats['grad_norm']}: "
+                     f"step skipped ({result.skipped_steps} so far, recipe.max_skipped_steps={recipe.max_skipped_steps})")
+            if result.skipped_steps > recipe.max_skipped_steps:
+                raise FloatingPointError(
+                    f"step {step}: {result.skipped_steps} steps had a non-finite loss or gradient, more than "
+                    f"recipe.max_skipped_steps={recipe.max_skipped_steps}; the run stops (the last checkpoint "
+                    "holds finite weights: lower recipe.lr or check the data)")
+        else:
+            window_losses.append(stats["loss"])
+            window_tokens += stats["tokens"]
+            bar.set_postfix(loss=f"{stats['loss']:.3f}", lr=f"{stats['lr']:.2e}")
+        if (step % recipe.log_every == 0 or step == recipe.max_steps) and window_losses:
+            loss = sum(window_losses) / len(window_losses)
+            metrics.log({"step": step, "loss": loss, "lr": stats["lr"], "grad_norm": stats["grad_norm"],
+                         "tokens_per_s": window_tokens / max(window_time, 1e-9)})
+            result.losses.append(loss)
+            window_losses, window_tokens, window_time = [], 0, 0.0
+        if val_loss is not None:
+            result.val_loss = val_loss
+            metrics.log({"step": step, "val_loss": val_loss})
+            if par.is_main and recipe.progress_bar:
+                bar.write(f"step {step}: validation loss {val_loss:.4f}")
+        if par.is_main and (step % recipe.ckpt_every == 0 or step == stop):
+            state = {"model_config": model_config, "recipe": recipe_now, "skipped_steps": result.skipped_steps,
+                     "elapsed_s": metrics.elapsed(),
+                     "log_window": {"losses": window_losses, "tokens": window_tokens, "time": window_time}}
+            save_checkpoint(run_dir, step, model, optimizer, schedule, stream, state, recipe.keep_checkpoints)
+            if recipe.plot:
+                plot_losses(metrics.path, run_dir / "loss.png", title)
+        if heartbeats is not None:
+            heartbeats.mkdir(parents=True, exist_ok=True)
+            atomic_write(heartbeats / f"rank{par.rank}", f"{step}\n")
+        result.step = step
+    bar.close()
+    if par.is_main:
+        _finish(run_dir, metrics.path, result, recipe, n_params, title)
+    return result
+
+
+def _json_float(x: float) -> float | str:
+    return x if math.isfinite(x) else str(x)  # JSON has no nan/inf
+
+
+def _read_heartbeats(directory: Path | None) -> dict[int, int]:
+    beats: dict[int, int] = {}
+    for file in directory.glob("rank*") if directory is not None and directory.is_dir() else []:
+        try:
+            beats[int(file.name[4:])] = int(file.read_text())
+        except ValueError:
+            continue
+    return beats
+
+
+def _finish(run_dir: Path, metrics_path: Path, result: TrainResult, recipe, n_params: int, title: str) -> None:
+    records = read_metrics(metrics_path)
+    train_losses = [r["loss"] for r in records if "loss" in r and "event" not in r]
+    if result.val_loss is None:  # nothing evaluated in this process (e.g. a finished run resumed)
+        result.val_loss = next((r["val_loss"] for r in reversed(records) if "val_loss" in r), None)
+    write_summary(run_dir / "summary.json", {
+        "step": result.step, "max_steps": recipe.max_steps, "params": n_params,
+        "first_loss": train_losses[0] if train_losses else None,
+        "last_loss": train_losses[-1] if train_losses else None,
+        "val_loss": result.val_loss, "resumed_from": result.resumed_from, "skipped_steps": result.skipped_steps,
+    })
+    if recipe.plot:
+        plot_losses(metrics_path, run_dir / "loss.png", title)

@@ -1,0 +1,94 @@
+"""``metrics.jsonl`` (appended, one JSON record per line), ``summary.json`` and ``loss.png``.
+
+Records are only ever appended; a resume drops the records after the resumed step by writing a
+new file and renaming it over the old one, so a kill at any moment loses nothing that was logged
+before the checkpoint.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from pathlib import Path
+
+from nemo_dsa.recipe.files import append_line, atomic_write
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The records of ``path`` (none if it does not exist); a torn last line (a kill mid-append) is skipped."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            if i != len(lines) - 1:
+                raise ValueError(f"{path}: line {i + 1} is not JSON: {line[:80]!r}") from None
+    return records
+
+
+class MetricsLog:
+    """The run's ``metrics.jsonl``: every record stamped with UTC wall-clock time and elapsed seconds.
+
+    ``elapsed_s`` counts this run's time across resumes (``elapsed_before`` comes from the checkpoint).
+    Only the main rank writes (``enabled``).
+    """
+
+    def __init__(self, path: Path, *, enabled: bool = True, elapsed_before: float = 0.0) -> None:
+        self.path = Path(path)
+        self.enabled = enabled
+        self.elapsed_before = elapsed_before
+        self._start = time.monotonic()
+
+    def elapsed(self) -> float:
+        return self.elapsed_before + (time.monotonic() - self._start)
+
+    def start_fresh(self) -> None:
+        if self.enabled:
+            atomic_write(self.path, "")
+
+    def keep_until(self, step: int) -> None:
+        """Drop the records after ``step`` (logged after the checkpoint this run resumes from)."""
+        if self.enabled:
+            kept = [r for r in read_metrics(self.path) if r["step"] <= step]
+            atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+
+    def log(self, record: dict) -> None:
+        if self.enabled:
+            stamp = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "elapsed_s": round(self.elapsed(), 3)}
+            append_line(self.path, json.dumps({**record, **stamp}))
+
+
+def write_summary(path: Path, summary: dict) -> None:
+    atomic_write(Path(path), json.dumps(summary, indent=2) + "\n")
+
+
+def plot_losses(metrics_path: Path, out_path: Path, title: str) -> None:
+    """Train (and validation) loss against step, as a PNG (matplotlib's Agg backend), written atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(metrics_path)
+    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    if train:
+        ax.plot(*zip(*train), label="train", lw=1.2)
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation", lw=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats / token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    plt.close(fig)
+    atomic_write(Path(out_path), buffer.getvalue())

@@ -1,0 +1,85 @@
+"""Context-parallel set-up for the recipe, and the message a stalled collective turns into."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Parallel:
+    """Where this process sits: CP rank/size and the group handed to the model (None = no CP)."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None
+    timeout_s: float | None = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launch_rank() -> int:
+    """This process's rank in the torchrun job (0 outside torchrun), before any process group exists."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def setup_parallel(cp_size: int, timeout_s: float) -> Parallel:
+    """cp_size 1: nothing. cp_size > 1: join the torchrun job; every rank is one CP shard.
+
+    The recipe has no data parallelism: the world is one CP group of ``cp_size`` ranks, each
+    holding a contiguous sequence shard of every row (``nemo_dsa.distributed.shard_batch``); the
+    model's attention reaches the other ranks through the ``cp_group`` passed to its forward.
+    ``timeout_s`` bounds every collective (``recipe.dist_timeout_s``): a stalled peer stops the
+    run with ``stalled_collective``'s message instead of blocking for gloo's 10 minutes.
+    """
+    if cp_size == 1:
+        return Parallel()
+    if "WORLD_SIZE" not in os.environ:
+        raise ValueError(
+            f"recipe.cp_size={cp_size} needs a torchrun launch: "
+            f"torchrun --nproc-per-node={cp_size} -m nemo_dsa.train recipe.cp_size={cp_size} ..."
+        )
+    from nemo_dsa.distributed import init_from_env
+
+    world = int(os.environ["WORLD_SIZE"])
+    if world != cp_size:
+        raise ValueError(f"recipe.cp_size={cp_size} must equal the torchrun world size {world} (no data parallelism)")
+    env = init_from_env(cp_size, timeout_s=timeout_s)
+    return Parallel(rank=env.cp_rank, size=env.cp_size, group=env.cp_group, timeout_s=timeout_s)
+
+
+def all_reduce_sum(x: torch.Tensor, par: Parallel) -> torch.Tensor:
+    """Sum over the CP group (a copy; ``x`` itself without CP)."""
+    if par.group is None:
+        return x
+    import torch.distributed as dist
+
+    x = x.detach().clone()
+    dist.all_reduce(x, group=par.group)
+    return x
+
+
+def is_collective_timeout(error: BaseException) -> bool:
+    text = str(error).lower()
+    return "timed out" in text or "timeout" in text
+
+
+def stalled_collective(error: BaseException, par: Parallel, step: int, heartbeats: dict[int, int]) -> RuntimeError:
+    """A one-paragraph error for a collective that ran past ``recipe.dist_timeout_s``.
+
+    ``heartbeats``: the last step each rank reported done; ranks behind ``step - 1`` are the
+    stalled ones (a rank that stopped mid-step is indistinguishable from one still working).
+    """
+    behind = sorted(r for r in range(par.size) if r != par.rank and heartbeats.get(r, -1) < step - 1)
+    who = f"rank(s) {behind} last reported step(s) {[heartbeats.get(r) for r in behind]}" if behind else \
+        "no peer is behind by a whole step (a peer stopped mid-step)"
+    return RuntimeError(
+        f"rank {par.rank}: a collective in step {step} did not complete within recipe.dist_timeout_s={par.timeout_s}s; "
+        f"{who}. A stopped or hung peer rank causes this; raise recipe.dist_timeout_s if steps are simply slow. "
+        f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
+    )
