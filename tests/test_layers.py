@@ -399,3 +399,27 @@ def test_full_precision_selection_equals_the_op_on_bf16_values():
     torch.testing.assert_close(dw1, dw2, rtol=1e-5, atol=1e-6)
     for a, b in ((dq1, dq2), (dk1, dk2)):  # the op returns q/k gradients in bf16: one rounding apart
         torch.testing.assert_close(a.bfloat16().float(), b, rtol=2**-7, atol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_overlap_keeps_other_documents_non_finite_values_out(bad):
+    """The ratio-4 overlap selects the previous group only inside a document: a NaN / inf in
+    document A leaves document B's compressed keys bitwise those of a clean run (the previous
+    group's weight 0 is never multiplied with A's values)."""
+    cfg = tiny_config()
+    layer = make_layer(cfg, 1)  # ratio 4, overlapping compressor
+    compressor = layer.compressor
+    assert compressor.overlap
+    lengths = [12, 16, 8]  # documents start at 0, 12, 28 (multiples of 4): B's first group follows A's last
+    ids = packed_ids([lengths], sum(lengths))
+    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    meta = build_attention_metadata(compress_ratio=4, position_ids=positions, seq_lens=torch.tensor([lengths]))
+    x = torch.randn(1, sum(lengths), cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    clean = compressor(x, meta, LocalContext())
+    dirty_x = x.clone()
+    dirty_x[0, 9, 5] = bad  # document A's last group (tokens 8..11)
+    dirty_x[0, 11, :] = bad
+    dirty = compressor(dirty_x, meta, LocalContext())
+    assert not torch.isfinite(dirty[0, 2]).all()  # A's own last group is hit
+    assert ids[0, 12] == 2 and ids[0, 28] == 3
+    assert torch.equal(dirty[0, 3:], clean[0, 3:])  # document B's (and C's) keys: bitwise clean
