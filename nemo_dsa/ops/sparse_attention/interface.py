@@ -55,7 +55,7 @@ class SparseWindowAttentionFunction(torch.autograd.Function):
         d_sink = None
         if inputs.has_sink and ctx.needs_input_grad[8]:
             # d lse / d sink = p_sink; d out / d sink = -p_sink * out, so dL/dsink = -p_sink * delta.
-            p_sink = torch.exp(inputs.sink.view(1, 1, -1) - lse)
+            p_sink = torch.exp(inputs.sink[: inputs.heads].view(1, 1, -1) - lse)  # sink is head-padded
             d_sink = -(p_sink * delta).sum(dim=(0, 1))
         return dq, d_raw, None, None, d_comp if ctx.has_compressed else None, None, None, None, d_sink, None
 
