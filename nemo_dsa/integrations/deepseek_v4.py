@@ -48,7 +48,11 @@ from nemo_automodel.components.models.common.utils import compute_lm_head_logits
 from nemo_automodel.components.models.deepseek_v4.config import DeepseekV4Config
 from nemo_automodel.components.models.deepseek_v4.model import DeepseekV4CausalLMOutput, DeepseekV4ForCausalLM
 
-from nemo_dsa.integrations.deepseek_v4_attention import DsaForwardState, NemoDsaDeepseekV4Attention
+from nemo_dsa.integrations.deepseek_v4_attention import (
+    DsaForwardState,
+    NemoDsaDeepseekV4Attention,
+    adopt_builtin_layout,
+)
 from nemo_dsa.layers.shared_state import SharedLayerState
 from nemo_dsa.metadata import build_attention_metadata
 from nemo_dsa.models.dsa_lm.configuration import DSAModelConfig
@@ -169,23 +173,7 @@ class NemoDsaDeepseekV4ForCausalLM(DeepseekV4ForCausalLM):
         device = next(builtin.parameters()).device
         with torch.device(device):
             attention = NemoDsaDeepseekV4Attention(self.dsa_config, layer_idx)
-        expected = dict(builtin.named_parameters())
-        got = dict(attention.named_parameters())
-        if expected.keys() != got.keys():
-            raise ValueError(
-                f"layer {layer_idx}: nemo_dsa attention parameters {sorted(got.keys() - expected.keys())} / built-in "
-                f"parameters {sorted(expected.keys() - got.keys())} have no counterpart"
-            )
-        for name, param in got.items():
-            reference = expected[name]
-            if param.shape != reference.shape:
-                raise ValueError(
-                    f"layer {layer_idx}: self_attn.{name} has shape {tuple(param.shape)} in nemo_dsa's module, "
-                    f"{tuple(reference.shape)} in the built-in"
-                )
-            if param.dtype != reference.dtype:  # e.g. the built-in's fp32 compressor inside bf16 models
-                param.data = param.data.to(reference.dtype)
-        return attention
+        return adopt_builtin_layout(builtin, attention, layer_idx)
 
     # ------------------------------------------------------------------------------------------
     # forward

@@ -32,7 +32,14 @@ from torch import nn
 from nemo_dsa.layers.norm import RMSNorm
 from nemo_dsa.layers.sparse_attention import DSASparseAttention
 
-__all__ = ["DsaForwardState", "NemoDsaDeepseekV4Attention", "BUILTIN_TO_NEMO_MODULES", "BUILTIN_TO_NEMO_TENSORS"]
+__all__ = [
+    "BUILTIN_TO_NEMO_MODULES",
+    "BUILTIN_TO_NEMO_TENSORS",
+    "CoreAttention",
+    "DsaForwardState",
+    "NemoDsaDeepseekV4Attention",
+    "adopt_builtin_layout",
+]
 
 # Built-in DeepseekV4Attention submodule name -> the nemo_dsa DSASparseAttention submodule it is.
 BUILTIN_TO_NEMO_MODULES = {
@@ -95,17 +102,22 @@ def _owner_and_leaf(root: nn.Module, dotted: str) -> tuple[nn.Module, str]:
     return (_submodule(root, prefix) if prefix else root), leaf
 
 
-class NemoDsaDeepseekV4Attention(nn.Module):
-    """Drop-in ``self_attn`` of a DeepSeek-V4 block that computes with nemo_dsa (see module docstring)."""
+class CoreAttention(nn.Module):
+    """A nemo_dsa ``DSASparseAttention`` (``core``) under a built-in attention's parameter layout.
 
-    def __init__(self, dsa_config, layer_idx: int) -> None:
+    ``module_map``: built-in submodule name -> the ``core`` submodule it is (registered here, the
+    same objects); ``tensor_map``: built-in one-parameter holder -> the ``core`` tensor it stores
+    (handed to ``core`` per call). Shared by the DeepSeek-V4 and V4.1 plugins.
+    """
+
+    def __init__(self, dsa_config, layer_idx: int, module_map: dict, tensor_map: dict, builtin_class: str) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.compress_ratio = int(dsa_config.compress_ratios[layer_idx])
         core = DSASparseAttention(dsa_config, layer_idx)
         object.__setattr__(self, "_core", core)  # not a child: its modules are registered below
         covered: set[int] = set()
-        for builtin_name, nemo_name in BUILTIN_TO_NEMO_MODULES.items():
+        for builtin_name, nemo_name in module_map.items():
             module = _submodule(core, nemo_name)
             if module is None:
                 if builtin_name in ("wo_a", "wo_b"):
@@ -117,7 +129,7 @@ class NemoDsaDeepseekV4Attention(nn.Module):
             self._register_at(builtin_name, module)
             covered.update(id(p) for p in module.parameters())
         self._held: list[tuple[str, str]] = []  # (holder name, core tensor name)
-        for builtin_name, nemo_name in BUILTIN_TO_NEMO_TENSORS.items():
+        for builtin_name, nemo_name in tensor_map.items():
             owner, leaf = _owner_and_leaf(core, nemo_name)
             tensor = None if owner is None else owner._parameters.get(leaf)
             if tensor is None:
@@ -132,7 +144,7 @@ class NemoDsaDeepseekV4Attention(nn.Module):
         if orphans:
             raise ValueError(
                 f"nemo_dsa's DSASparseAttention (layer {layer_idx}) holds {orphans}, which have no counterpart "
-                "in nemo-automodel's DeepseekV4Attention layout (BUILTIN_TO_NEMO_MODULES / _TENSORS)"
+                f"in nemo-automodel's {builtin_class} layout"
             )
 
     def _register_at(self, dotted: str, module: nn.Module) -> None:
@@ -146,6 +158,25 @@ class NemoDsaDeepseekV4Attention(nn.Module):
             parent = child
         parent.add_module(parts[-1], module)
 
+    def call_core(self, hidden_states: torch.Tensor, meta, ctx, shared):
+        """``core(hidden_states, meta, ctx, shared)`` with the held tensors of this module."""
+        core = self._core
+        if core.training != self.training:
+            core.train(self.training)
+        held = {nemo_name: _submodule(self, builtin_name)(hidden_states) for builtin_name, nemo_name in self._held}
+        return torch.func.functional_call(core, held, (hidden_states, meta, ctx, shared))
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | None = None, init_std: float = 0.02) -> None:
+        """Truncated-normal projections, unit norm scales, zero sinks and position biases (CPU-safe)."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.trunc_normal_(module.weight, mean=0.0, std=init_std)
+            elif isinstance(module, RMSNorm):
+                module.reset_parameters()
+        for builtin_name, _ in self._held:
+            nn.init.zeros_(_submodule(self, builtin_name).weight)
+
     @property
     def core(self) -> DSASparseAttention:
         """The nemo_dsa module that computes this layer (shares this module's parameters)."""
@@ -153,6 +184,13 @@ class NemoDsaDeepseekV4Attention(nn.Module):
 
     def setup_cp_attention(self, cp_mesh) -> None:
         """nemo-automodel's CP hook: nothing to set up, the CP group arrives with each forward."""
+
+
+class NemoDsaDeepseekV4Attention(CoreAttention):
+    """Drop-in ``self_attn`` of a DeepSeek-V4 block that computes with nemo_dsa (see module docstring)."""
+
+    def __init__(self, dsa_config, layer_idx: int) -> None:
+        super().__init__(dsa_config, layer_idx, BUILTIN_TO_NEMO_MODULES, BUILTIN_TO_NEMO_TENSORS, "DeepseekV4Attention")
 
     def forward(
         self,
@@ -181,24 +219,28 @@ class NemoDsaDeepseekV4Attention(nn.Module):
         if start_pos:
             raise ValueError(f"start_pos must be 0 (training forward, no KV cache), got {start_pos}")
         meta = nemo_dsa_forward.metadata[max(self.compress_ratio, 1)]
-        core = self._core
-        if core.training != self.training:
-            core.train(self.training)
-        held = {nemo_name: _submodule(self, builtin_name)(hidden_states) for builtin_name, nemo_name in self._held}
-        out, aux = torch.func.functional_call(
-            core, held, (hidden_states, meta, nemo_dsa_forward.ctx, nemo_dsa_forward.shared)
-        )
+        out, aux = self.call_core(hidden_states, meta, nemo_dsa_forward.ctx, nemo_dsa_forward.shared)
         if aux is not None:
             nemo_dsa_forward.aux_losses.append(aux)
         return out, None
 
-    @torch.no_grad()
-    def init_weights(self, buffer_device: torch.device | None = None, init_std: float = 0.02) -> None:
-        """Truncated-normal projections, unit norm scales, zero sinks and position biases (CPU-safe)."""
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.trunc_normal_(module.weight, mean=0.0, std=init_std)
-            elif isinstance(module, RMSNorm):
-                module.reset_parameters()
-        for builtin_name, _ in self._held:
-            nn.init.zeros_(_submodule(self, builtin_name).weight)
+
+def adopt_builtin_layout(builtin: nn.Module, attention: nn.Module, layer_idx: int) -> nn.Module:
+    """Check ``attention`` against the ``builtin`` it replaces (names and shapes), take its dtypes."""
+    expected = dict(builtin.named_parameters())
+    got = dict(attention.named_parameters())
+    if expected.keys() != got.keys():
+        raise ValueError(
+            f"layer {layer_idx}: nemo_dsa attention parameters {sorted(got.keys() - expected.keys())} / built-in "
+            f"parameters {sorted(expected.keys() - got.keys())} have no counterpart"
+        )
+    for name, param in got.items():
+        reference = expected[name]
+        if param.shape != reference.shape:
+            raise ValueError(
+                f"layer {layer_idx}: attention {name} has shape {tuple(param.shape)} in nemo_dsa's module, "
+                f"{tuple(reference.shape)} in the built-in"
+            )
+        if param.dtype != reference.dtype:  # e.g. the built-in's fp32 compressor inside bf16 models
+            param.data = param.data.to(reference.dtype)
+    return attention
