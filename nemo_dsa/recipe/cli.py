@@ -98,20 +98,19 @@ def _article(type_name: str) -> str:
 
 
 def _chain(error: BaseException):
+    """``error`` and its causes, as the traceback would show them."""
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
         yield error
-        error = error.__cause__ or error.__context__
+        error = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
 
 
 def _first_line(error: BaseException) -> str:
-    """The innermost message (Hydra's InstantiationException wraps the builder's ValueError)."""
-    inner = list(_chain(error))[-1]
-    for e in _chain(error):
-        if isinstance(e, (ValueError, TypeError, FileNotFoundError)) and type(e).__module__ != "hydra.errors":
-            inner = e
-            break
+    """The message that names the problem, on one line: Hydra's wrappers (InstantiationException
+    around the builder's ValueError) are looked through."""
+    chain = list(_chain(error))
+    inner = next((e for e in chain if type(e).__module__ not in ("hydra.errors", "omegaconf.errors")), chain[-1])
     text = str(inner).strip() or type(inner).__name__
     return " ".join(line.strip() for line in text.splitlines() if line.strip())
 

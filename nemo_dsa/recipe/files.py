@@ -50,6 +50,15 @@ def atomic_write(path: Path, data: bytes | str) -> None:
     fsync_dir(path.parent)
 
 
+def remove_temporaries(directory: Path) -> list[Path]:
+    """Delete the temporary files of ``atomic_write`` calls a kill interrupted (call under the run-dir lock)."""
+    directory = Path(directory)
+    found = sorted(p for p in directory.glob(f"{TMP_PREFIX}*") if p.is_file()) if directory.is_dir() else []
+    for path in found:
+        path.unlink(missing_ok=True)
+    return found
+
+
 def append_line(path: Path, line: str) -> None:
     """Append one line durably (a crash can at worst leave a torn last line, which readers skip)."""
     with open(path, "a", encoding="utf-8") as f:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from nemo_dsa.labels import IGNORE_INDEX
-from nemo_dsa.recipe.files import RunDirLock, atomic_write
+from nemo_dsa.recipe.files import RunDirLock, atomic_write, remove_temporaries
 from nemo_dsa.recipe.metrics import MetricsLog, plot_losses, read_metrics, write_summary
 from nemo_dsa.recipe.optim import apply_recipe, build_optimizer
 from nemo_dsa.recipe.parallel import (
@@ -249,8 +249,8 @@ def _run(cfg, recipe, device: torch.device, run_dir: Path) -> TrainResult:
     if device.type == "cuda" and par.size > 1:
         device = torch.device("cuda", torch.cuda.current_device())  # init_from_env chose LOCAL_RANK
     if par.is_main:
-        for leftover in clean_failed_saves(run_dir):
-            note(f"removed {leftover}, the leftover of a save that did not finish")
+        for leftover in [*clean_failed_saves(run_dir), *remove_temporaries(run_dir)]:
+            note(f"removed {leftover}, the leftover of a write that did not finish")
     model = _build_model(cfg, device)
     model_config = model.config.to_dict()
     recipe_now = {**OmegaConf.to_container(recipe, resolve=True), "seed": cfg.seed}

@@ -68,6 +68,10 @@ RESUME_APPLIES = frozenset({
 })
 
 
+# How this invocation runs, not what it trains: not reported as changes on resume.
+RESUME_IGNORES = frozenset({"stop_at_step", "progress_bar"})
+
+
 def register_schemas() -> None:
     """Put the schemas in Hydra's ConfigStore (idempotent; ``load_config`` calls it)."""
     from hydra.core.config_store import ConfigStore
@@ -139,6 +143,6 @@ def check_recipe(recipe) -> None:
 def recipe_changes(saved: dict, current: dict) -> tuple[dict[str, tuple], list[str]]:
     """Compare a checkpoint's recipe with this run's: ``(applied {key: (old, new)}, refused keys)``."""
     changed = {k: (saved.get(k), current.get(k)) for k in sorted(set(saved) | set(current))
-               if saved.get(k) != current.get(k)}
+               if saved.get(k) != current.get(k) and k not in RESUME_IGNORES}
     refused = [k for k in changed if k not in RESUME_APPLIES]
     return {k: v for k, v in changed.items() if k in RESUME_APPLIES}, refused

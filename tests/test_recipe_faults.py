@@ -1,0 +1,206 @@
+"""Faults the recipe survives: kills mid-write and mid-save, a second run on the same run_dir,
+corrupt or truncated checkpoints, non-finite gradients, changed recipes on resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from nemo_dsa.recipe.files import RunDirLock, RunDirLocked
+from nemo_dsa.recipe.state import CorruptCheckpoint
+from nemo_dsa.train import load_config, read_metrics, train, warmup_cosine
+
+ROOT = Path(__file__).resolve().parents[1]
+SHORT = ["recipe=smoke", "recipe.seq_len=32", "recipe.batch_size=2", "recipe.max_steps=4", "recipe.ckpt_every=2",
+         "recipe.val_every=2", "recipe.num_threads=1", "recipe.plot=false"]
+
+
+def _run(run_dir, *extra):
+    return train(load_config([*SHORT, f"run_dir={run_dir}", *extra]))
+
+
+def _losses(run_dir) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(Path(run_dir) / "metrics.jsonl") if "loss" in r}
+
+
+def _weights(run_dir, step: int) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(run_dir) / "checkpoints" / f"step_{step:07d}" / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, float]:
+    """The uninterrupted run's losses, which every interrupted run must reproduce bitwise."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    _run(run_dir)
+    return _losses(run_dir)
+
+
+def _killed_run(run_dir, kill_when: str, *extra) -> subprocess.CompletedProcess:
+    """Run the recipe in a subprocess that SIGKILLs itself at the point ``kill_when`` names."""
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        import nemo_dsa.recipe.files as files, nemo_dsa.recipe.state as state
+        from nemo_dsa.train import main
+
+        def die():
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        if {kill_when!r} == "mid-save":  # the weights are written, the state file and manifest are not
+            real = state.torch.save
+            state.torch.save = lambda obj, path: die() if "step_0000004" in str(path) else real(obj, path)
+        elif {kill_when!r} == "mid-metrics-rewrite":  # the new metrics.jsonl is written, not yet renamed
+            real = files.os.replace
+            files.os.replace = lambda a, b: die() if str(b).endswith("metrics.jsonl") else real(a, b)
+        sys.exit(main(sys.argv[1:]))
+    """)
+    cmd = [sys.executable, "-c", script, *SHORT, f"run_dir={run_dir}", *extra]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_a_kill_mid_checkpoint_save_loses_nothing(tmp_path, reference):
+    proc = _killed_run(tmp_path, "mid-save")
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    ckpts = tmp_path / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == [".tmp-step_0000004", "step_0000002"]
+    resumed = _run(tmp_path)
+    assert resumed.resumed_from == 2 and resumed.step == 4
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_0000002", "step_0000004"]  # the leftover is gone
+    assert _losses(tmp_path) == reference
+
+
+@pytest.mark.slow
+def test_a_kill_while_metrics_are_rewritten_on_resume_loses_nothing(tmp_path, reference):
+    _run(tmp_path, "recipe.stop_at_step=2")
+    before = read_metrics(tmp_path / "metrics.jsonl")
+    proc = _killed_run(tmp_path, "mid-metrics-rewrite")
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    assert read_metrics(tmp_path / "metrics.jsonl") == before  # the old file, whole
+    _run(tmp_path)
+    assert _losses(tmp_path) == reference
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_metrics_are_appended_and_a_torn_last_line_is_dropped_on_resume(tmp_path, reference):
+    _run(tmp_path, "recipe.stop_at_step=2")
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "loss": 1.2')  # a kill mid-append
+    _run(tmp_path)
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert _losses(tmp_path) == reference
+    assert all("time" in r and r["elapsed_s"] >= 0 for r in records)
+    assert [r["event"] for r in records if "event" in r] == ["start", "resume"]
+
+
+def test_a_second_run_on_a_locked_run_dir_stops_naming_the_holder(tmp_path):
+    with RunDirLock(tmp_path):
+        with pytest.raises(RunDirLocked, match=f"in use by pid {os.getpid()} on host"):
+            _run(tmp_path)
+        proc = subprocess.run([sys.executable, "-m", "nemo_dsa.train", *SHORT, f"run_dir={tmp_path}"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and f"in use by pid {os.getpid()}" in proc.stderr
+        assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "checkpoints").exists()
+    assert _run(tmp_path, "recipe.max_steps=1").step == 1  # released: the next run proceeds
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip-bit", "no-manifest"])
+def test_a_corrupt_newest_checkpoint_is_named_and_the_previous_one_is_used(tmp_path, reference, damage):
+    _run(tmp_path)
+    newest = tmp_path / "checkpoints" / "step_0000004"
+    if damage == "truncate":
+        weights = newest / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:100])
+    elif damage == "flip-bit":
+        state = newest / "trainer_state.pt"
+        data = bytearray(state.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        state.write_bytes(bytes(data))
+    else:
+        (newest / "manifest.json").unlink()
+    with pytest.raises(CorruptCheckpoint, match=str(newest)):
+        _run(tmp_path, f"resume={newest}")  # a checkpoint named explicitly is not replaced silently
+    result = _run(tmp_path)
+    assert result.resumed_from == 2 and result.step == 4
+    fallback = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r.get("event") == "checkpoint_fallback"]
+    assert len(fallback) == 1 and str(newest) in fallback[0]["reason"]
+    assert (tmp_path / "checkpoints" / "corrupt-step_0000004").is_dir()
+    assert _losses(tmp_path) == reference
+
+
+class _NanGradient(torch.autograd.Function):
+    """Identity forward, NaN backward: a finite loss whose gradients are not finite."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.full_like(grad, float("nan"))
+
+
+@pytest.fixture
+def nan_gradients_at():
+    """Make the embedding's gradient NaN in the training forwards numbered in ``steps`` (1-based)."""
+    calls = {"n": 0}
+    steps: set[int] = set()
+
+    def hook(module, args, output):
+        if isinstance(module, torch.nn.Embedding) and module.training and torch.is_grad_enabled():
+            calls["n"] += 1
+            if calls["n"] in steps:
+                return _NanGradient.apply(output)
+        return None
+
+    handle = torch.nn.modules.module.register_module_forward_hook(hook)
+    yield steps
+    handle.remove()
+
+
+def test_a_step_with_non_finite_gradients_is_skipped(tmp_path, nan_gradients_at):
+    nan_gradients_at.add(3)
+    result = _run(tmp_path, "recipe.ckpt_every=1", "recipe.keep_checkpoints=5")
+    assert result.step == 4 and result.skipped_steps == 1
+    skipped = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r.get("event") == "skipped"]
+    assert [r["step"] for r in skipped] == [3] and skipped[0]["step_grad_norm"] == "nan"
+    w2, w3, w4 = (_weights(tmp_path, s) for s in (2, 3, 4))
+    assert all(torch.equal(w2[k], w3[k]) for k in w2)  # step 3 changed nothing
+    assert not all(torch.equal(w3[k], w4[k]) for k in w3)  # step 4 trained again
+    assert all(torch.isfinite(w).all() for w in w4.values())
+    assert set(_losses(tmp_path)) == {1, 2, 4}
+    assert json.loads((tmp_path / "summary.json").read_text())["skipped_steps"] == 1
+
+
+def test_too_many_skipped_steps_stop_the_run(tmp_path, nan_gradients_at):
+    nan_gradients_at.update({2, 3})
+    with pytest.raises(FloatingPointError, match=r"recipe.max_skipped_steps=1"):
+        _run(tmp_path, "recipe.max_skipped_steps=1")
+    ckpt = tmp_path / "checkpoints" / "step_0000002"
+    assert all(torch.isfinite(w).all() for w in _weights(tmp_path, 2).values()) and ckpt.is_dir()
+
+
+def test_resume_applies_the_new_lr_and_refuses_a_new_data_layout(tmp_path):
+    _run(tmp_path, "recipe.stop_at_step=2", "recipe.log_every=1")
+    with pytest.raises(ValueError, match=r"changed seq_len, val_percent"):
+        _run(tmp_path, "recipe.seq_len=64", "recipe.val_percent=10")
+    with pytest.raises(ValueError, match=r"changed seed"):
+        _run(tmp_path, "seed=7")
+    _run(tmp_path, "recipe.lr=1e-3", "recipe.log_every=1", "recipe.betas=[0.8,0.9]")
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    change = next(r for r in records if r.get("event") == "recipe_change")
+    assert change["changed"] == {"lr": [3e-3, 1e-3], "betas": [[0.9, 0.95], [0.8, 0.9]]}
+    lr = {r["step"]: r["lr"] for r in records if "lr" in r}
+    schedule = [warmup_cosine(s, warmup_steps=2, max_steps=4, min_lr_ratio=0.1) for s in range(4)]
+    assert [lr[s] for s in (1, 2, 3, 4)] == [3e-3 * schedule[0], 3e-3 * schedule[1], 1e-3 * schedule[2],
+                                              1e-3 * schedule[3]]
+    state = torch.load(tmp_path / "checkpoints" / "step_0000004" / "trainer_state.pt", weights_only=False)
+    assert state["recipe"]["lr"] == 1e-3 and state["optimizer"]["param_groups"][0]["betas"] == (0.8, 0.9)
