@@ -204,3 +204,31 @@ def test_resume_applies_the_new_lr_and_refuses_a_new_data_layout(tmp_path):
                                               1e-3 * schedule[3]]
     state = torch.load(tmp_path / "checkpoints" / "step_0000004" / "trainer_state.pt", weights_only=False)
     assert state["recipe"]["lr"] == 1e-3 and state["optimizer"]["param_groups"][0]["betas"] == (0.8, 0.9)
+
+
+@pytest.mark.slow
+def test_a_stalled_rank_stops_the_run_after_dist_timeout_s_naming_it(tmp_path):
+    """2 CP ranks on gloo; rank 1 stalls before step 2: rank 0 stops after recipe.dist_timeout_s
+    (not gloo's 600 s) with a message naming rank 1."""
+    script = tmp_path / "stall.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys, time
+        import nemo_dsa.recipe.loop as loop
+        from nemo_dsa.train import main
+
+        real, calls = loop.train_step, {"n": 0}
+        def train_step(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == 2 and os.environ["RANK"] == "1":
+                time.sleep(120)  # stalled (torchrun ends it once rank 0 fails)
+            return real(*args, **kwargs)
+        loop.train_step = train_step
+        sys.exit(main(sys.argv[1:]))
+    """))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
+           *SHORT, "recipe.cp_size=2", "recipe.dist_timeout_s=4", f"run_dir={tmp_path / 'run'}"]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=100)
+    assert proc.returncode != 0
+    assert "rank 0: a collective in step 2 did not complete within recipe.dist_timeout_s=4.0s" in proc.stderr
+    assert "rank(s) [1] reported no timeout of their own" in proc.stderr

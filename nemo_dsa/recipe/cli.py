@@ -181,6 +181,8 @@ def _is_user_error(error: BaseException) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point (``nemo-dsa-train`` / ``python -m nemo_dsa.train``)."""
+    from nemo_dsa.recipe.parallel import StalledCollective
+
     args = list(sys.argv[1:] if argv is None else argv)
     verbose = "--verbose" in args or os.environ.get("HYDRA_FULL_ERROR") == "1"
     _log_warnings_to_stderr()
@@ -191,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except FloatingPointError as e:  # the non-finite step limit
+    except (FloatingPointError, StalledCollective) as e:  # the non-finite step limit, a stalled rank
         if verbose:
             raise
         print(f"{PROG}: error: {e}", file=sys.stderr)

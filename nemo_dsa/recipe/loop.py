@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ from nemo_dsa.recipe.state import (
 MODEL_INPUTS = (
     "input_ids", "labels", "position_ids", "seq_lens", "seq_lens_padded", "packed_seq_ids", "attention_mask",
 )
-HEARTBEAT_DIR = ".heartbeats"
+TIMEOUT_DIR = ".timeouts"  # under run_dir: one marker per rank whose collective timed out
 
 
 def note(message: str) -> None:
@@ -251,6 +252,7 @@ def _run(cfg, recipe, device: torch.device, run_dir: Path) -> TrainResult:
     if par.is_main:
         for leftover in [*clean_failed_saves(run_dir), *remove_temporaries(run_dir)]:
             note(f"removed {leftover}, the leftover of a write that did not finish")
+        shutil.rmtree(run_dir / TIMEOUT_DIR, ignore_errors=True)  # markers of an earlier run
     model = _build_model(cfg, device)
     model_config = model.config.to_dict()
     recipe_now = {**OmegaConf.to_container(recipe, resolve=True), "seed": cfg.seed}
@@ -294,7 +296,7 @@ def _run(cfg, recipe, device: torch.device, run_dir: Path) -> TrainResult:
     window = saved.get("log_window") or {}
     window_losses: list[float] = list(window.get("losses", []))
     window_tokens, window_time = window.get("tokens", 0), window.get("time", 0.0)
-    heartbeats = run_dir / HEARTBEAT_DIR if par.size > 1 else None
+    markers = run_dir / TIMEOUT_DIR
 
     metrics.log({"step": start, "event": "resume" if resumed_from is not None else "start", "model": cfg.model.name,
                  "scoring": cfg.scoring.name, "params": n_params, "device": str(device), "cp_size": par.size})
@@ -310,7 +312,7 @@ def _run(cfg, recipe, device: torch.device, run_dir: Path) -> TrainResult:
                 val_loss = evaluate(model, val_batches, recipe=recipe, device=device, par=par)
         except RuntimeError as e:
             if par.size > 1 and is_collective_timeout(e):
-                raise stalled_collective(e, par, step, _read_heartbeats(heartbeats)) from e
+                raise stalled_collective(e, par, step, _report_timeout(markers, par)) from e
             raise
         bar.update(1)
         if stats["skipped"]:
@@ -348,9 +350,6 @@ def _run(cfg, recipe, device: torch.device, run_dir: Path) -> TrainResult:
             save_checkpoint(run_dir, step, model, optimizer, schedule, stream, state, recipe.keep_checkpoints)
             if recipe.plot:
                 plot_losses(metrics.path, run_dir / "loss.png", title)
-        if heartbeats is not None:
-            heartbeats.mkdir(parents=True, exist_ok=True)
-            atomic_write(heartbeats / f"rank{par.rank}", f"{step}\n")
         result.step = step
     bar.close()
     if par.is_main:
@@ -362,14 +361,17 @@ def _json_float(x: float) -> float | str:
     return x if math.isfinite(x) else str(x)  # JSON has no nan/inf
 
 
-def _read_heartbeats(directory: Path | None) -> dict[int, int]:
-    beats: dict[int, int] = {}
-    for file in directory.glob("rank*") if directory is not None and directory.is_dir() else []:
-        try:
-            beats[int(file.name[4:])] = int(file.read_text())
-        except ValueError:
-            continue
-    return beats
+def _report_timeout(markers: Path, par: Parallel) -> set[int]:
+    """Leave this rank's timeout marker, give the other live ranks a moment to time out too (their
+    waits began at about the same time), and return the ranks that did."""
+    markers.mkdir(parents=True, exist_ok=True)
+    atomic_write(markers / f"rank{par.rank}", "timed out\n")
+    deadline = time.monotonic() + min(5.0, par.timeout_s or 5.0)
+    while True:
+        found = {int(p.name[4:]) for p in markers.glob("rank*") if p.name[4:].isdigit()}
+        if len(found) == par.size or time.monotonic() > deadline:
+            return found
+        time.sleep(0.1)
 
 
 def _finish(run_dir: Path, metrics_path: Path, result: TrainResult, recipe, n_params: int, title: str) -> None:

@@ -69,17 +69,21 @@ def is_collective_timeout(error: BaseException) -> bool:
     return "timed out" in text or "timeout" in text
 
 
-def stalled_collective(error: BaseException, par: Parallel, step: int, heartbeats: dict[int, int]) -> RuntimeError:
+class StalledCollective(RuntimeError):
+    """A collective ran past ``recipe.dist_timeout_s`` (the message names the silent ranks)."""
+
+
+def stalled_collective(error: BaseException, par: Parallel, step: int, timed_out: set[int]) -> StalledCollective:
     """A one-paragraph error for a collective that ran past ``recipe.dist_timeout_s``.
 
-    ``heartbeats``: the last step each rank reported done; ranks behind ``step - 1`` are the
-    stalled ones (a rank that stopped mid-step is indistinguishable from one still working).
+    ``timed_out``: the ranks that reported a timeout of their own (see ``loop``); a live rank
+    waiting on the same collective times out too, so the ranks missing from it are the stalled ones.
     """
-    behind = sorted(r for r in range(par.size) if r != par.rank and heartbeats.get(r, -1) < step - 1)
-    who = f"rank(s) {behind} last reported step(s) {[heartbeats.get(r) for r in behind]}" if behind else \
-        "no peer is behind by a whole step (a peer stopped mid-step)"
-    return RuntimeError(
+    silent = sorted(set(range(par.size)) - timed_out - {par.rank})
+    who = (f"rank(s) {silent} reported no timeout of their own: they are stopped, hung or dead" if silent
+           else "every rank timed out waiting (a slow step rather than a stalled rank?)")
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return StalledCollective(
         f"rank {par.rank}: a collective in step {step} did not complete within recipe.dist_timeout_s={par.timeout_s}s; "
-        f"{who}. A stopped or hung peer rank causes this; raise recipe.dist_timeout_s if steps are simply slow. "
-        f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
+        f"{who}. Raise recipe.dist_timeout_s if steps are simply slow. ({type(error).__name__}: {first})"
     )
