@@ -14,6 +14,7 @@ _EXPORTS = {
     "AttentionMetadata": "nemo_dsa.metadata",
     "build_attention_metadata": "nemo_dsa.metadata",
     "v4_lighting_indexer": "nemo_dsa.ops.v4_indexer.interface",
+    "v4_lightning_indexer": "nemo_dsa.ops.v4_indexer.interface",
     "v4_indexer_bshd": "nemo_dsa.ops.v4_indexer.interface",
     "V4IndexerFunction": "nemo_dsa.ops.v4_indexer.interface",
     "pytorch_extract_topk_scores": "nemo_dsa.ops.topk.gather",

@@ -6,6 +6,7 @@ knows which tensor to fix without opening the source.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -51,12 +52,40 @@ def is_positive_int(value, *, minimum: int = 1) -> bool:
     return is_int(value) and value >= minimum
 
 
-def check_positive_int(name: str, value, *, minimum: int = 1) -> int:
-    """Check an integer argument (bools are rejected) against a lower bound."""
+# Sizes that land in int32 tensors (ks/ke, indices, positions of a row) must stay below this.
+INT32_MAX = 2**31 - 1
+
+
+def check_positive_int(name: str, value, *, minimum: int = 1, maximum: int | None = None) -> int:
+    """Check an integer argument (bools are rejected) against a lower and an optional upper bound
+    (``INT32_MAX`` for sizes that int32 tensors index, so a huge value is named, not wrapped)."""
     if not is_int(value):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if not is_positive_int(value, minimum=minimum):
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value}")
+    return value
+
+
+def check_finite_float(name: str, value) -> float:
+    """Check a real scalar argument (a softmax scale): an int or float, not a bool or a tensor,
+    and finite. Returns it as a float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    try:
+        value = float(value)
+    except OverflowError:
+        raise ValueError(f"{name} must be a finite float, got an int too large for a float") from None
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def check_has_data(name: str, value: torch.Tensor) -> torch.Tensor:
+    """Reject meta tensors where values are read (a meta tensor has a shape but no data)."""
+    if value.is_meta:
+        raise ValueError(f"{name} must hold data, got a tensor on the meta device")
     return value
 
 
@@ -85,6 +114,8 @@ def check_qkw(
         key_shape, weight_shape = (batch, None, dim), (batch, queries, heads)
     check_tensor(k_name, k, ndim=3, dtypes=dtypes[1], shape=key_shape, device=q.device)
     check_tensor(w_name, w, ndim=3, dtypes=dtypes[2], shape=weight_shape, device=q.device)
+    for name, value in zip(names, (q, k, w)):
+        check_has_data(name, value)
     return batch, queries, heads, dim, k.shape[0 if seq_first else 1]
 
 
@@ -96,6 +127,7 @@ def check_index_range(name: str, indices: torch.Tensor, size: int, *, meaning: s
     """
     if not indices.numel():
         return
+    check_has_data(name, indices)
     low, high = torch.stack(torch.aminmax(indices)).tolist()
     if low < -1 or high >= size:
         raise ValueError(f"{name} must lie in [-1, {size}) ({meaning}), got range [{low}, {high}]")

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nemo_dsa._checks import check_positive_int, check_tensor
+from nemo_dsa._checks import INT32_MAX, check_has_data, check_positive_int, check_tensor
 from nemo_dsa.visibility import document_ks_ke, visible_mask
 
 __all__ = ["AttentionMetadata", "build_attention_metadata"]
@@ -111,6 +111,7 @@ def build_attention_metadata(
     batch_size: int | None = None,
     seq_len: int | None = None,
     device: torch.device | str | None = None,
+    max_position_embeddings: int | None = None,
 ) -> AttentionMetadata:
     """Build the visibility metadata of the local shard (see the module docstring for conventions).
 
@@ -130,6 +131,9 @@ def build_attention_metadata(
         batch_size, seq_len: the local shape, when no tensor fixes it (or as a check).
         device: where the metadata lives when no layout tensor is given (default CPU); with
             layout tensors it must be theirs.
+        max_position_embeddings: when given, every real token's position inside its document
+            (``local_positions``, what RoPE sees) must be below it; a longer document is a
+            ValueError naming it (one host read).
 
     Returns:
         AttentionMetadata of the local shard.
@@ -138,9 +142,11 @@ def build_attention_metadata(
         TypeError / ValueError naming the offending argument for every malformed or inconsistent
         input.
     """
-    ratio = check_positive_int("compress_ratio", compress_ratio)
-    cp_size = check_positive_int("cp_size", cp_size)
-    cp_rank = check_positive_int("cp_rank", cp_rank, minimum=0)
+    ratio = check_positive_int("compress_ratio", compress_ratio, maximum=INT32_MAX)
+    cp_size = check_positive_int("cp_size", cp_size, maximum=INT32_MAX)
+    cp_rank = check_positive_int("cp_rank", cp_rank, minimum=0, maximum=INT32_MAX)
+    if max_position_embeddings is not None:
+        check_positive_int("max_position_embeddings", max_position_embeddings)
     if cp_rank >= cp_size:
         raise ValueError(f"cp_rank must be in [0, cp_size) = [0, {cp_size}), got {cp_rank}")
 
@@ -156,16 +162,21 @@ def build_attention_metadata(
     if cu_one_row:
         cu_seqlens = cu_seqlens.unsqueeze(0)
 
-    B, S = _resolve_shape(
+    B, S, length_name = _resolve_shape(
         position_ids, seq_lens, seq_lens_padded, cu_seqlens, packed_seq_ids, attention_mask,
         cp_size, batch_size, seq_len, cu_one_row,
     )  # fmt: skip
+    G = S * cp_size
+    if G > INT32_MAX:  # ks/ke are int32 on the global axis: a larger row would wrap them
+        raise ValueError(
+            f"{length_name}: the global row (local length {S} x cp_size {cp_size} = {G} tokens) must be at most "
+            f"{INT32_MAX} tokens (int32 positions)"
+        )
     if cp_size > 1 and S % ratio != 0:
         raise ValueError(
-            f"seq_len: under context parallelism the local length must be a multiple of "
-            f"compress_ratio so compression groups do not straddle ranks, got seq_len={S}, compress_ratio={ratio}"
+            f"{length_name}: under context parallelism the local length must be a multiple of "
+            f"compress_ratio so compression groups do not straddle ranks, got local length {S}, compress_ratio={ratio}"
         )
-    G = S * cp_size
     pos = (cp_rank * S + torch.arange(S, device=device, dtype=torch.int64)).expand(B, S)
 
     # --- global layouts from lengths (seq_lens, cu_seqlens): exact split and starts -------------
@@ -247,6 +258,14 @@ def build_attention_metadata(
     # --- outputs ---------------------------------------------------------------------------------
     doc_ids = torch.where(valid, start + 1, 0)
     local_positions = torch.where(valid, pos - start, 0)
+    if max_position_embeddings is not None and local_positions.numel():
+        longest = int(local_positions.max())
+        if longest >= max_position_embeddings:
+            b, i = _first(local_positions == longest)
+            raise ValueError(
+                f"max_position_embeddings is {max_position_embeddings}, but row {b} token {i} is at position {longest} "
+                f"of its document (according to {start_name or 'the unpacked layout'})"
+            )
     doc_ks, doc_ke = document_ks_ke(start, pos, ratio, G // ratio)
     ks = torch.where(valid, doc_ks, 0)
     ke = torch.where(valid, doc_ke, 0)
@@ -297,6 +316,7 @@ def _check_input_tensors(position_ids, seq_lens, seq_lens_padded, cu_seqlens, pa
     for name, value in given.items():
         dtypes = _MASK_DTYPES if name == "attention_mask" else _INT_DTYPES
         check_tensor(name, value, dtypes=dtypes, device=device)
+        check_has_data(name, value)
         device = value.device
         allowed_ndim = (1, 2) if name in ("seq_lens", "seq_lens_padded", "cu_seqlens") else (2,)
         if value.ndim not in allowed_ndim:
@@ -323,9 +343,9 @@ def _resolve_shape(position_ids, seq_lens, seq_lens_padded, cu_seqlens, packed_s
     batch: list[tuple[str, int]] = []
     length: list[tuple[str, int]] = []
     if batch_size is not None:
-        batch.append(("batch_size", check_positive_int("batch_size", batch_size)))
+        batch.append(("batch_size", check_positive_int("batch_size", batch_size, maximum=INT32_MAX)))
     if seq_len is not None:
-        length.append(("seq_len", check_positive_int("seq_len", seq_len)))
+        length.append(("seq_len", check_positive_int("seq_len", seq_len, maximum=INT32_MAX)))
     token_tensors = (("packed_seq_ids", packed_seq_ids), ("attention_mask", attention_mask), ("position_ids", position_ids))
     for name, value in token_tensors:
         if value is not None:
@@ -343,6 +363,11 @@ def _resolve_shape(position_ids, seq_lens, seq_lens_padded, cu_seqlens, packed_s
         for name, lengths in (("seq_lens_padded", seq_lens_padded), ("seq_lens", seq_lens), ("cu_seqlens", cu_seqlens)):
             if lengths is None or lengths.shape[-1] == 0:
                 continue
+            if lengths.shape[0] == 0:
+                raise ValueError(
+                    f"{name} has no rows (shape {list(lengths.shape)}), so the local length cannot be derived; "
+                    "pass at least one row, or seq_len"
+                )
             if name == "cu_seqlens":
                 total = int(lengths[0, -1])
             else:
@@ -369,7 +394,7 @@ def _resolve_shape(position_ids, seq_lens, seq_lens_padded, cu_seqlens, packed_s
         raise ValueError(f"{length[0][0]}: the local sequence length must be >= 1, got {S}")
     if cu_one_row and B != 1:
         raise ValueError(f"cu_seqlens: a 1-D cu_seqlens describes a single row; pass [B, ndocs+1] for batch size {B}")
-    return B, S
+    return B, S, length[0][0]
 
 
 # ------------------------------------------------------------------------------------------------

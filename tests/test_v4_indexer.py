@@ -177,3 +177,13 @@ def test_v4_scalar_arguments(error, name, kwargs):
 def test_v4_given_topk_indices(error, match, indices):
     with pytest.raises(error, match=match):
         v4_lighting_indexer(*error_v4_inputs(), 4, 2, indices)
+
+
+def test_v4_lightning_indexer_is_the_seed_function():
+    import nemo_dsa
+    from nemo_dsa.ops import v4_indexer
+    from nemo_dsa.ops.v4_indexer import interface
+
+    assert nemo_dsa.v4_lightning_indexer is nemo_dsa.v4_lighting_indexer is interface.v4_lighting_indexer
+    assert v4_indexer.v4_lightning_indexer is interface.v4_lighting_indexer
+    assert "v4_lightning_indexer" in nemo_dsa.__all__ and "v4_lightning_indexer" in v4_indexer.__all__

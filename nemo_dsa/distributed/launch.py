@@ -14,6 +14,8 @@ from typing import NamedTuple
 
 import torch
 
+from nemo_dsa._checks import is_positive_int
+
 
 class CPEnv(NamedTuple):
     """``cp_group`` is None without CP (single process or cp_size 1)."""
@@ -50,7 +52,7 @@ def init_from_env(cp_size: int | None = None, backend: str | None = None, timeou
 
     world = dist.get_world_size() if dist.is_initialized() else _env_int("WORLD_SIZE", 1)
     cp_size = world if cp_size is None else cp_size
-    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
+    if not is_positive_int(cp_size):
         raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
     if world % cp_size:
         raise ValueError(f"cp_size={cp_size} must divide the number of processes (WORLD_SIZE={world})")

@@ -19,13 +19,14 @@ from typing import Any
 import torch
 
 from nemo_dsa._checks import check_positive_int
+from nemo_dsa.labels import IGNORE_INDEX
 
 # Per-token fields [B, S, ...] and the value their padding gets. position_ids are special: they
 # keep counting, so padding never repeats a position. labels use the CE ignore index.
 SEQUENCE_PAD_VALUES: dict[str, float | int | bool] = {
     "input_ids": 0,  # replaced by pad_token_id
     "inputs_embeds": 0.0,
-    "labels": -100,
+    "labels": IGNORE_INDEX,
     "attention_mask": 0,
     "padding_mask": True,  # True = padding (nemo-automodel's convention)
     "loss_mask": 0,

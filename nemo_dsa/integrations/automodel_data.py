@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from nemo_dsa._checks import check_positive_int
-from nemo_dsa.data import CORPUS_MODULES, IGNORE_INDEX, ByteTokenizer, split_documents, stdlib_documents
+from nemo_dsa.data import CORPUS_MODULES, ByteTokenizer, split_documents, stdlib_documents
+from nemo_dsa.labels import IGNORE_INDEX
 
 __all__ = ["document_examples", "stdlib_docstring_dataset"]
 

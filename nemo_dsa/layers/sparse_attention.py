@@ -223,7 +223,7 @@ class DSASparseAttention(KeepsFP32Parameters):
             backend = "torch"
         return sparse_window_attention(
             q, raw_kv, window_start, self.window, compressed_kv,
-            sink=self.attn_sink, scale=self.scale, backend=backend, **kwargs,
+            sink=self.attn_sink, scale=self.scale, backend=backend, check_indices=False, **kwargs,
         )  # fmt: skip
 
     def _attend_with_index_bias(self, q, raw_kv, window_start, compressed_kv, compressed_indices, selection):

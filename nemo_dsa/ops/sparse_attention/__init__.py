@@ -1,13 +1,19 @@
 """Sparse multi-query attention with a per-head sink: the index-list reference
 (:func:`sparse_attention`) and the window + compressed op (:func:`sparse_window_attention`,
-TileLang kernels on Hopper, imported lazily)."""
+TileLang kernels on Hopper, imported lazily).
 
-from nemo_dsa.ops.sparse_attention.interface import SparseWindowAttentionFunction, sparse_window_attention
-from nemo_dsa.ops.sparse_attention.naive import sparse_attention, window_compressed_attention_reference
+Public names load lazily (``nemo_dsa._lazy``), like the other op packages: importing the
+reference does not import the interface.
+"""
 
-__all__ = [
-    "SparseWindowAttentionFunction",
-    "sparse_attention",
-    "sparse_window_attention",
-    "window_compressed_attention_reference",
-]
+from nemo_dsa._lazy import lazy_exports
+
+_EXPORTS = {
+    "SparseWindowAttentionFunction": "nemo_dsa.ops.sparse_attention.interface",
+    "sparse_window_attention": "nemo_dsa.ops.sparse_attention.interface",
+    "sparse_attention": "nemo_dsa.ops.sparse_attention.naive",
+    "window_compressed_attention_reference": "nemo_dsa.ops.sparse_attention.naive",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from nemo_dsa._checks import check_positive_int, check_tensor
+from nemo_dsa._checks import INT32_MAX, check_finite_float, check_has_data, check_index_range, check_positive_int, check_tensor
 from nemo_dsa.ops.dispatch import resolve_backend
 from nemo_dsa.visibility import check_ks_ke
 from nemo_dsa.ops.sparse_attention.naive import window_compressed_attention_reference
@@ -60,17 +60,19 @@ class SparseWindowAttentionFunction(torch.autograd.Function):
         return dq, d_raw, None, None, d_comp if ctx.has_compressed else None, None, None, None, d_sink, None
 
 
-def _validate(q, raw_kv, window_start, window, compressed_kv, indices, ks, ke, sink, scale):
+def _validate(q, raw_kv, window_start, window, compressed_kv, indices, ks, ke, sink, scale, check_indices):
     check_tensor("q", q, ndim=4, dtypes=_FLOAT_DTYPES)
+    check_has_data("q", q)
     batch, seq_len, heads, dim = q.shape
     device = q.device
     check_tensor("raw_kv", raw_kv, ndim=3, dtypes=(q.dtype,), shape=(batch, None, dim), device=device)
     if raw_kv.shape[1] < seq_len:
         raise ValueError(f"raw_kv must hold at least one row per query ({seq_len}), got {raw_kv.shape[1]}")
     check_tensor("window_start", window_start, ndim=2, dtypes=(torch.int32,), shape=(batch, seq_len), device=device)
-    check_positive_int("window", window)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a float, got {type(scale).__name__}")
+    check_positive_int("window", window, maximum=INT32_MAX)
+    check_finite_float("scale", scale)
+    if not isinstance(check_indices, bool):
+        raise TypeError(f"check_indices must be True or False, got {type(check_indices).__name__}")
     if sink is not None:
         check_tensor("sink", sink, ndim=1, dtypes=(torch.float32,), shape=(heads,), device=device)
     if compressed_kv is None:
@@ -83,10 +85,8 @@ def _validate(q, raw_kv, window_start, window, compressed_kv, indices, ks, ke, s
         if ks is not None or ke is not None:
             raise ValueError("give either indices or (ks, ke), not both")
         check_tensor("indices", indices, ndim=3, dtypes=(torch.int32,), shape=(batch, seq_len, None), device=device)
-        if indices.numel():
-            low, high = (int(v) for v in torch.stack((indices.min(), indices.max())).tolist())
-            if low < -1 or high >= num_keys:
-                raise ValueError(f"indices must lie in [-1, {num_keys}) (compressed_kv has {num_keys} rows), got [{low}, {high}]")
+        if check_indices:  # one host sync: callers passing their own selection skip it
+            check_index_range("indices", indices, num_keys, meaning=f"-1 = none; compressed_kv has {num_keys} rows")
     elif ks is None and ke is None:
         raise ValueError("compressed_kv needs indices or (ks, ke) to say which rows each query sees")
     else:
@@ -118,6 +118,7 @@ def sparse_window_attention(
     sink: torch.Tensor | None = None,
     scale: float,
     backend: str = "auto",
+    check_indices: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Multi-query attention over each query's sliding window plus its compressed keys.
 
@@ -134,17 +135,21 @@ def sparse_window_attention(
         sink: fp32 [H] per-head sink logits (denominator only), or None.
         scale: softmax scale on q . k.
         backend: "auto" (kernels on CUDA, reference on CPU) | "tilelang" | "torch".
+        check_indices: read ``indices``' range on the host (one device sync per call) and reject
+            anything outside [-1, K); ``False`` for callers that selected the indices themselves
+            (the attention layer passes its indexer's selection), keeping the step free of syncs.
 
     Returns:
         out [B, S, H, D] in q's dtype and lse fp32 [B, S, H] (natural log, sink included; -inf
         for a query that sees nothing and has no sink, whose output and gradients are zero).
     """
-    _validate(q, raw_kv, window_start, window, compressed_kv, indices, ks, ke, sink, scale)
+    _validate(q, raw_kv, window_start, window, compressed_kv, indices, ks, ke, sink, scale, check_indices)
     tensors = [t for t in (q, raw_kv, window_start, compressed_kv, indices, ks, ke, sink) if t is not None]
     backend = resolve_backend(backend, *tensors)
     if backend == "torch":
         return window_compressed_attention_reference(
-            q, raw_kv, window_start, window, compressed_kv, indices=indices, ks=ks, ke=ke, sink=sink, scale=float(scale)
+            q, raw_kv, window_start, window, compressed_kv, indices=indices, ks=ks, ke=ke, sink=sink, scale=float(scale),
+            check_indices=False,  # checked in _validate (or skipped by the caller's choice)
         )
     _check_kernel_limits(q, indices)
     return SparseWindowAttentionFunction.apply(

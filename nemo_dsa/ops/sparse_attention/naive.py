@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from nemo_dsa._checks import check_tensor
+from nemo_dsa._checks import check_finite_float, check_has_data, check_index_range, check_positive_int, check_tensor
 from nemo_dsa.ops.chunking import DEFAULT_BUDGET_BYTES
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 # Peak bytes for one query chunk's gathered keys and logits (fp32).
 _CHUNK_BYTES = DEFAULT_BUDGET_BYTES
@@ -34,6 +36,7 @@ def sparse_attention(
     bias: torch.Tensor | None = None,
     chunk_size: int | None = None,
     recompute: bool = True,
+    check_indices: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attend each query to the keys at its indices.
 
@@ -47,23 +50,29 @@ def sparse_attention(
         chunk_size: queries per chunk (default: from a 256 MiB budget).
         recompute: under autograd, rebuild each chunk's gathered keys in backward instead of
             keeping them (activation checkpointing per chunk).
+        check_indices: read the index range on the host (one device sync) and reject anything
+            outside [-1, N); ``False`` for callers that built the indices themselves.
 
     Returns:
         ``out [B, S, H, D]`` in q's dtype and the fp32 log-sum-exp ``[B, S, H]`` of the softmax
         denominator (sink included; -inf for a query with neither keys nor sink).
     """
-    check_tensor("q", q, ndim=4)
+    check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
     batch, seq, heads, dim = q.shape
-    check_tensor("kv", kv, ndim=3, shape=(batch, None, dim), device=q.device)
+    check_tensor("kv", kv, ndim=3, dtypes=FLOAT_DTYPES, shape=(batch, None, dim), device=q.device)
     check_tensor("indices", indices, ndim=3, shape=(batch, seq, None), device=q.device,
                  dtypes=(torch.int32, torch.int64))
+    scale = check_finite_float("scale", scale)
     width, num_keys = indices.shape[-1], kv.shape[1]
-    if indices.numel() and (int(indices.min()) < -1 or int(indices.max()) >= num_keys):
-        raise ValueError(f"indices must lie in [-1, {num_keys}) (kv has {num_keys} keys)")
+    check_has_data("q", q)
+    if check_indices:
+        check_index_range("indices", indices, num_keys, meaning=f"-1 = no key; kv has {num_keys} keys")
     if sink is not None:
-        check_tensor("sink", sink, ndim=1, shape=(heads,), device=q.device)
+        check_tensor("sink", sink, ndim=1, dtypes=FLOAT_DTYPES, shape=(heads,), device=q.device)
     if bias is not None:
-        check_tensor("bias", bias, shape=(batch, seq, width), device=q.device)
+        check_tensor("bias", bias, dtypes=FLOAT_DTYPES, shape=(batch, seq, width), device=q.device)
+    if chunk_size is not None:
+        check_positive_int("chunk_size", chunk_size)
     if num_keys == 0:
         # Every index is -1 here; one zero row gives the gathers something to read (masked out).
         kv = torch.cat((kv, kv.new_zeros(batch, 1, dim)), dim=1)
@@ -155,6 +164,7 @@ def window_compressed_attention_reference(
     ke: torch.Tensor | None = None,
     sink: torch.Tensor | None = None,
     scale: float,
+    check_indices: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The window + compressed attention contract, written as one index-list attention.
 
@@ -163,14 +173,19 @@ def window_compressed_attention_reference(
     index counts once per slot) or the range ``[ks, ke)``; one softmax over all of them with the
     sink in the denominator only. Returns (out [B, S, H, D] in q's dtype, lse fp32 [B, S, H]).
     Differentiable in q, raw_kv, compressed_kv and sink (autograd through the gather).
+    ``check_indices=False`` skips the host read of ``indices``' range (validated or built already).
     """
     batch, seq_len = q.shape[:2]
     num_raw = raw_kv.shape[1]
     lists = [window_key_indices(window_start, window, seq_len, num_raw)]
     kv = raw_kv
     if compressed_kv is not None:
+        if indices is not None and check_indices:
+            check_index_range("indices", indices, compressed_kv.shape[1],
+                              meaning=f"-1 = none; compressed_kv has {compressed_kv.shape[1]} rows")  # fmt: skip
         selected = indices.long() if indices is not None else range_key_indices(ks, ke)
         lists.append(torch.where(selected >= 0, selected + num_raw, -1))
         kv = torch.cat((raw_kv, compressed_kv), dim=1)
     all_indices = torch.cat(lists, dim=-1)
-    return sparse_attention(q, kv, all_indices, sink, scale)
+    # The window lists are built here and the compressed ones were checked above.
+    return sparse_attention(q, kv, all_indices, sink, scale, check_indices=False)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from nemo_dsa._checks import check_index_range, check_tensor
+from nemo_dsa._checks import check_index_range, check_tensor, is_int
 
 
 def pytorch_extract_topk_scores(logits: torch.Tensor, topk_indices: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -23,6 +23,10 @@ def pytorch_extract_topk_scores(logits: torch.Tensor, topk_indices: torch.Tensor
         raise ValueError(
             f"topk_indices must have {logits.ndim} dimensions like logits, got shape {tuple(topk_indices.shape)}"
         )
+    if not is_int(dim):
+        raise TypeError(f"dim must be an int, got {type(dim).__name__}")
+    if not -logits.ndim <= dim < logits.ndim:
+        raise ValueError(f"dim must lie in [{-logits.ndim}, {logits.ndim}) for {logits.ndim}-dimensional logits, got {dim}")
     axis = dim % logits.ndim
     for d in range(logits.ndim):
         if d != axis and topk_indices.shape[d] != logits.shape[d]:
@@ -37,6 +41,8 @@ def pytorch_extract_topk_scores(logits: torch.Tensor, topk_indices: torch.Tensor
 def gather_at_indices(logits: torch.Tensor, indices: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """:func:`pytorch_extract_topk_scores` without the checks, for indices nemo_dsa selected or
     validated itself: no host read of the index range on the per-step path."""
+    if logits.shape[dim] == 0:  # no key to gather: every index is -1 (checked by the caller)
+        return torch.full(indices.shape, float("-inf"), dtype=logits.dtype, device=logits.device)
     present = indices >= 0
     gathered = torch.gather(logits, dim, torch.where(present, indices, 0).long())
     return torch.where(present, gathered, float("-inf"))

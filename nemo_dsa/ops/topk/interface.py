@@ -36,8 +36,9 @@ def select_topk(
 
     Same contract as :func:`nemo_dsa.ops.topk.naive.select_topk_reference` (best finite scores, ties to
     the smaller index, -1 padding; ``order`` "score" or "index"). ``ks``/``ke`` (int32, the
-    scores' leading shape) may name each row's visible range ``[ks, ke)`` when every finite score
-    lies inside it: the kernel then reads only those keys. ``backend="auto"`` takes the kernel
+    scores' leading shape) name each row's visible range ``[ks, ke)``: only keys inside it are
+    selected (the kernel reads only those; the reference masks the rest), and a row with
+    ``ks >= ke`` selects nothing. ``backend="auto"`` takes the kernel
     for CUDA fp32/bf16 scores with T <= 8192 and the reference otherwise.
     """
     check_tensor("scores", scores, dtypes=SCORE_DTYPES)
@@ -56,6 +57,12 @@ def select_topk(
             if scores.dtype not in KERNEL_DTYPES:
                 raise TypeError(f"backend='tilelang' selects on float32 or bfloat16 scores, got {scores.dtype}")
             raise ValueError("backend='tilelang' selects at most 8192 keys per row; use backend='torch'")
+        if ks is not None:
+            # The range is honoured here as the kernel honours it (it reads only [ks, ke)): keys
+            # outside it are never selected, and ks >= ke selects nothing (-1s).
+            keys = torch.arange(scores.shape[-1], device=scores.device)
+            outside = (keys < ks.unsqueeze(-1)) | (keys >= ke.unsqueeze(-1))
+            scores = scores.masked_fill(outside, float("-inf"))
         return select_topk_reference(scores, topk, order)
     num_keys = scores.shape[-1]
     count = min(topk, num_keys)

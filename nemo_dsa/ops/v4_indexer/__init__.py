@@ -10,6 +10,7 @@ from nemo_dsa._lazy import lazy_exports
 _EXPORTS = {
     "v4_indexer_bshd": "nemo_dsa.ops.v4_indexer.interface",
     "v4_lighting_indexer": "nemo_dsa.ops.v4_indexer.interface",
+    "v4_lightning_indexer": "nemo_dsa.ops.v4_indexer.interface",
     "V4IndexerBSHDFunction": "nemo_dsa.ops.v4_indexer.interface",
     "V4IndexerFunction": "nemo_dsa.ops.v4_indexer.interface",
     "pytorch_extract_topk_scores": "nemo_dsa.ops.topk.gather",

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from nemo_dsa._checks import check_index_range, check_positive_int, check_qkw, check_tensor
+from nemo_dsa._checks import INT32_MAX, check_index_range, check_positive_int, check_qkw, check_tensor
 from nemo_dsa.ops.dispatch import resolve_backend, resolve_fused_topk
 from nemo_dsa.ops.fused_selection import interface as fused_selection
 from nemo_dsa.ops.topk.gather import gather_at_indices, pytorch_extract_topk_scores
@@ -25,7 +25,14 @@ from nemo_dsa.visibility import causal_ks_ke, check_ks_ke
 
 # pytorch_extract_topk_scores lives in topk.gather; it stays importable from here, the seed
 # API's module.
-__all__ = ["V4IndexerBSHDFunction", "V4IndexerFunction", "pytorch_extract_topk_scores", "v4_indexer_bshd", "v4_lighting_indexer"]
+__all__ = [
+    "V4IndexerBSHDFunction",
+    "V4IndexerFunction",
+    "pytorch_extract_topk_scores",
+    "v4_indexer_bshd",
+    "v4_lighting_indexer",
+    "v4_lightning_indexer",
+]
 
 
 def _forward(backend, q, k, w, ks, ke, topk, topk_indices):
@@ -66,7 +73,7 @@ def _validate(q, k, w, compress_ratio, topk, topk_indices, ks, ke):
     """Check every BSHD argument; returns (ks, ke) with the unpacked causal default filled in."""
     batch, queries, _, _, num_keys = _check_layout(q, k, w, seq_first=False)
     device = q.device
-    check_positive_int("compress_ratio", compress_ratio)
+    check_positive_int("compress_ratio", compress_ratio, maximum=INT32_MAX)
     check_positive_int("topk", topk)
     if ks is None and ke is None:
         ks, ke = causal_ks_ke(batch, queries, num_keys, compress_ratio, device)
@@ -199,3 +206,7 @@ def v4_lighting_indexer(
         index_q.transpose(0, 1), index_k.transpose(0, 1), weights.transpose(0, 1), compress_ratio, topk,
         topk_indices=topk_indices, ks=ks, ke=ke, backend=backend, fused_topk=fused_topk,
     )
+
+
+# The seed API's name keeps its historical spelling; this is the correctly spelt alias (one function).
+v4_lightning_indexer = v4_lighting_indexer
