@@ -132,6 +132,7 @@ def test_context_parallel_run_matches_single_process(tmp_path):
            "-m", "nemo_dsa.train", *args, "recipe.cp_size=2", f"run_dir={tmp_path / 'cp'}"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("run_dir=") == 1  # one final line, from rank 0
     single, cp = _losses(tmp_path / "single"), _losses(tmp_path / "cp")
     assert set(cp) == {1, 2} and cp.keys() == single.keys()
     for step in single:

@@ -143,13 +143,24 @@ def _sweep(overrides: Sequence[str]) -> list[list[str]]:
     return [list(combo) for combo in itertools.product(*axes)]
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to the current ``sys.stderr`` (which tests and wrappers may replace)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def _log_warnings_to_stderr() -> None:
     log = logging.getLogger("nemo_dsa.recipe")
-    if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
+    if not any(isinstance(h, _StderrHandler) for h in log.handlers):
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter(f"{PROG}: warning: %(message)s"))
         log.addHandler(handler)
-        log.propagate = False
 
 
 def _run_one(overrides: Sequence[str]) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 import shutil
 import sys
 import time
@@ -216,6 +217,8 @@ def _build_model(cfg, device: torch.device):
 
 
 def _device(cfg, recipe) -> torch.device:
+    if not isinstance(cfg.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", cfg.device):
+        raise ValueError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'), got {cfg.device!r}")
     device = torch.device(cfg.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device=cuda was requested but no CUDA device is available")

@@ -1,0 +1,115 @@
+"""The command line as a user meets it: one-line errors (exit 2), Hydra's flags, sweeps, the
+messages of a run, and bitwise-repeatable runs."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nemo_dsa.train import main, read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+SHORT = ["recipe=smoke", "recipe.seq_len=32", "recipe.batch_size=2", "recipe.max_steps=2", "recipe.ckpt_every=2",
+         "recipe.val_every=2", "recipe.warmup_steps=1", "recipe.num_threads=1", "recipe.plot=false"]
+
+
+@pytest.mark.parametrize(
+    "mistake,expected",
+    [
+        ("recipe.max_stepz=5", "recipe.max_stepz: no such key in recipe (did you mean max_steps?)"),
+        ("+recipe.max_stepz=5", "recipe.max_stepz: no such key in recipe (did you mean max_steps?)"),
+        ("model=tinyy", "model=tinyy: no such option in config group 'model'; options: small, tiny, v4_flash "
+                        "(did you mean tiny?)"),
+        ("recipe.max_steps=abc", "recipe.max_steps: expected an int, got 'abc'"),
+        ("model.config.index_topk=0", "index_topk must be >= 1, got 0"),
+        ("model.config.index_topkk=3", "model.config.index_topkk: no such key in model.config (did you mean index_topk?)"),
+        ("seeed=3", "seeed: no such key in the top level (did you mean seed?)"),
+        ("recipe.precision=fp8", "recipe.precision must be one of ('fp32', 'bf16'), got 'fp8'"),
+        ("device=gpu", "device must be 'cpu' or 'cuda' (or 'cuda:N'), got 'gpu'"),
+        ("recipe.max_steps=5,6", "recipe.max_steps=5,6: a list of options is a sweep; add -m to run each"),
+        ("--verbos", "unknown flag --verbos"),
+    ],
+)
+def test_a_user_error_is_one_line_and_exit_code_2(tmp_path, capsys, mistake, expected):
+    assert main([*SHORT, f"run_dir={tmp_path}", mistake]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("nemo-dsa-train: error: ") and expected in err[0], err
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_the_traceback_is_shown_only_when_asked(tmp_path):
+    def run(*extra, env=None):
+        cmd = [sys.executable, "-m", "nemo_dsa.train", "recipe.max_stepz=5", f"run_dir={tmp_path}", *extra]
+        return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                              env={**os.environ, **(env or {})})
+
+    quiet = run()
+    assert quiet.returncode == 2 and "Traceback" not in quiet.stderr and "did you mean max_steps?" in quiet.stderr
+    assert "Traceback" in run("--verbose").stderr
+    assert "Traceback" in run(env={"HYDRA_FULL_ERROR": "1"}).stderr
+
+
+def test_print_config_is_resolved_and_cfg_job_is_hydras(capsys):
+    assert main(["--print-config", "scoring=v41", "recipe.max_steps=7"]) == 0
+    out = capsys.readouterr().out
+    assert "${" not in out and "run_dir: runs/tiny-v41-default" in out and "max_steps: 7" in out
+    assert main(["--cfg", "job", "scoring=v41"]) == 0
+    assert "run_dir: runs/${model.name}-${scoring.name}-${recipe.name}" in capsys.readouterr().out
+    assert main(["--cfg", "job", "--resolve", "scoring=v41"]) == 0
+    assert "run_dir: runs/tiny-v41-default" in capsys.readouterr().out
+    assert main(["--cfg", "hydra"]) == 0
+    assert "sweeper" in capsys.readouterr().out
+    assert main(["--help"]) == 0
+    assert "scoring={v4,v41}" in capsys.readouterr().out
+
+
+def test_a_multirun_sweeps_a_config_group(tmp_path, capsys):
+    assert main(["-m", "scoring=v4,v41", *SHORT, "recipe.max_steps=1", f"run_dir={tmp_path}/${{scoring.name}}"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 2 and out[0].startswith(f"run_dir={tmp_path}/v4 step=1")
+    for scoring in ("v4", "v41"):
+        assert read_metrics(tmp_path / scoring / "metrics.jsonl")[0]["scoring"] == scoring
+
+
+def test_a_run_says_when_it_resumes_and_ends_with_one_line(tmp_path, capsys):
+    assert main([*SHORT, f"run_dir={tmp_path}", "recipe.stop_at_step=1"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and out[0].startswith(f"run_dir={tmp_path} step=1 val_loss=") and "skipped_steps=0" in out[0]
+    assert main([*SHORT, f"run_dir={tmp_path}"]) == 0
+    captured = capsys.readouterr()
+    assert "resuming from step 1" in captured.err
+    assert len(captured.out.strip().splitlines()) == 1
+
+
+def test_max_steps_not_past_warmup_warns(tmp_path, caplog):
+    from nemo_dsa.recipe.schema import check_recipe
+    from nemo_dsa.train import load_config
+
+    with caplog.at_level(logging.WARNING, logger="nemo_dsa.recipe"):
+        check_recipe(load_config([*SHORT, "recipe.warmup_steps=2"]).recipe)
+    assert "recipe.max_steps=2 <= recipe.warmup_steps=2" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="nemo_dsa.recipe"):
+        check_recipe(load_config([*SHORT, "recipe.warmup_steps=1"]).recipe)
+    assert not caplog.text
+
+
+@pytest.mark.slow
+def test_the_same_seed_gives_bitwise_identical_losses_in_fresh_processes(tmp_path):
+    """Two fresh interpreters (different hash seeds, default thread count): identical records."""
+    losses = []
+    for hash_seed in ("1", "2"):
+        run_dir = tmp_path / hash_seed
+        cmd = [sys.executable, "-m", "nemo_dsa.train", *[a for a in SHORT if "num_threads" not in a], "recipe.max_steps=3", "recipe.plot=false",
+               f"run_dir={run_dir}"]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180,
+                              env={**os.environ, "PYTHONHASHSEED": hash_seed})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        losses.append([(r["step"], r.get("loss"), r.get("val_loss"), r.get("grad_norm"))
+                       for r in read_metrics(run_dir / "metrics.jsonl") if "event" not in r])
+    assert losses[0] == losses[1] and len(losses[0]) >= 3
