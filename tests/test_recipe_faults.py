@@ -232,3 +232,26 @@ def test_a_stalled_rank_stops_the_run_after_dist_timeout_s_naming_it(tmp_path):
     assert proc.returncode != 0
     assert "rank 0: a collective in step 2 did not complete within recipe.dist_timeout_s=4.0s" in proc.stderr
     assert "rank(s) [1] reported no timeout of their own" in proc.stderr
+
+
+def test_a_failed_save_leaves_nothing_behind_and_the_rerun_continues(tmp_path, reference, monkeypatch):
+    """A disk-full error while saving step 4: the error surfaces, no ``.tmp-step*`` remains, and a
+    rerun resumes from step 2 and reproduces the uninterrupted losses."""
+    import errno
+
+    import nemo_dsa.recipe.state as state
+
+    real = state.torch.save
+
+    def full_disk(obj, path):
+        if "step_0000004" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(obj, path)
+
+    monkeypatch.setattr(state.torch, "save", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        _run(tmp_path)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_0000002"]
+    monkeypatch.setattr(state.torch, "save", real)
+    assert _run(tmp_path).resumed_from == 2
+    assert _losses(tmp_path) == reference
