@@ -298,3 +298,29 @@ def test_v4_kernel_wrapper_points_dead_slots_at_a_zero_row():
     torch.testing.assert_close(dq, ref_dq, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(dk_rows[:, 1:], ref_dk, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(dw, ref_dw, rtol=1e-9, atol=1e-9)
+
+
+# ----------------------------------------------------------------------------------------------
+# V4.1: scores and the streamed selection (forward only)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("poisoned", [0, 1])
+def test_v41_scores_and_fused_selection_isolate_documents(poisoned):
+    from nemo_dsa.ops.fused_selection import v41_select_topk
+    from nemo_dsa.ops.v41_indexer import indexer_scores
+
+    q, k, _, ks, ke, doc, key_doc = _v4_case(80 + poisoned)
+    w = torch.randn(q.shape[:3], generator=generator(81)).bfloat16()
+    bad, good = doc == poisoned, doc != poisoned
+    bad_keys = (key_doc == poisoned) | (key_doc < 0)
+    k_bad, q_bad = k.clone(), q.clone()
+    k_bad[bad_keys] = float("nan")
+    k_bad[bad_keys.nonzero()[0].tolist()[0], bad_keys.nonzero()[0].tolist()[1]] = float("inf")
+    q_bad[bad] = float("inf")
+    for name, run in (
+        ("scores", lambda qq, kk: indexer_scores(qq, kk, w, ks=ks, ke=ke, backend="torch")),
+        ("indices", lambda qq, kk: v41_select_topk(qq, kk, w, ks, ke, 3, backend="torch", chunk_bytes=4096)),
+    ):
+        clean, dirty = run(q, k), run(q_bad, k_bad)
+        assert_bitwise(dirty[good], clean[good], name)

@@ -40,8 +40,10 @@ def _forward(backend, q, k, w, ks, ke, topk, topk_indices):
     from the kernel or the reference, then selection (unless indices are given) and the gather."""
     logits = v4_logits_tilelang(q, k, w, ks, ke) if backend == "tilelang" else v4_logits(q, k, w, ks, ke)
     if topk_indices is None:
-        # Every finite logit lies in [ks, ke): the kernel selector reads only those keys.
-        topk_indices = select_topk(logits, topk, order="score", ks=ks, ke=ke, backend=backend)
+        # Every finite logit lies in [ks, ke): the kernel selector reads only those keys (the
+        # reference would mask a copy of the logits with the range, which changes nothing here).
+        ranges = dict(ks=ks, ke=ke) if backend == "tilelang" else {}
+        topk_indices = select_topk(logits, topk, order="score", backend=backend, **ranges)
     # Given indices were range-checked in _validate; selected ones are in range by construction.
     return gather_at_indices(logits, topk_indices), topk_indices
 
