@@ -423,3 +423,19 @@ def test_overlap_keeps_other_documents_non_finite_values_out(bad):
     assert not torch.isfinite(dirty[0, 2]).all()  # A's own last group is hit
     assert ids[0, 12] == 2 and ids[0, 28] == 3
     assert torch.equal(dirty[0, 3:], clean[0, 3:])  # document B's (and C's) keys: bitwise clean
+
+
+def test_casting_keeps_fp32_parameter_values():
+    """``.to(bfloat16)`` leaves the fp32 parameters (sinks, compressor projections and biases)
+    bitwise as they were, not rounded through bf16."""
+    layer = make_layer(tiny_config(), 1)
+    kept = {"attn_sink", "compressor.wkv.weight", "compressor.wgate.weight", "compressor.ape",
+            "indexer.compressor.wkv.weight", "indexer.compressor.wgate.weight", "indexer.compressor.ape"}  # fmt: skip
+    before = {n: p.detach().clone() for n, p in layer.named_parameters()}
+    layer.to(torch.bfloat16)
+    for name, p in layer.named_parameters():
+        if name in kept:
+            assert p.dtype == torch.float32 and torch.equal(p, before[name]), name
+        else:
+            assert p.dtype == torch.bfloat16, name
+    assert not torch.equal(before["wq_a.weight"].bfloat16().float(), before["wq_a.weight"])  # a cast does round

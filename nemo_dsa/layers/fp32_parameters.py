@@ -20,11 +20,19 @@ class KeepsFP32Parameters(nn.Module):
     fp32_parameters: tuple[str, ...] = ()
 
     def _apply(self, fn, recurse: bool = True):
+        # Keep the fp32 values themselves: casting to bf16 and back would round them.
+        originals = {}
+        for name in self.fp32_parameters:
+            param = self.get_parameter(name)
+            if param.dtype == torch.float32:
+                originals[name] = param.data
         super()._apply(fn, recurse)
         for name in self.fp32_parameters:
             param = self.get_parameter(name)
             if param.dtype in _LOW_PRECISION:
-                param.data = param.data.float()
+                original = originals.get(name)
+                source = param.data if original is None else original
+                param.data = source.to(device=param.device, dtype=torch.float32)
         return self
 
 

@@ -13,7 +13,10 @@ def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm with a learned per-channel scale named ``weight`` (the checkpoint key)."""
+    """RMSNorm with a learned per-channel scale named ``weight`` (the checkpoint key).
+
+    Normalised and scaled in fp32, rounded once to the input's dtype, as the released DeepSeek-V4 /
+    V4.1 norms do (rounding the normalised value before the scale would round twice in bf16)."""
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -21,7 +24,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (rms_normalize(x, self.eps).float() * self.weight.float()).to(x.dtype)
+        xf = x.float()
+        normalized = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normalized * self.weight.float()).to(x.dtype)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
