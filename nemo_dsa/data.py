@@ -18,6 +18,8 @@ Packing rules (one row = ``seq_len`` tokens):
 
 from __future__ import annotations
 
+from array import array
+import hashlib
 import importlib
 import inspect
 import warnings
@@ -310,6 +312,17 @@ class PackedBatches:
             raise ValueError(f"data state was saved with seed={state['seed']}, this stream has seed={self.seed}")
         self.epoch, self.cursor, self.offset = int(state["epoch"]), int(state["cursor"]), int(state["offset"])
         self._order = self._epoch_order(self.epoch)
+
+
+def corpus_fingerprint(documents: Sequence[Sequence[int]]) -> str:
+    """sha256 of tokenized documents in order: the recipe compares it on resume, because the
+    corpus is read from the running interpreter (a different Python, or a library that replaced a
+    standard-library function, changes it)."""
+    digest = hashlib.sha256()
+    for doc in documents:
+        digest.update(len(doc).to_bytes(8, "little"))
+        digest.update(array("H", doc).tobytes())
+    return digest.hexdigest()
 
 
 def fixed_batches(stream: PackedBatches, n: int) -> list[dict[str, torch.Tensor]]:

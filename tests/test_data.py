@@ -158,3 +158,17 @@ def test_stream_rejects_bad_arguments(kwargs, match):
         PackedBatches(_random_docs(0, 3, 10), **kwargs)
     with pytest.raises(ValueError, match="documents"):
         PackedBatches([], seq_len=8, batch_size=1)
+
+
+def test_corpus_fingerprint_names_the_exact_documents():
+    from nemo_dsa.data import corpus_fingerprint
+
+    tok = ByteTokenizer()
+    docs = [tok.encode(d.text) for d in stdlib_documents(SMALL_CORPUS)]
+    again = [tok.encode(d.text) for d in stdlib_documents(SMALL_CORPUS)]
+    assert corpus_fingerprint(docs) == corpus_fingerprint(again)
+    changed = [list(d) for d in docs]
+    changed[-1][-2] ^= 1
+    assert corpus_fingerprint(changed) != corpus_fingerprint(docs)
+    # document boundaries count: the same tokens split differently are a different corpus
+    assert corpus_fingerprint([docs[0] + docs[1]]) != corpus_fingerprint(docs[:2])

@@ -255,3 +255,24 @@ def test_a_failed_save_leaves_nothing_behind_and_the_rerun_continues(tmp_path, r
     monkeypatch.setattr(state.torch, "save", real)
     assert _run(tmp_path).resumed_from == 2
     assert _losses(tmp_path) == reference
+
+
+def test_resume_refuses_a_changed_corpus(tmp_path, monkeypatch):
+    """The corpus comes from the running interpreter's docstrings: a different one (another Python,
+    a patched standard library) would silently change the data stream, so resume refuses it."""
+    import nemo_dsa.data as data
+
+    _run(tmp_path, "recipe.stop_at_step=2")
+    real = data.stdlib_documents
+    monkeypatch.setattr(data, "stdlib_documents", lambda *a, **k: real(*a, **k)[1:])
+    with pytest.raises(ValueError, match="changed corpus_sha256"):
+        _run(tmp_path)
+
+
+def test_no_intact_checkpoint_is_an_error_not_a_silent_restart(tmp_path):
+    _run(tmp_path, "recipe.max_steps=2")
+    (tmp_path / "checkpoints" / "step_0000002" / "manifest.json").write_text("{}")
+    with pytest.raises(CorruptCheckpoint, match="no intact checkpoint"):
+        _run(tmp_path, "recipe.max_steps=2")
+    assert _losses(tmp_path)  # the metrics of the first run are still there
+    assert _run(tmp_path, "recipe.max_steps=2").resumed_from is None  # rerun: starts over, as the message says

@@ -180,6 +180,9 @@ def resume(cfg, run_dir: Path, objects: tuple, model_config: dict, recipe_now: d
         applied = _compare(path, state, model_config, recipe_now)
         restore(path, state, *objects)
         return path, state, applied, fallbacks
+    if fallbacks:  # checkpoints existed, none intact: say so rather than silently start from step 0
+        raise CorruptCheckpoint(f"no intact checkpoint in {run_dir} ({len(fallbacks)} set aside as corrupt-step_*); "
+                                "run again to start from step 0, or resume=<a checkpoint directory>")
     return None, {}, {}, fallbacks
 
 
@@ -245,7 +248,7 @@ def _run(cfg, recipe, device: torch.device, run_dir: Path) -> TrainResult:
     from omegaconf import OmegaConf
     from tqdm.auto import tqdm
 
-    from nemo_dsa.data import build_streams
+    from nemo_dsa.data import build_streams, corpus_fingerprint
 
     if recipe.num_threads:
         torch.set_num_threads(int(recipe.num_threads))
@@ -264,6 +267,8 @@ def _run(cfg, recipe, device: torch.device, run_dir: Path) -> TrainResult:
         seq_len=recipe.seq_len, batch_size=recipe.batch_size, seed=cfg.seed,
         val_percent=recipe.val_percent, val_batches=recipe.val_batches, min_piece=recipe.min_piece,
     )
+    # What the checkpoint must have been trained on: the recipe, the seed and the corpus itself.
+    recipe_now["corpus_sha256"] = corpus_fingerprint(stream.documents)
     path, saved, applied, fallbacks = resume(cfg, run_dir, (model, optimizer, schedule, stream), model_config,
                                              recipe_now, par)
     apply_recipe(optimizer, schedule, recipe)  # this run's lr, betas, weight decay (a no-op when fresh)
