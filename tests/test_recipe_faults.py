@@ -190,7 +190,7 @@ def test_too_many_skipped_steps_stop_the_run(tmp_path, nan_gradients_at):
 
 def test_resume_applies_the_new_lr_and_refuses_a_new_data_layout(tmp_path):
     _run(tmp_path, "recipe.stop_at_step=2", "recipe.log_every=1")
-    with pytest.raises(ValueError, match=r"changed seq_len, val_percent"):
+    with pytest.raises(ValueError, match=r"changed corpus_sha256, seq_len, val_percent \(corpus_sha256: '\w{12}\.\.\.' -> "):
         _run(tmp_path, "recipe.seq_len=64", "recipe.val_percent=10")
     with pytest.raises(ValueError, match=r"changed seed"):
         _run(tmp_path, "seed=7")

@@ -133,6 +133,11 @@ def evaluate(model, batches, *, recipe, device, par: Parallel) -> float:
 # ---------------------------------------------------------------------------------------------
 
 
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 24 else text[:13] + "...'"  # sha256 digests
+
+
 def _compare(path: Path, state: dict, model_config: dict, recipe_now: dict) -> dict[str, tuple]:
     saved = state["model_config"]
     changed = sorted(k for k in set(saved) | set(model_config) if saved.get(k) != model_config.get(k))
@@ -143,7 +148,7 @@ def _compare(path: Path, state: dict, model_config: dict, recipe_now: dict) -> d
         return {}  # a checkpoint from before recipes were saved: nothing to compare with
     applied, refused = recipe_changes(state["recipe"], recipe_now)
     if refused:
-        detail = ", ".join(f"{k}: {state['recipe'].get(k)!r} -> {recipe_now.get(k)!r}" for k in refused)
+        detail = ", ".join(f"{k}: {_short(state['recipe'].get(k))} -> {_short(recipe_now.get(k))}" for k in refused)
         raise ValueError(f"resume: checkpoint {path} cannot continue with a changed {', '.join(refused)} ({detail}); "
                          "these fix the data stream and the validation set: use another run_dir or resume=never")
     return applied
