@@ -40,16 +40,28 @@ reaches a counted label); it rotates at the ``position_ids`` it is given, nemo_d
 positions its metadata derives from the layout (the same numbers for document-local THD
 ``position_ids`` and for plain rows).
 
-Layer roles on ratio-4 layers (decided after reading the V4.1 baseline; ``config.attention_role``):
-  ``source``   owns a compressor and the indexer's key compressor, scores and selects;
+Layer roles on indexer layers (``config.indexer_ratios``: DeepSeek-V4's ratio 4, DeepSeek-V4.1's
+every compressed ratio; ``config.attention_role``):
+  ``source``   owns a compressor and the index keys, scores and selects;
   ``reindex``  reuses the latest source's compressed KV and index keys, scores and selects again
                with its own ``indexer.wq_b``/``weights_proj``;
   ``reuse``    has neither: attends to the latest source's compressed KV at the latest selection.
-Without ``kv_source_layer_ids`` every ratio-4 layer is a source; without
-``index_source_layer_ids`` the index sources are the kv sources. V4.1 candidate blocks: the
-``candidate_source_layer_id`` layer (a kv source) selects from all its scores and publishes its
-kept blocks; every later selecting layer (source or reindex) masks its scores to them before
-top-k, as the V4.1 baseline does. The blocks are per query on the shared compressed axis.
+A reindex or reuse layer reads the latest kv source before it, which has its ratio. Without
+``kv_source_layer_ids`` every indexer layer is a source; without ``index_source_layer_ids`` the
+index sources are the kv sources. V4.1 candidate blocks: the ``candidate_source_layer_id`` layer
+(a kv source) selects from all its scores and publishes its kept blocks; every later selecting
+layer masks its scores to them before top-k, as the V4.1 release does. The blocks are per query
+on the shared compressed axis.
+
+DeepSeek-V4.1 (``DSAModelConfig.from_hf_config`` of a V4.1 text config; docs/semantics.md
+"V4.1 rounding"): no per-head q RMS (``q_head_rms``); compressors of ratio 1 (``wkv`` + norm) and
+2 without overlap or ``ape``; index keys ``k_norm(wk(latent))`` from the layer compressor's
+unrotated latent (``index_keys = "latent"``); the window KV quantize-dequantized to fp8 in blocks
+of 32 after RoPE (``window_kv_quant``) and the compressed KV to NVFP4 in blocks of 16 after RoPE
+(``compressed_kv_quant``), straight-through gradients; the frozen MXFP4 indexer scoring in the
+model's precision. Compared with nemo-automodel 0.7.0's built-in ``DeepseekV41Attention``
+(tests/test_released_v41_attention.py): fp32 outputs and gradients agree to ~3e-7, the cached KV
+and index keys bitwise; bf16 caches bitwise, selections equal except exact score ties.
 
 Training the V4 indexer (DeepSeek's sparse-attention recipe, arXiv 2512.02556): the indexer's
 inputs are detached from the main graph, so nothing that trains it reaches the rest of the model.

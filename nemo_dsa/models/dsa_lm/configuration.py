@@ -42,8 +42,8 @@ class DSAModelConfig:
     q_lora_rank: int = 64
     intermediate_size: int = 256
     # One entry per layer: 0 = sliding window only; R > 0 adds compressed KV of ratio R.
-    # Ratio-4 layers carry an indexer that selects index_topk groups; other ratios attend to
-    # every visible group.
+    # Layers of a ratio in indexer_ratios carry an indexer role (select index_topk groups or
+    # reuse a selection); other ratios attend to every visible group.
     compress_ratios: tuple[int, ...] = (0, 4, 16, 4)
     sliding_window: int = 16
     scoring: str = "v4"
