@@ -279,24 +279,7 @@ def _run(cfg, recipe, device: torch.device, run_dir: Path) -> TrainResult:
     apply_recipe(optimizer, schedule, recipe)  # this run's lr, betas, weight decay (a no-op when fresh)
     resumed_from = None if path is None else int(saved["step"])
     start = resumed_from or 0
-    metrics = MetricsLog(run_dir / "metrics.jsonl", enabled=par.is_main, elapsed_before=saved.get("elapsed_s", 0.0))
-    if par.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
-        if resumed_from is None:
-            metrics.start_fresh()
-        else:
-            metrics.keep_until(resumed_from)
-            note(f"resuming from step {resumed_from} ({path})")
-    for reason in fallbacks:
-        metrics.log({"step": start, "event": "checkpoint_fallback", "reason": reason})
-    if applied:
-        changes = {k: [old, new] for k, (old, new) in applied.items()}
-        metrics.log({"step": start, "event": "recipe_change", "changed": changes})
-        if par.is_main:
-            note("recipe changes taking effect from step " + f"{start + 1}: "
-                 + ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in applied.items()))
-
+    metrics = _open_metrics(cfg, run_dir, par, saved, path, applied, fallbacks)
     stop = recipe.stop_at_step or recipe.max_steps
     title = f"{cfg.model.name} / scoring {cfg.scoring.name} / {cfg.recipe.name}"
     result = TrainResult(run_dir=run_dir, step=start, resumed_from=resumed_from, is_main=par.is_main,
@@ -329,25 +312,14 @@ def _run(cfg, recipe, device: torch.device, run_dir: Path) -> TrainResult:
             raise
         bar.update(1)
         if stats["skipped"]:
-            result.skipped_steps += 1
-            metrics.log({"step": step, "event": "skipped", "reason": "non-finite loss or gradient",
-                         "step_loss": _json_float(stats["loss"]), "step_grad_norm": _json_float(stats["grad_norm"]),
-                         "skipped_steps": result.skipped_steps})
-            if par.is_main:
-                note(f"step {step}: non-finite loss {stats['loss']} or gradient norm {stats['grad_norm']}: "
-                     f"step skipped ({result.skipped_steps} so far, recipe.max_skipped_steps={recipe.max_skipped_steps})")
-            if result.skipped_steps > recipe.max_skipped_steps:
-                raise FloatingPointError(
-                    f"step {step}: {result.skipped_steps} steps had a non-finite loss or gradient, more than "
-                    f"recipe.max_skipped_steps={recipe.max_skipped_steps}; the run stops (the last checkpoint "
-                    "holds finite weights: lower recipe.lr or check the data)")
+            _skip(step, stats, result, recipe, metrics, par)
         else:
             window_losses.append(stats["loss"])
             window_tokens += stats["tokens"]
             bar.set_postfix(loss=f"{stats['loss']:.3f}", lr=f"{stats['lr']:.2e}")
         if (step % recipe.log_every == 0 or step == recipe.max_steps) and window_losses:
             loss = sum(window_losses) / len(window_losses)
-            metrics.log({"step": step, "loss": loss, "lr": stats["lr"], "grad_norm": stats["grad_norm"],
+            metrics.log({"step": step, "loss": loss, "lr": stats["lr"], "grad_norm": _json_float(stats["grad_norm"]),
                          "tokens_per_s": window_tokens / max(window_time, 1e-9)})
             result.losses.append(loss)
             window_losses, window_tokens, window_time = [], 0, 0.0
@@ -368,6 +340,48 @@ def _run(cfg, recipe, device: torch.device, run_dir: Path) -> TrainResult:
     if par.is_main:
         _finish(run_dir, metrics.path, result, recipe, n_params, title)
     return result
+
+
+def _open_metrics(cfg, run_dir: Path, par: Parallel, saved: dict, path: Path | None, applied: dict,
+                  fallbacks: list[str]) -> MetricsLog:
+    """Write ``config.yaml``, start or trim ``metrics.jsonl`` and log how this run begins."""
+    from omegaconf import OmegaConf
+
+    resumed_from = None if path is None else int(saved["step"])
+    start = resumed_from or 0
+    metrics = MetricsLog(run_dir / "metrics.jsonl", enabled=par.is_main, elapsed_before=saved.get("elapsed_s", 0.0))
+    if par.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+        if resumed_from is None:
+            metrics.start_fresh()
+        else:
+            metrics.keep_until(resumed_from)
+            note(f"resuming from step {resumed_from} ({path})")
+    for reason in fallbacks:
+        metrics.log({"step": start, "event": "checkpoint_fallback", "reason": reason})
+    if applied:
+        metrics.log({"step": start, "event": "recipe_change", "changed": {k: [a, b] for k, (a, b) in applied.items()}})
+        if par.is_main:
+            note(f"recipe changes taking effect from step {start + 1}: "
+                 + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in applied.items()))
+    return metrics
+
+
+def _skip(step: int, stats: dict, result: TrainResult, recipe, metrics: MetricsLog, par: Parallel) -> None:
+    """Count and log a skipped step; stop the run past ``recipe.max_skipped_steps``."""
+    result.skipped_steps += 1
+    metrics.log({"step": step, "event": "skipped", "reason": "non-finite loss or gradient",
+                 "step_loss": _json_float(stats["loss"]), "step_grad_norm": _json_float(stats["grad_norm"]),
+                 "skipped_steps": result.skipped_steps})
+    if par.is_main:
+        note(f"step {step}: non-finite loss {stats['loss']} or gradient norm {stats['grad_norm']}: "
+             f"step skipped ({result.skipped_steps} so far, recipe.max_skipped_steps={recipe.max_skipped_steps})")
+    if result.skipped_steps > recipe.max_skipped_steps:
+        raise FloatingPointError(
+            f"step {step}: {result.skipped_steps} steps had a non-finite loss or gradient, more than "
+            f"recipe.max_skipped_steps={recipe.max_skipped_steps}; the run stops (the last checkpoint "
+            "holds finite weights: lower recipe.lr or check the data)")
 
 
 def _json_float(x: float) -> float | str:
