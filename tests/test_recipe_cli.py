@@ -33,6 +33,12 @@ SHORT = ["recipe=smoke", "recipe.seq_len=32", "recipe.batch_size=2", "recipe.max
         ("device=gpu", "device must be 'cpu' or 'cuda' (or 'cuda:N'), got 'gpu'"),
         ("recipe.max_steps=5,6", "recipe.max_steps=5,6: a list of options is a sweep; add -m to run each"),
         ("--verbos", "unknown flag --verbos"),
+        ("recipe.plot=maybe", "recipe.plot: expected a bool (true/false), got 'maybe'"),
+        ("recipe.betas=3", "recipe.betas: expected a list such as [0.9, 0.95], got an int"),
+        ("run_dir", "run_dir: an override is key=value"),
+        ("recipe=smok", "recipe=smok: no such option in config group 'recipe'; options: default, h200, smoke "
+                        "(did you mean smoke?)"),
+        ("recipe.cp_size=2", "recipe.cp_size=2 needs a torchrun launch"),
     ],
 )
 def test_a_user_error_is_one_line_and_exit_code_2(tmp_path, capsys, mistake, expected):

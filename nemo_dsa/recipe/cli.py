@@ -85,15 +85,24 @@ def _explain_composition(error: BaseException, overrides: Sequence[str]) -> str:
         if leaf not in known:
             where = parent or "the top level"
             return f"{full}: no such key in {where}{_closest(leaf, known)}; keys: {', '.join(known)}"
-    value = re.search(r"[Vv]alue '([^']*)' (?:of type '\w+' )?could not be converted to (\w+)", text)
     full_key = re.search(r"full_key: ([\w.]+)", text)
+    value = re.search(r"[Vv]alue '([^']*)' (?:of type '\w+' )?could not be converted to (\w+)", text) \
+        or re.search(r"[Vv]alue '([^']*)' is not a valid (\w+)", text)
     if value and full_key:
         return f"{full_key.group(1)}: expected {_article(value.group(2))}, got {value.group(1)!r}"
+    not_list = re.search(r"Invalid value assigned: (\w+) is not a ListConfig", text)
+    if not_list and full_key:
+        return f"{full_key.group(1)}: expected a list such as [0.9, 0.95], got {_article(not_list.group(1))}"
+    bad_override = re.search(r"Error parsing override '([^']*)'", text)
+    if bad_override:
+        return (f"{bad_override.group(1)}: an override is key=value (model=small, recipe.max_steps=20, "
+                "+group.new_key=value); see Hydra's override grammar")
     return _first_line(error)
 
 
 def _article(type_name: str) -> str:
-    name = {"Integer": "an int", "Float": "a number", "Boolean": "a bool (true/false)", "String": "a string"}
+    name = {"Integer": "an int", "Float": "a number", "Boolean": "a bool (true/false)", "bool": "a bool (true/false)",
+            "String": "a string", "int": "an int", "float": "a number", "str": "a string"}
     return name.get(type_name, type_name)
 
 
