@@ -276,3 +276,14 @@ def test_no_intact_checkpoint_is_an_error_not_a_silent_restart(tmp_path):
         _run(tmp_path, "recipe.max_steps=2")
     assert _losses(tmp_path)  # the metrics of the first run are still there
     assert _run(tmp_path, "recipe.max_steps=2").resumed_from is None  # rerun: starts over, as the message says
+
+
+def test_non_finite_weights_are_never_checkpointed(tmp_path):
+    from nemo_dsa.recipe.state import save_checkpoint
+
+    model = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        model.weight[1, 2] = float("inf")
+    with pytest.raises(FloatingPointError, match="non-finite weights"):
+        save_checkpoint(tmp_path, 7, model, None, None, None, {}, keep=2)
+    assert not (tmp_path / "checkpoints").exists()
