@@ -83,14 +83,18 @@ def verify_checkpoint(path: Path) -> None:
         raise CorruptCheckpoint(f"checkpoint {path} has no {MANIFEST_FILE} (an unfinished or pre-manifest save)") from None
     except (ValueError, KeyError, TypeError) as e:
         raise CorruptCheckpoint(f"checkpoint {path}: unreadable {MANIFEST_FILE} ({e})") from None
+    if not isinstance(files, dict) or not files:
+        raise CorruptCheckpoint(f"checkpoint {path}: {MANIFEST_FILE} lists no files")
     for name, entry in files.items():
         file = path / name
-        if not file.is_file():
-            raise CorruptCheckpoint(f"checkpoint {path}: {name} is missing")
-        size = file.stat().st_size
+        try:  # OSError: the file vanished meanwhile (another rank set the checkpoint aside)
+            size = file.stat().st_size
+            digest = _sha256(file) if size == entry["size"] else None
+        except OSError:
+            raise CorruptCheckpoint(f"checkpoint {path}: {name} is missing") from None
         if size != entry["size"]:
             raise CorruptCheckpoint(f"checkpoint {path}: {name} has {size} bytes, the manifest says {entry['size']} (truncated?)")
-        if _sha256(file) != entry["sha256"]:
+        if digest != entry["sha256"]:
             raise CorruptCheckpoint(f"checkpoint {path}: {name} does not match its sha256 in {MANIFEST_FILE} (corrupted)")
 
 
