@@ -20,7 +20,21 @@ packing from ``seq_lens``):
   movement is at most 2.3 times that floor), and every one to 1e-3. Every other parameter's
   gradient agrees to 2.3e-6 (measured).
 Loading: a state dict exported by the built-in's adapter (the released HF names) comes back
-through the plugin's adapter into the plugin with the same logits.
+through the plugin's adapter into the plugin with the same logits; bf16 and FP8 (32x32 e8m0
+blocks, the released layout) checkpoint files load into the plugin exactly as into the built-in
+(bitwise equal state dicts), and a missing key is a ValueError naming it.
+
+The rounding bound at model level: layer by layer, the two stacks' attention inputs differ by the
+~3e-7 fp32 noise of the earlier layers, and a value that lands within that noise of an fp8 / NVFP4
+/ MXFP4 rounding mid-point (or a block scale at a power of two, or two index scores that close)
+goes the other way in one of them; the release does the same under any reordering of its own fp32
+sums. With the weights of the main test nothing does (logits 4e-7). With the checkpoint files'
+bf16 / FP8 weights something does: exactly one window-KV element of layer 4 (bf16 files; logits
+5e-4), and, with FP8 files, three later selections (logits 0.144). The checkpoint tests therefore
+measure the built-in's own logit movement when its attention outputs move by 3e-7 relative (three
+noise draws; bf16 files: 4.9825e-4 against the plugin's 4.9814e-4, FP8 files: 0.14444797 against
+0.14444791: the same flips) and hold the plugin to max(1e-5, 2 x that movement), while the loaded weights
+themselves must be bitwise equal.
 """
 
 from __future__ import annotations
@@ -219,3 +233,88 @@ def test_registered_and_named():
     assert model.dsa_config.scoring == "v41" and model.dsa_config.window_kv_quant == "fp8"
     with pytest.raises(TypeError, match="config"):
         NemoDsaDeepseekV41ForCausalLM(DeepseekV4Config(), backend=backend())
+
+
+def quantize_fp8_32(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 weight and power-of-two e8m0 scale per 32x32 block (the released V4.1 FP8 layout)."""
+    rows, cols = weight.shape
+    w = torch.nn.functional.pad(weight.float(), (0, -cols % 32, 0, -rows % 32))
+    blocks = w.unflatten(0, (-1, 32)).unflatten(2, (-1, 32))  # [R/32, 32, C/32, 32]
+    amax = blocks.abs().amax(dim=(1, 3), keepdim=True).clamp_min(1e-12)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / 448.0)))
+    q = (blocks / scale).flatten(2, 3).flatten(0, 1)[:rows, :cols].to(torch.float8_e4m3fn)
+    return q, scale.squeeze(3).squeeze(1).to(torch.float8_e8m0fnu)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(models, tmp_path_factory):
+    """{"bf16": dir, "fp8": dir} of the built-in's weights under the released HF names; the FP8 set
+    quantises every attention projection the release ships in FP8 (``wq_a``, ``wq_b``, ``wkv``,
+    ``wo_a``, ``wo_b``, ``indexer.wq_b``), the rest bf16."""
+    from safetensors.torch import save_file
+
+    builtin, _ = models
+    hf = {k: v.detach().contiguous() for k, v in builtin.state_dict_adapter.to_hf(builtin.state_dict()).items()}
+    bf16 = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in hf.items()}
+    fp8 = dict(bf16)
+    quantised = [k for k in hf if k.endswith(("attn.wq_a.weight", "attn.wq_b.weight", "attn.wkv.weight",
+                                              "attn.wo_a.weight", "attn.wo_b.weight", "attn.indexer.wq_b.weight"))]  # fmt: skip
+    assert len(quantised) == 5 * len(RATIOS) + len([r for r in ROLES if r in ("source", "reindex")])
+    for key in quantised:
+        fp8[key], fp8[key.removesuffix(".weight") + ".scale"] = quantize_fp8_32(hf[key])
+    dirs = {}
+    for kind, tensors in (("bf16", bf16), ("fp8", fp8)):
+        dirs[kind] = tmp_path_factory.mktemp(kind)
+        save_file(tensors, str(dirs[kind] / "model.safetensors"))
+    return dirs
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+def test_plugin_loads_checkpoint_files_like_the_builtin(kind, checkpoints):
+    from nemo_dsa.integrations.deepseek_v4_checkpoint import load_hf_checkpoint
+
+    builtin = DeepseekV41ForCausalLM(config(), backend=backend())
+    load_hf_checkpoint(builtin, checkpoints[kind])
+    plugin = NemoDsaDeepseekV41ForCausalLM(config(), backend=backend())
+    load_hf_checkpoint(plugin, checkpoints[kind])
+    for key, value in builtin.state_dict().items():
+        assert torch.equal(plugin.state_dict()[key], value), key
+    ids = batch("rows")["input_ids"]
+    with torch.no_grad():
+        ref = builtin(ids).logits
+        moved = rel(plugin(ids).logits, ref)
+    floor = logit_floor(builtin, ids, ref)
+    print(kind, "logits rel", moved, "built-in's own movement", floor)
+    assert moved <= max(RTOL, 2 * floor), (moved, floor)
+
+
+def logit_floor(model, ids: torch.Tensor, ref: torch.Tensor) -> float:
+    """The built-in's largest logit movement when each attention output moves by ATTENTION_NOISE."""
+    floor = 0.0
+    for seed in (11, 12, 13):
+        gen = torch.Generator().manual_seed(seed)
+
+        def noisy(module, args, output):
+            noise = torch.randn(output.hidden_states.shape, generator=gen)
+            return dataclasses.replace(output, hidden_states=output.hidden_states * (1 + ATTENTION_NOISE * noise))
+
+        hooks = [block.attn.register_forward_hook(noisy) for block in model.model.layers.values()]
+        try:
+            with torch.no_grad():
+                floor = max(floor, rel(model(ids).logits, ref))
+        finally:
+            for hook in hooks:
+                hook.remove()
+    return floor
+
+
+def test_broken_checkpoint_names_the_key(checkpoints, tmp_path):
+    from safetensors.torch import save_file
+
+    from nemo_dsa.integrations.deepseek_v4_checkpoint import load_hf_checkpoint, read_hf_checkpoint
+
+    tensors = read_hf_checkpoint(checkpoints["bf16"])
+    tensors.pop("layers.4.attn.indexer.wk.weight")
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="lacks layers.4.attn.indexer.wk.weight"):
+        load_hf_checkpoint(NemoDsaDeepseekV41ForCausalLM(config(), backend=backend()), tmp_path)

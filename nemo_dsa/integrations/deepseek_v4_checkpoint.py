@@ -4,7 +4,9 @@ The files are read as written (``*.safetensors`` of a directory), converted by n
 own ``DeepSeekV4StateDictAdapter.from_hf`` (dequantisation, expert stacking, renames) and
 checked against the model's state dict before anything is copied: a missing, unexpected or
 misshapen tensor is a ``ValueError`` naming the checkpoint key. Works for the built-in
-``DeepseekV4ForCausalLM`` as well (same names), which is how the tests load both from one file set.
+``DeepseekV4ForCausalLM`` as well (same names), which is how the tests load both from one file set,
+and for DeepSeek-V4.1 models (built-in or ``NemoDsaDeepseekV41ForCausalLM``), through their own
+``DeepseekV41StateDictAdapter`` (32x32 e8m0-scaled FP8).
 
 nemo-automodel's recipes load checkpoints through their own checkpointer (the same adapter);
 this function is the strict, single-process path for tests, tools and notebooks.
