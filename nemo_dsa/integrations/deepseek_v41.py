@@ -58,7 +58,8 @@ class NemoDsaDeepseekV41ForCausalLM(DeepseekV41ForCausalLM):
         options = {name: kwargs.pop(name, None) for name in _OPTIONS}
         options = {name: value if value is not None else getattr(config, name, None) for name, value in options.items()}
         super().__init__(config, moe_config, backend, **kwargs)
-        indexer_backend = options.pop("indexer_backend") or _ATTN_TO_INDEXER_BACKEND.get(getattr(self.backend, "attn", None))
+        attn = getattr(self.backend, "attn", None)
+        indexer_backend = options.pop("indexer_backend") or _ATTN_TO_INDEXER_BACKEND.get(attn)
         self.dsa_config = dsa_config_from_deepseek_v41(config, backend=indexer_backend, **options)
         self.config.architectures = [ARCHITECTURE]
         for name, block in self.model.layers.items():

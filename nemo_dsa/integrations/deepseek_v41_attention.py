@@ -102,8 +102,9 @@ class NemoDsaDeepseekV41Attention(CoreAttention):
         cp_group: Any = None,
         packed_seq_ids: torch.Tensor | None = None,
     ) -> NemoDsaV41AttentionOutput:
-        """Attend over ``hidden_states [B, S, hidden]``; ``state`` is the previous attention's (see module docstring)."""
-        if cp_group is not None and torch.distributed.is_initialized() and torch.distributed.get_world_size(cp_group) > 1:
+        """Attend over ``hidden_states [B, S, hidden]``; ``state``: the previous attention's (module docstring)."""
+        distributed = cp_group is not None and torch.distributed.is_initialized()
+        if distributed and torch.distributed.get_world_size(cp_group) > 1:
             raise ValueError("cp_group: the nemo_dsa DeepSeek-V4.1 plugin does not run context parallelism yet")
         if not isinstance(state, DsaV41ForwardState):  # the forward's first attention layer
             if position_ids.shape[0] != hidden_states.shape[0]:
