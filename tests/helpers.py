@@ -7,6 +7,7 @@ random (``random_ks_ke``) or taken from the layouts the kernel GPU tests share.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from nemo_dsa.metadata import build_attention_metadata
@@ -185,6 +186,25 @@ def random_topk_indices(batch: int, queries: int, count: int, num_keys: int, g: 
 def v41_formula(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """docs/semantics.md's V4.1 score on bf16 tensors, unmasked: relu(q . k) * w summed over heads."""
     return torch.einsum("bshd,btd->bsht", q, k).relu().mul(w[..., None]).sum(2)
+
+
+@pytest.fixture
+def cpu_automodel(monkeypatch):
+    """Patch only nemo-automodel's CUDA-only calls so its model building and ``train_ft`` recipe
+    run on CPU: ``from_config`` / ``build_model`` ask ``torch.cuda.current_device()`` (a plain
+    number is enough without CUDA), the recipe's ``setup()`` resets CUDA peak-memory stats, and
+    ``_build_model`` hands that device to ``apply_model_infrastructure`` to materialise on."""
+    from nemo_automodel._transformers import auto_model
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a, **k: None)
+    original = auto_model.apply_model_infrastructure
+
+    def on_cpu(*args, **kwargs):
+        kwargs["device"] = torch.device("cpu")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(auto_model, "apply_model_infrastructure", on_cpu)
 
 
 # -- model configs --

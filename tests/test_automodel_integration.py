@@ -18,7 +18,7 @@ import torch
 try:
     import nemo_automodel  # noqa: F401
     import transformers  # noqa: F401
-    from nemo_automodel._transformers import auto_model as _auto_model  # needs torchao, not in the GPU bundle
+    from nemo_automodel._transformers import auto_model  # noqa: F401 (needs torchao)  # needs torchao, not in the GPU bundle
 except ImportError:
     # CI (CPU) installs both through scripts/install.sh: there a missing package is an error.
     # The GPU machine's bundle carries nemo-automodel without its dependencies; these are CPU
@@ -37,6 +37,7 @@ from nemo_automodel.components.datasets.utils import default_collater, packed_se
 from nemo_automodel.components.models.common.utils import BackendConfig
 from transformers import AutoConfig
 
+from helpers import cpu_automodel  # noqa: F401 (a fixture)
 from nemo_dsa.data import BOS_ID, EOS_ID, ByteTokenizer, split_documents, stdlib_documents
 from nemo_dsa.integrations import automodel as integ
 from nemo_dsa.integrations.automodel_data import document_examples, stdlib_docstring_dataset
@@ -54,24 +55,6 @@ TINY = dict(
     q_lora_rank=32, intermediate_size=96, compress_ratios=[0, 4, 8], sliding_window=8,
     index_n_heads=4, index_head_dim=32, index_topk=3,
 )
-
-
-@pytest.fixture
-def cpu_automodel(monkeypatch):
-    """Patch only nemo-automodel's CUDA-only calls so its model building / recipe run on CPU."""
-    # from_config / build_model construct torch.device("cuda", current_device()) (a plain object,
-    # harmless without CUDA) and _build_model hands current_device() to apply_model_infrastructure
-    # as the device to materialise on: redirect that one to the CPU.
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a, **k: None)
-    original = _auto_model.apply_model_infrastructure
-
-    def on_cpu(*args, **kwargs):
-        kwargs["device"] = torch.device("cpu")
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(_auto_model, "apply_model_infrastructure", on_cpu)
-
 
 def packed_batch(max_length: int = 24, pack: int = 64, examples: int = 12) -> dict:
     """A THD batch exactly as train_ft makes it: nemo-automodel's packer + THD collater."""

@@ -19,12 +19,13 @@ import torch
 
 try:
     import nemo_automodel  # noqa: F401
-    from nemo_automodel._transformers import auto_model as _auto_model
+    from nemo_automodel._transformers import auto_model  # noqa: F401 (needs torchao)
 except ImportError:
     if not torch.cuda.is_available():
         raise
     pytest.skip("nemo-automodel (or torchao) missing on this GPU machine; run in CPU CI", allow_module_level=True)
 
+from helpers import cpu_automodel  # noqa: F401 (a fixture)
 from nemo_dsa.integrations.deepseek_v4 import NemoDsaDeepseekV4ForCausalLM
 from nemo_dsa.integrations.deepseek_v4_checkpoint import read_hf_checkpoint
 from test_deepseek_v4_plugin import build_plugin
@@ -38,21 +39,6 @@ def load_writer():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-@pytest.fixture
-def cpu_automodel(monkeypatch):
-    """Patch only nemo-automodel's CUDA-only calls so its model building / recipe run on CPU."""
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a, **k: None)
-    original = _auto_model.apply_model_infrastructure
-
-    def on_cpu(*args, **kwargs):
-        kwargs["device"] = torch.device("cpu")
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(_auto_model, "apply_model_infrastructure", on_cpu)
-
 
 def test_writer_produces_a_released_layout(tmp_path):
     path = load_writer().write_tiny_v4_checkpoint(tmp_path / "ckpt")

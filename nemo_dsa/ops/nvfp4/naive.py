@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import torch
 
-from nemo_dsa._checks import check_tensor, is_positive_int
+from nemo_dsa.ops.block_quant import channel_blocks, from_channel_blocks, straight_through_quant_dequant
 
 BLOCK = 16
 E2M1_MAX = 6.0
 AMAX_FLOOR = 6.0 * 2.0**-9
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Non-negative E2M1 levels in code order: code n has mantissa bit n % 2.
 E2M1_LEVELS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
@@ -44,30 +43,14 @@ def round_to_e2m1(values: torch.Tensor) -> torch.Tensor:
 
 
 def _quant_dequant(x: torch.Tensor, block_size: int) -> torch.Tensor:
-    channels = x.shape[-1]
-    blocks = torch.nn.functional.pad(x.float(), (0, -channels % block_size)).unflatten(-1, (-1, block_size))
+    blocks = channel_blocks(x, block_size)
     amax = blocks.abs().amax(-1, keepdim=True)
     scale = (amax.clamp_min(AMAX_FLOOR) / E2M1_MAX).to(torch.float8_e4m3fn).float()
     out = round_to_e2m1((blocks / scale).clamp(-E2M1_MAX, E2M1_MAX)) * scale
     out = torch.where(torch.isfinite(amax), out, float("nan"))
-    return out.flatten(-2)[..., :channels].to(x.dtype)
-
-
-class _NVFP4QuantDequant(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, block_size: int) -> torch.Tensor:
-        return _quant_dequant(x, block_size)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None  # straight-through estimator
+    return from_channel_blocks(out, x)
 
 
 def nvfp4_quant_dequant(x: torch.Tensor, block_size: int = BLOCK) -> torch.Tensor:
     """NVFP4 quantize-dequantize ``x [..., C]`` per ``block_size`` channels (module docstring)."""
-    check_tensor("x", x, dtypes=FLOAT_DTYPES)
-    if x.ndim < 1:
-        raise ValueError(f"x must have a channel dimension, got shape {tuple(x.shape)}")
-    if not is_positive_int(block_size):
-        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
-    return _NVFP4QuantDequant.apply(x, block_size)
+    return straight_through_quant_dequant(x, block_size, _quant_dequant)

@@ -1,0 +1,45 @@
+"""What every block quantize-dequantize reference shares: channel blocks, validation, and the
+straight-through gradient (the V4.1 cache roundings in ``ops/fp8`` and ``ops/nvfp4``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from nemo_dsa._checks import check_tensor, is_positive_int
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def channel_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``x [..., C]`` as fp32 ``[..., ceil(C / block), block]``, a partial last block zero-filled."""
+    padded = torch.nn.functional.pad(x.float(), (0, -x.shape[-1] % block_size))
+    return padded.unflatten(-1, (-1, block_size))
+
+
+def from_channel_blocks(blocks: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`channel_blocks`: ``like``'s channels back, in ``like``'s dtype."""
+    return blocks.flatten(-2)[..., : like.shape[-1]].to(like.dtype)
+
+
+class _StraightThrough(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, quant_dequant: Callable, block_size: int) -> torch.Tensor:
+        return quant_dequant(x, block_size)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None, None  # straight-through estimator
+
+
+def straight_through_quant_dequant(
+    x: torch.Tensor, block_size: int, quant_dequant: Callable[[torch.Tensor, int], torch.Tensor]
+) -> torch.Tensor:
+    """``quant_dequant(x, block_size)`` after checking both arguments; its gradient is the identity."""
+    check_tensor("x", x, dtypes=FLOAT_DTYPES)
+    if x.ndim < 1:
+        raise ValueError(f"x must have a channel dimension, got shape {tuple(x.shape)}")
+    if not is_positive_int(block_size):
+        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+    return _StraightThrough.apply(x, quant_dequant, block_size)
