@@ -15,19 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import skip_without_automodel
+
 try:
     import nemo_automodel  # noqa: F401
     import transformers  # noqa: F401
-    from nemo_automodel._transformers import auto_model  # noqa: F401 (needs torchao)  # needs torchao, not in the GPU bundle
-except ImportError:
-    # CI (CPU) installs both through scripts/install.sh: there a missing package is an error.
-    # The GPU machine's bundle carries nemo-automodel without its dependencies; these are CPU
-    # tests, so on a CUDA machine they step aside (reported by -ra) instead of breaking the
-    # collection of `pytest -m gpu`.
-    if not torch.cuda.is_available():
-        raise
-    pytest.skip("nemo-automodel (or its torchao / transformers) missing on this GPU machine; run in CPU CI",
-                allow_module_level=True)
+    from nemo_automodel._transformers import auto_model  # noqa: F401 (needs torchao, not in the GPU bundle)
+except ImportError as error:
+    skip_without_automodel(error)
 
 from nemo_automodel._transformers.model_capabilities import query_capabilities
 from nemo_automodel._transformers.model_init import _resolve_custom_model_cls_for_config

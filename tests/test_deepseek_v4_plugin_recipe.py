@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import skip_without_automodel
+
 try:
     import nemo_automodel  # noqa: F401
     from nemo_automodel._transformers import auto_model  # noqa: F401 (needs torchao)
-except ImportError:
-    if not torch.cuda.is_available():
-        raise
-    pytest.skip("nemo-automodel (or torchao) missing on this GPU machine; run in CPU CI", allow_module_level=True)
+except ImportError as error:
+    skip_without_automodel(error)
 
 from helpers import cpu_automodel  # noqa: F401 (a fixture)
 from nemo_dsa.integrations.deepseek_v4 import NemoDsaDeepseekV4ForCausalLM

@@ -31,12 +31,12 @@ import dataclasses
 import pytest
 import torch
 
+from helpers import skip_without_automodel
+
 try:
     import nemo_automodel  # noqa: F401
-except ImportError:
-    if not torch.cuda.is_available():
-        raise  # CPU CI installs nemo-automodel (scripts/install.sh): its absence is an error there
-    pytest.skip("nemo-automodel missing on this GPU machine; run in CPU CI", allow_module_level=True)
+except ImportError as error:
+    skip_without_automodel(error)
 
 from nemo_automodel.components.models.common import BackendConfig
 from nemo_automodel.components.models.deepseek_v41.attention import DeepseekV41Attention, DeepseekV41AttentionState
