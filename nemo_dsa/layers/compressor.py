@@ -116,8 +116,13 @@ class Compressor(KeepsFP32Parameters):
         if self.ape is not None:
             ape = torch.cat((self.ape[:, :d], self.ape[:, d:]), dim=0) if self.overlap else self.ape
             logits = logits + ape.float()
+        # Select invalid groups away before pooling, never only after: a group spanning a document
+        # boundary holds another document's tokens, and a NaN / inf among them would make the
+        # backward of the pooling send 0 x NaN = NaN to this document's tokens in the group.
+        valid = group_valid.view(batch, groups, 1, 1)
+        values = torch.where(valid, values, 0.0)
+        logits = torch.where(valid, logits, 0.0)
         pooled = (values * logits.softmax(dim=2)).sum(dim=2)
-        pooled = pooled.masked_fill(~group_valid.unsqueeze(-1), 0.0)
         return self.norm(pooled.to(x.dtype))
 
     def rotate(self, latent: torch.Tensor, meta) -> torch.Tensor:
