@@ -479,19 +479,21 @@ def test_backend_and_option_keywords():
         NemoDsaDeepseekV4ForCausalLM({"model_type": "deepseek_v4"})
 
 
-def test_indexer_kl_loss_reaches_only_the_indexer(models):
-    # With indexer_kl_coef the module's KL loss rides on the logits into the backward (zero in
-    # the forward) and trains the indexer alone; without it the indexer gets no gradient.
+@pytest.mark.parametrize("loss_reads", ["logits", "hidden_states"])
+def test_indexer_kl_loss_reaches_only_the_indexer(models, loss_reads):
+    # With indexer_kl_coef the module's KL loss rides on the final hidden state into the backward
+    # (zero in the forward) and trains the indexer alone, whether the trainer's loss reads the
+    # logits or, as fused linear cross-entropy does, the hidden states.
     builtin, plugin = models
     kl = build_plugin(tiny_config(), indexer_kl_coef=1.0)
     kl.load_state_dict(plugin.state_dict(), strict=True)
     ids = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(14))
     kl.train()
-    out = kl(ids)
+    out = kl(ids, output_hidden_states=True)
     assert out.indexer_aux_loss is not None and out.indexer_aux_loss > 0
     with torch.no_grad():
         torch.testing.assert_close(out.logits, plugin(ids).logits, rtol=0, atol=0)
-    out.logits.sum().mul(0).backward()  # only the attached KL term has a gradient
+    getattr(out, loss_reads).sum().mul(0).backward()  # only the attached KL term has a gradient
     grads = {n: p.grad for n, p in kl.named_parameters()}
     assert any(g is not None and g.any() for n, g in grads.items() if "compressor.indexer." in n)
     assert all(g is None or not g.any() for n, g in grads.items() if "compressor.indexer." not in n)

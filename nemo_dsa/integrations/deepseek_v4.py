@@ -285,7 +285,6 @@ class NemoDsaDeepseekV4ForCausalLM(DeepseekV4ForCausalLM):
                 nemo_dsa_forward=state,
             )  # fmt: skip
         hidden = self.model.norm(self.model.hc_head(streams))
-        logits = compute_lm_head_logits(self.lm_head, hidden, logits_to_keep, is_thd=thd, fp32_lm_head=True).logits
 
         mtp_hidden = None
         if self.mtp is not None and self.training:
@@ -302,7 +301,10 @@ class NemoDsaDeepseekV4ForCausalLM(DeepseekV4ForCausalLM):
         if state.aux_losses:
             aux = torch.stack([loss.reshape(()) for loss in state.aux_losses]).sum()
             if torch.is_grad_enabled() and aux.requires_grad:
-                logits = _AttachAuxLoss.apply(logits, aux)
+                # On the final hidden state, so the KL term trains whether the trainer's loss
+                # reads the logits or (fused linear cross-entropy) the hidden states.
+                hidden = _AttachAuxLoss.apply(hidden, aux)
+        logits = compute_lm_head_logits(self.lm_head, hidden, logits_to_keep, is_thd=thd, fp32_lm_head=True).logits
         return NemoDsaDeepseekV4Output(
             logits=logits,
             hidden_states=hidden if output_hidden_states else None,

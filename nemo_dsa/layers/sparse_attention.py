@@ -169,7 +169,7 @@ class DSASparseAttention(KeepsFP32Parameters):
             meta: ``AttentionMetadata`` built for this layer's ratio (ratio 1 for window-only
                 layers); its tokens, positions and documents describe ``x``.
             ctx: the sequence context (``LocalContext()`` when None).
-            shared: the forward's ``SharedLayerState``, through which ratio-4 layers pass compressed
+            shared: the forward's ``SharedLayerState``, through which kv-source layers pass compressed
                 KV, index keys and selections to later ``reindex``/``reuse`` layers (needed for those).
 
         Returns:
@@ -178,7 +178,6 @@ class DSASparseAttention(KeepsFP32Parameters):
         """
         ctx = ctx if ctx is not None else LocalContext()
         shared = shared if shared is not None else SharedLayerState()
-        batch, seq, _ = x.shape
         angles = rope_angles(meta.local_positions, self.rope_dim, self.rope_theta, self.rope_scaling)
         query_latent = self.q_norm(self.wq_a(x))
         q = self.wq_b(query_latent).unflatten(-1, (self.n_heads, self.head_dim))
@@ -194,6 +193,7 @@ class DSASparseAttention(KeepsFP32Parameters):
         compressed_kv, compressed_indices, selection = None, None, None
         if self.ratio > 0:
             compressed_kv, compressed_indices, selection = self._compressed(x, query_latent, angles, meta, ctx, shared)
+            compressed_kv = compressed_kv.to(q.dtype)  # attended, and the KL target, in q's precision
         out, lse = self._attend(q, raw_kv, meta, history, compressed_kv, compressed_indices, selection)
         out = apply_rope(out, angles, inverse=True)
         out = self._output_projection(out.flatten(2))
@@ -217,13 +217,12 @@ class DSASparseAttention(KeepsFP32Parameters):
 
         The window is read by position (``window_start``); compressed keys by the selection's
         indices, or by the visible range ``[ks, ke)`` on layers that see every visible group, so
-        no index list exists for either. The kernels take bf16 and no logit bias: fp32 models and
+        no index list exists for either (only the opt-in straight-through variant builds them). The kernels take bf16 and no logit bias: fp32 models and
         the opt-in straight-through term run the reference on every device when ``backend`` is auto.
         """
         window_start = document_window_start(meta, history)
         kwargs = {}
         if compressed_kv is not None:
-            compressed_kv = compressed_kv.to(q.dtype)
             if compressed_indices is None:
                 kwargs.update(ks=meta.ks, ke=meta.ke)
             else:
@@ -249,7 +248,7 @@ class DSASparseAttention(KeepsFP32Parameters):
         )
         score = selection.index_score.masked_fill(compressed_indices < 0, 0.0)
         bias = F.pad(score - score.detach(), (window_indices.shape[-1], 0))
-        return sparse_attention(q, keys, indices, self.attn_sink, self.scale, bias=bias)
+        return sparse_attention(q, keys, indices, self.attn_sink, self.scale, bias=bias, check_indices=False)
 
     def _compressed_kv(self, x, meta, ctx) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's compressor: ``(global rotated KV [B, K, D], local unrotated latent [B, S // R, D])``.

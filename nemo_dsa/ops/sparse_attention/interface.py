@@ -13,12 +13,11 @@ import torch
 from nemo_dsa._checks import INT32_MAX, check_finite_float, check_has_data, check_index_range, check_positive_int, check_tensor
 from nemo_dsa.ops.dispatch import resolve_backend
 from nemo_dsa.visibility import check_ks_ke
+from nemo_dsa.ops.sparse_attention.kernels import MAX_DIM, MAX_HEADS, MAX_SELECTED
 from nemo_dsa.ops.sparse_attention.naive import window_compressed_attention_reference
 
 # Limits of the kernels (the reference has none).
-KERNEL_MAX_HEADS = 128
-KERNEL_MAX_DIM = 512
-KERNEL_MAX_SELECTED = 2048
+KERNEL_MAX_HEADS, KERNEL_MAX_DIM, KERNEL_MAX_SELECTED = MAX_HEADS, MAX_DIM, MAX_SELECTED
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
@@ -34,10 +33,10 @@ class SparseWindowAttentionFunction(torch.autograd.Function):
 
         inputs = kernels.KernelInputs(q, raw_kv, window_start, window, compressed_kv, indices, ks, ke, sink, scale)
         out, lse = kernels.sparse_window_forward(inputs)
-        ctx.inputs = inputs
-        ctx.has_compressed = compressed_kv is not None
-        ctx.compressed_shape = None if compressed_kv is None else compressed_kv.shape
-        ctx.save_for_backward(out, lse)
+        # Tensors go through save_for_backward (not ctx attributes) so that activation
+        # checkpointing and saved-tensor hooks see them; backward rebuilds the padded operands.
+        ctx.save_for_backward(q, raw_kv, window_start, compressed_kv, indices, ks, ke, sink, out, lse)
+        ctx.window, ctx.scale = window, scale
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -45,19 +44,22 @@ class SparseWindowAttentionFunction(torch.autograd.Function):
     def backward(ctx, grad_out, _grad_lse):
         from nemo_dsa.ops.sparse_attention import kernels
 
-        out, lse = ctx.saved_tensors
-        inputs = ctx.inputs
+        q, raw_kv, window_start, compressed_kv, indices, ks, ke, sink, out, lse = ctx.saved_tensors
+        inputs = kernels.KernelInputs(
+            q, raw_kv, window_start, ctx.window, compressed_kv, indices, ks, ke, sink, ctx.scale
+        )
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         dq, d_raw, d_comp, delta = kernels.sparse_window_backward(inputs, out, lse, grad_out)
-        if ctx.has_compressed and d_comp.shape != ctx.compressed_shape:  # zero slots: nothing read
-            d_comp = d_comp.new_zeros(ctx.compressed_shape)
+        has_compressed = compressed_kv is not None
+        if has_compressed and d_comp.shape != compressed_kv.shape:  # zero slots: nothing read
+            d_comp = d_comp.new_zeros(compressed_kv.shape)
         d_sink = None
-        if inputs.has_sink and ctx.needs_input_grad[8]:
+        if sink is not None and ctx.needs_input_grad[8]:
             # d lse / d sink = p_sink; d out / d sink = -p_sink * out, so dL/dsink = -p_sink * delta.
-            p_sink = torch.exp(inputs.sink[: inputs.heads].view(1, 1, -1) - lse)  # sink is head-padded
+            p_sink = torch.exp(sink.view(1, 1, -1) - lse)
             d_sink = -(p_sink * delta).sum(dim=(0, 1))
-        return dq, d_raw, None, None, d_comp if ctx.has_compressed else None, None, None, None, d_sink, None
+        return dq, d_raw, None, None, d_comp if has_compressed else None, None, None, None, d_sink, None
 
 
 def _validate(q, raw_kv, window_start, window, compressed_kv, indices, ks, ke, sink, scale, check_indices):

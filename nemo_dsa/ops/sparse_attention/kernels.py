@@ -41,8 +41,7 @@ BLOCK_HEADS = 64  # heads of one query per block: wgmma's M
 BLOCK_KEYS = 64  # keys per tile
 KERNEL_DIMS = (128, 512)  # head dims built; others are zero-padded up (zeros add nothing to q . k)
 MAX_DIM = 512
-MAX_HEADS = 128
-MAX_WINDOW = 512
+MAX_HEADS = 128  # two 64-head blocks
 MAX_SELECTED = 2048
 LOG2E = 1.4426950408889634
 # Running-max floor in log2 units: finite, so exp2(m_old - m_new) is never inf - inf.
