@@ -119,3 +119,14 @@ def test_the_same_seed_gives_bitwise_identical_losses_in_fresh_processes(tmp_pat
         losses.append([(r["step"], r.get("loss"), r.get("val_loss"), r.get("grad_norm"))
                        for r in read_metrics(run_dir / "metrics.jsonl") if "event" not in r])
     assert losses[0] == losses[1] and len(losses[0]) >= 3
+
+
+def test_resuming_from_a_corrupt_checkpoint_is_one_line(tmp_path, capsys):
+    assert main([*SHORT, f"run_dir={tmp_path}/first"]) == 0
+    (checkpoint,) = sorted((tmp_path / "first" / "checkpoints").iterdir())
+    state = checkpoint / "trainer_state.pt"
+    state.write_bytes(state.read_bytes()[:100])  # truncated
+    capsys.readouterr()
+    assert main([*SHORT, f"run_dir={tmp_path}/second", f"resume={checkpoint}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(checkpoint) in err[0] and "Traceback" not in err[0], err

@@ -176,12 +176,13 @@ def _run_one(overrides: Sequence[str]) -> int:
     from hydra.errors import InstantiationException
 
     from nemo_dsa.recipe.files import RunDirLocked
+    from nemo_dsa.recipe.state import CorruptCheckpoint
     from nemo_dsa.recipe.loop import train
 
     cfg = _compose(overrides)
     try:
         result = train(cfg)
-    except (InstantiationException, RunDirLocked, FileNotFoundError) as e:
+    except (InstantiationException, RunDirLocked, FileNotFoundError, CorruptCheckpoint) as e:
         raise UsageError(_first_line(e)) from e
     except (ValueError, TypeError) as e:
         if not _is_user_error(e):
