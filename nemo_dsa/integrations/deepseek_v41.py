@@ -13,7 +13,8 @@ Registered through the ``nemo_automodel.architectures`` entry point; a config se
 ``architectures: [NemoDsaDeepseekV41ForCausalLM]``, and the model sets that name on its config.
 Options (constructor keywords or config attributes): ``indexer_backend`` (``auto`` | ``tilelang``
 | ``torch``; ``backend.attn`` of ``tilelang`` also selects it) and ``fused_topk``. Context
-parallelism is not supported yet (a ValueError names ``cp_group``).
+parallelism runs through the built-in's own CP sharder and forward (``cp_group`` reaches every
+attention; see ``deepseek_v41_attention``).
 """
 
 from __future__ import annotations

@@ -11,10 +11,19 @@ nemo_dsa's, except the sink: ``sinks_param.weight`` holds nemo_dsa's ``attn_sink
 Cross-layer state: the built-in's blocks hand each attention the state the previous attention
 returned. The first attention of a forward receives the model's empty built-in state and builds
 nemo_dsa's per-forward state from the block's inputs (``position_ids``, ``attention_mask``,
-``packed_seq_ids``: one ``AttentionMetadata`` per compression ratio); every attention returns a
+``packed_seq_ids``, ``cp_group``: one ``AttentionMetadata`` per compression ratio and the sequence
+context); every attention returns a
 new state object holding a fresh ``SharedLayerState`` with the latest kv source, so no state a
 layer received is changed afterwards (activation recomputation replays a layer on the state it
 first saw, as with the built-in's immutable state).
+
+Context parallelism: the built-in's own CP sharder (``prepare_model_inputs_for_cp``: documents
+aligned to the compression multiple, the row padded to ``cp_size * lcm(ratios)``, contiguous
+shards) hands every rank its shard's document-local ``position_ids`` (global positions on plain
+rows), ``packed_seq_ids``, ``attention_mask`` and ``cp_group``, which the built-in forward passes
+to each block's attention. The first attention builds the shard's metadata from them (``cp_rank``,
+``cp_size``) and nemo_dsa's ``SequenceContext`` over the group, through which the layers gather
+the compressed KV and index keys and read the previous rank's window tail.
 """
 
 from __future__ import annotations
@@ -61,12 +70,15 @@ class NemoDsaV41AttentionOutput:
     state: DsaV41ForwardState
 
 
-def forward_metadata(ratios, *, position_ids, attention_mask=None, packed_seq_ids=None) -> dict:
+def forward_metadata(
+    ratios, *, position_ids, attention_mask=None, packed_seq_ids=None, cp_rank: int = 0, cp_size: int = 1
+) -> dict:
     """``AttentionMetadata`` per distinct ratio of ``ratios`` (window-only layers use ratio 1).
 
-    Rows: ``position_ids`` (global, 0..S-1) and the right-padding ``attention_mask``. Packs (the
-    built-in's aligned THD layout): document-local ``position_ids`` and ``packed_seq_ids``
-    (0 = padding)."""
+    Rows: ``position_ids`` (global, 0..S-1 over the whole row) and the right-padding
+    ``attention_mask``. Packs (the built-in's aligned THD layout): document-local ``position_ids``
+    and ``packed_seq_ids`` (0 = padding). Under CP all are the local shard's (``cp_rank`` of
+    ``cp_size`` contiguous shards)."""
     if packed_seq_ids is not None:
         if attention_mask is not None:
             packed_seq_ids = packed_seq_ids * attention_mask.to(packed_seq_ids.dtype)
@@ -75,7 +87,17 @@ def forward_metadata(ratios, *, position_ids, attention_mask=None, packed_seq_id
         layout = {"position_ids": position_ids}
         if attention_mask is not None:
             layout["attention_mask"] = attention_mask.long()
-    return {r: build_attention_metadata(compress_ratio=r, **layout) for r in sorted({max(int(r), 1) for r in ratios})}
+    return {
+        r: build_attention_metadata(compress_ratio=r, cp_rank=cp_rank, cp_size=cp_size, **layout)
+        for r in sorted({max(int(r), 1) for r in ratios})
+    }
+
+
+def active_cp_group(cp_group):
+    """``cp_group`` when it spans more than one rank of an initialised process group, else None."""
+    if cp_group is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return None
+    return cp_group if torch.distributed.get_world_size(group=cp_group) > 1 else None
 
 
 class NemoDsaDeepseekV41Attention(CoreAttention):
@@ -102,18 +124,20 @@ class NemoDsaDeepseekV41Attention(CoreAttention):
         cp_group: Any = None,
         packed_seq_ids: torch.Tensor | None = None,
     ) -> NemoDsaV41AttentionOutput:
-        """Attend over ``hidden_states [B, S, hidden]``; ``state``: the previous attention's (module docstring)."""
-        distributed = cp_group is not None and torch.distributed.is_initialized()
-        if distributed and torch.distributed.get_world_size(cp_group) > 1:
-            raise ValueError("cp_group: the nemo_dsa DeepSeek-V4.1 plugin does not run context parallelism yet")
+        """Attend over ``hidden_states [B, S, hidden]`` (the local shard under CP); ``state``: the
+        previous attention's (module docstring)."""
         if not isinstance(state, DsaV41ForwardState):  # the forward's first attention layer
+            from nemo_dsa.distributed.context import sequence_context_for
+
+            group = active_cp_group(cp_group)
+            ctx = sequence_context_for(group) if group is not None else LocalContext()
             if position_ids.shape[0] != hidden_states.shape[0]:
                 position_ids = position_ids.expand(hidden_states.shape[0], -1)
             metadata = forward_metadata(
                 self.dsa_config.compress_ratios, position_ids=position_ids, attention_mask=attention_mask,
-                packed_seq_ids=packed_seq_ids,
+                packed_seq_ids=packed_seq_ids, cp_rank=ctx.rank, cp_size=ctx.size,
             )  # fmt: skip
-            state = DsaV41ForwardState(metadata, LocalContext(), SharedLayerState())
+            state = DsaV41ForwardState(metadata, ctx, SharedLayerState())
         shared = SharedLayerState(source=state.shared.source)
         out, aux = self.call_core(hidden_states, state.metadata[max(self.compress_ratio, 1)], state.ctx, shared)
         if aux is not None:
