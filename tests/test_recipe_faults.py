@@ -207,31 +207,73 @@ def test_resume_applies_the_new_lr_and_refuses_a_new_data_layout(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_stalled_rank_stops_the_run_after_dist_timeout_s_naming_it(tmp_path):
-    """2 CP ranks on gloo; rank 1 stalls before step 2: rank 0 stops after recipe.dist_timeout_s
-    (not gloo's 600 s) with a message naming rank 1."""
+def test_a_stopped_rank_stops_the_run_after_dist_timeout_s_naming_it(tmp_path):
+    """2 CP ranks on gloo; rank 1 gets a real SIGSTOP in step 2: rank 0 stops after
+    recipe.dist_timeout_s (not gloo's 600 s) with a message naming rank 1.
+
+    Rank 1 announces its pid at step 2 and pauses 3 s (shorter than the 6 s timeout), in which
+    the test stops it: without the SIGSTOP it would go on and the run would finish."""
+    import signal
+    import time
+
     script = tmp_path / "stall.py"
-    script.write_text(textwrap.dedent("""
+    pid_file = tmp_path / "rank1.pid"
+    script.write_text(textwrap.dedent(f"""
         import os, sys, time
         import nemo_dsa.recipe.loop as loop
         from nemo_dsa.train import main
 
-        real, calls = loop.train_step, {"n": 0}
+        real, calls = loop.train_step, {{"n": 0}}
         def train_step(*args, **kwargs):
             calls["n"] += 1
             if calls["n"] == 2 and os.environ["RANK"] == "1":
-                time.sleep(120)  # stalled (torchrun ends it once rank 0 fails)
+                with open({str(pid_file)!r} + ".tmp", "w") as f:
+                    f.write(str(os.getpid()))
+                os.rename({str(pid_file)!r} + ".tmp", {str(pid_file)!r})
+                time.sleep(3)  # the test sends SIGSTOP meanwhile
             return real(*args, **kwargs)
         loop.train_step = train_step
         sys.exit(main(sys.argv[1:]))
     """))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
-           *SHORT, "recipe.cp_size=2", "recipe.dist_timeout_s=4", f"run_dir={tmp_path / 'run'}"]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=100)
+           *SHORT, "recipe.cp_size=2", "recipe.dist_timeout_s=6", f"run_dir={tmp_path / 'run'}"]
+    message = "rank 0: a collective in step 2 did not complete within recipe.dist_timeout_s=6.0s"
+    stderr_path = tmp_path / "stderr.txt"
+    with open(stderr_path, "w") as stderr:
+        proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr,
+                                start_new_session=True)
+    rank1 = None
+    try:
+        deadline = time.monotonic() + 150
+        while not pid_file.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, stderr_path.read_text()[-3000:]
+            time.sleep(0.05)
+        rank1 = int(pid_file.read_text())
+        os.kill(rank1, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        while Path(f"/proc/{rank1}/stat").read_text().rsplit(")", 1)[-1].split()[0] not in ("T", "t"):
+            assert time.monotonic() - stopped_at < 2, "rank 1 did not stop"  # delivery is asynchronous
+            time.sleep(0.01)
+        while message not in stderr_path.read_text():
+            assert time.monotonic() - stopped_at < 60, stderr_path.read_text()[-3000:]
+            time.sleep(0.1)
+        waited = time.monotonic() - stopped_at
+        assert 6 - 3 <= waited < 6 + 30  # the timeout, then the 5 s wait for other ranks' reports
+        assert "rank(s) [1] reported no timeout of their own" in stderr_path.read_text()
+    finally:
+        if rank1 is not None:
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.kill(rank1, sig)
+                except ProcessLookupError:
+                    pass
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     assert proc.returncode != 0
-    assert "rank 0: a collective in step 2 did not complete within recipe.dist_timeout_s=4.0s" in proc.stderr
-    assert "rank(s) [1] reported no timeout of their own" in proc.stderr
 
 
 def test_a_failed_save_leaves_nothing_behind_and_the_rerun_continues(tmp_path, reference, monkeypatch):
@@ -287,3 +329,73 @@ def test_non_finite_weights_are_never_checkpointed(tmp_path):
     with pytest.raises(FloatingPointError, match="non-finite weights"):
         save_checkpoint(tmp_path, 7, model, None, None, None, {}, keep=2)
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_resuming_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path, reference, capsys):
+    """resume=<step 2> of a run that reached step 4: step 4 is renamed abandoned-step_*, so the
+    next resume=auto continues the new run (step 3), not the abandoned one; nothing is deleted."""
+    _run(tmp_path)
+    ckpts = tmp_path / "checkpoints"
+    abandoned_weights = _weights(tmp_path, 4)
+    capsys.readouterr()
+    resumed = _run(tmp_path, f"resume={ckpts / 'step_0000002'}", "recipe.stop_at_step=3")
+    assert resumed.resumed_from == 2 and resumed.step == 3
+    assert "set aside step_0000004 as " in capsys.readouterr().err
+    assert sorted(p.name for p in ckpts.iterdir()) == ["abandoned-step_0000004", "step_0000002", "step_0000003"]
+    again = _run(tmp_path)
+    assert again.resumed_from == 3 and again.step == 4
+    assert _losses(tmp_path) == reference
+    kept = load_file(str(ckpts / "abandoned-step_0000004" / "model.safetensors"))
+    assert all(torch.equal(kept[k], abandoned_weights[k]) for k in kept)  # never pruned
+    events = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r.get("event") == "checkpoint_abandoned"]
+    assert len(events) == 1 and events[0]["path"].endswith("abandoned-step_0000004")
+
+
+@pytest.mark.parametrize("kill_when", ["between-renames", "before-delete"])
+def test_a_kill_while_a_step_is_saved_again_leaves_an_intact_checkpoint(tmp_path, kill_when):
+    """Saving an existing step renames the old copy aside, renames the new one in, then deletes the
+    old: a SIGKILL between the renames or before the delete leaves one intact step_* (the old
+    copy renamed back, or the new one) once the next run has cleaned up."""
+    from nemo_dsa.recipe.state import clean_failed_saves, verify_checkpoint
+
+    script = textwrap.dedent(f"""
+        import os, shutil, signal, torch
+        import nemo_dsa.recipe.state as state
+
+        class Stream:
+            def state_dict(self):
+                return {{"epoch": 0, "cursor": 0, "offset": 0, "seed": 0}}
+
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2)
+        opt = torch.optim.AdamW(model.parameters())
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        state.save_checkpoint({str(tmp_path)!r}, 4, model, opt, sched, Stream(), {{}}, keep=2)
+        with torch.no_grad():
+            model.weight.fill_(7.0)
+
+        def die():
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        if {kill_when!r} == "between-renames":  # the old copy is aside, the new one not yet in
+            real = os.rename
+            os.rename = lambda a, b: die() if ".tmp-step_" in str(a) else real(a, b)
+        else:  # the new copy is in, the old one not yet deleted
+            real = shutil.rmtree
+            shutil.rmtree = lambda p, *a, **k: die() if ".replaced-" in str(p) else real(p, *a, **k)
+        state.save_checkpoint({str(tmp_path)!r}, 4, model, opt, sched, Stream(), {{}}, keep=2)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    ckpts = tmp_path / "checkpoints"
+    left = sorted(p.name for p in ckpts.iterdir())
+    if kill_when == "between-renames":
+        assert left == [".replaced-step_0000004", ".tmp-step_0000004"]
+    else:
+        assert left == [".replaced-step_0000004", "step_0000004"]
+    removed, restored = clean_failed_saves(tmp_path)
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_0000004"]
+    assert [p.name for p in restored] == (["step_0000004"] if kill_when == "between-renames" else [])
+    verify_checkpoint(ckpts / "step_0000004")
+    weight = load_file(str(ckpts / "step_0000004" / "model.safetensors"))["weight"]
+    assert bool((weight == 7.0).all()) == (kill_when == "before-delete")  # the new copy only once it is in

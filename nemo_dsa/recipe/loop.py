@@ -28,8 +28,10 @@ from nemo_dsa.recipe.parallel import (
 )
 from nemo_dsa.recipe.schema import check_recipe, recipe_changes
 from nemo_dsa.recipe.state import (
+    ABANDONED_PREFIX,
     STATE_FILE,
     CorruptCheckpoint,
+    abandon_newer,
     clean_failed_saves,
     list_checkpoints,
     read_state,
@@ -261,8 +263,11 @@ def _run(cfg, recipe, device: torch.device, run_dir: Path) -> TrainResult:
     if device.type == "cuda" and par.size > 1:
         device = torch.device("cuda", torch.cuda.current_device())  # init_from_env chose LOCAL_RANK
     if par.is_main:
-        for leftover in [*clean_failed_saves(run_dir), *remove_temporaries(run_dir)]:
+        removed, restored = clean_failed_saves(run_dir)
+        for leftover in [*removed, *remove_temporaries(run_dir)]:
             note(f"removed {leftover}, the leftover of a write that did not finish")
+        for path in restored:
+            note(f"restored {path} from the copy a killed re-save had set aside")
         shutil.rmtree(run_dir / TIMEOUT_DIR, ignore_errors=True)  # markers of an earlier run
     model = _build_model(cfg, device)
     model_config = model.config.to_dict()
@@ -279,7 +284,13 @@ def _run(cfg, recipe, device: torch.device, run_dir: Path) -> TrainResult:
     apply_recipe(optimizer, schedule, recipe)  # this run's lr, betas, weight decay (a no-op when fresh)
     resumed_from = None if path is None else int(saved["step"])
     start = resumed_from or 0
+    # Resuming from an older checkpoint replaces the run past it: its newer checkpoints are set
+    # aside (never resumed by a later resume=auto, never pruned), and said so.
+    abandoned = abandon_newer(run_dir, start) if par.is_main and path is not None else []
     metrics = _open_metrics(cfg, run_dir, par, saved, path, applied, fallbacks)
+    for old in abandoned:
+        note(f"set aside {old.name[len(ABANDONED_PREFIX):]} as {old} (newer than step {start}, which this run resumes from)")
+        metrics.log({"step": start, "event": "checkpoint_abandoned", "path": str(old)})
     stop = recipe.stop_at_step or recipe.max_steps
     title = f"{cfg.model.name} / scoring {cfg.scoring.name} / {cfg.recipe.name}"
     result = TrainResult(run_dir=run_dir, step=start, resumed_from=resumed_from, is_main=par.is_main,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import shutil
 from pathlib import Path
@@ -21,6 +22,10 @@ import torch
 from nemo_dsa.recipe.files import TMP_PREFIX, atomic_write, fsync_dir, fsync_file
 
 CHECKPOINT_PREFIX = "step_"
+# A step saved again is first renamed to this name, then the new one renamed in, then this deleted:
+# a kill at any moment leaves one intact ``step_*`` or this intact copy, which the next run renames back.
+REPLACED_PREFIX = ".replaced-"
+ABANDONED_PREFIX = "abandoned-"
 STATE_FILE = "trainer_state.pt"
 MANIFEST_FILE = "manifest.json"
 
@@ -56,13 +61,30 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(found, key=checkpoint_step)
 
 
-def clean_failed_saves(run_dir: Path) -> list[Path]:
-    """Remove the ``.tmp-step*`` leftovers of saves that did not finish; returns what was removed."""
+def clean_failed_saves(run_dir: Path) -> tuple[list[Path], list[Path]]:
+    """Finish what a killed save left: ``(removed, restored)``.
+
+    ``.tmp-step*`` (a save that never got its final name) is removed. ``.replaced-step_N`` is the
+    previous copy of a step being saved again: if ``step_N`` is missing (killed between the two
+    renames) it is renamed back, otherwise (killed before deleting it) it is removed.
+    """
     root = Path(run_dir) / "checkpoints"
-    leftovers = sorted(root.glob(f"{TMP_PREFIX}{CHECKPOINT_PREFIX}*")) if root.is_dir() else []
-    for path in leftovers:
+    if not root.is_dir():
+        return [], []
+    removed, restored = sorted(root.glob(f"{TMP_PREFIX}{CHECKPOINT_PREFIX}*")), []
+    for path in removed:
         shutil.rmtree(path, ignore_errors=True)
-    return leftovers
+    for old in sorted(root.glob(f"{REPLACED_PREFIX}{CHECKPOINT_PREFIX}*")):
+        final = root / old.name[len(REPLACED_PREFIX):]
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            removed.append(old)
+        else:
+            os.rename(old, final)
+            restored.append(final)
+    if restored:
+        fsync_dir(root)
+    return removed, restored
 
 
 def _sha256(path: Path) -> str:
@@ -126,25 +148,49 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, schedule, stream
             fsync_file(file)
             files[file.name] = {"sha256": _sha256(file), "size": file.stat().st_size}
         atomic_write(tmp / MANIFEST_FILE, json.dumps({"step": step, "files": files}, indent=1) + "\n")
-        if final.exists():  # a rerun of a step already saved (e.g. after a fallback)
-            shutil.rmtree(final)
-        tmp.rename(final)
+        replaced = root / f"{REPLACED_PREFIX}{final.name}"
+        if final.exists():  # a step saved again: set the old copy aside until the new one is in place
+            if replaced.exists():  # a stale copy (clean_failed_saves removes these at start)
+                shutil.rmtree(replaced)
+            os.rename(final, replaced)
+            fsync_dir(root)
+        os.rename(tmp, final)
         fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # a failed save (disk full, kill) leaves nothing behind
+        if (root / f"{REPLACED_PREFIX}{final.name}").exists() and not final.exists():
+            os.rename(root / f"{REPLACED_PREFIX}{final.name}", final)
         raise
+    if replaced.exists():
+        shutil.rmtree(replaced)  # only now: the new copy is durable under its name
     older = [p for p in list_checkpoints(run_dir) if p != final]
     for old in older[: max(0, len(older) - (keep - 1))]:
         shutil.rmtree(old)
     return final
 
 
-def set_aside(path: Path) -> Path:
-    """Rename a bad checkpoint to ``corrupt-step_*`` (kept for inspection, never resumed or pruned)."""
-    target = path.with_name(f"corrupt-{path.name}")
-    shutil.rmtree(target, ignore_errors=True)
-    path.rename(target)
+def set_aside(path: Path, prefix: str = "corrupt-") -> Path:
+    """Rename a checkpoint to ``<prefix>step_*`` (kept for inspection, never resumed or pruned).
+
+    An earlier one of the same name is kept too: the new name gets a ``.2``, ``.3``, ... suffix.
+    """
+    target = path.with_name(f"{prefix}{path.name}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{prefix}{path.name}.{n}")
+    os.rename(path, target)
+    fsync_dir(path.parent)
     return target
+
+
+def abandon_newer(run_dir: Path, step: int) -> list[Path]:
+    """Set aside the checkpoints of ``run_dir`` newer than ``step`` as ``abandoned-step_*``.
+
+    Called after resuming from an older checkpoint: those belong to the run being replaced, and
+    a later ``resume=auto`` must not pick them over the new run's own. Returns the new names.
+    """
+    return [set_aside(p, ABANDONED_PREFIX) for p in list_checkpoints(run_dir) if checkpoint_step(p) > step]
 
 
 def read_state(path: Path) -> dict:
