@@ -34,6 +34,7 @@ from typing import Any, ClassVar
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from nemo_dsa.integrations.aux_loss import attach_indexer_loss
 from nemo_dsa.layers.fp32_parameters import fp32_parameter_names
 from nemo_dsa.models.dsa_lm.configuration import DSAModelConfig
 from nemo_dsa.models.dsa_lm.modeling import DSAForCausalLM
@@ -229,6 +230,16 @@ class _NemoDsaForCausalLMBase(DSAForCausalLM):
         self.config = config
         if backend is not None and not isinstance(backend, dict):
             self.backend = backend
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, **kwargs: Any):
+        """``DSAForCausalLM.forward``. Without ``labels`` (nemo-automodel's trainer computes the loss
+        from the logits) enabled indexer KL losses ride on the logits into the backward, at the
+        trainer's gradient for auxiliary losses (``nemo_dsa.integrations.aux_loss``); with labels
+        they are part of ``loss``."""
+        out = super().forward(input_ids, labels=labels, **kwargs)
+        if labels is None:
+            out.logits = attach_indexer_loss(out.logits, out.aux_loss)
+        return out
 
     @torch.no_grad()
     def initialize_weights(

@@ -33,8 +33,9 @@ nemo_dsa options (constructor keywords, or config attributes of the same name):
 ``scoring`` (``v4`` | ``v41``), ``indexer_kl_coef``, ``indexer_straight_through`` (default off,
 so default gradients equal the built-in's), ``indexer_backend`` (``auto`` | ``tilelang`` |
 ``torch``; ``backend.attn`` of ``tilelang`` / ``torch`` also selects it) and ``fused_topk``.
-Enabled indexer KL losses reach the backward through the logits (zero in the forward) and are
-reported as ``indexer_aux_loss``.
+Enabled indexer KL losses reach the backward through the final hidden state (zero in the
+forward), with the gradient nemo-automodel's trainer gives auxiliary losses under gradient
+accumulation and CP (``nemo_dsa.integrations.aux_loss``), and are reported as ``indexer_aux_loss``.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from nemo_automodel.components.models.common.utils import compute_lm_head_logits
 from nemo_automodel.components.models.deepseek_v4.config import DeepseekV4Config
 from nemo_automodel.components.models.deepseek_v4.model import DeepseekV4CausalLMOutput, DeepseekV4ForCausalLM
 
+from nemo_dsa.integrations.aux_loss import attach_indexer_loss
 from nemo_dsa.integrations.deepseek_v4_attention import (
     DsaForwardState,
     NemoDsaDeepseekV4Attention,
@@ -83,20 +85,6 @@ def dsa_config_from_deepseek_v4(config: DeepseekV4Config, **options: Any) -> DSA
     """
     overrides = {k: v for k, v in options.items() if v is not None}
     return DSAModelConfig.from_hf_config(config, include_mtp_layers=True, **overrides)
-
-
-class _AttachAuxLoss(torch.autograd.Function):
-    """Identity on ``output``; the backward also sends gradient 1 into ``aux`` (a scalar loss)."""
-
-    @staticmethod
-    def forward(ctx, output: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
-        ctx.aux_meta = (aux.shape, aux.dtype, aux.device)
-        return output.view_as(output)
-
-    @staticmethod
-    def backward(ctx, grad_output: torch.Tensor):
-        shape, dtype, device = ctx.aux_meta
-        return grad_output, torch.ones(shape, dtype=dtype, device=device)
 
 
 @dataclass
@@ -300,10 +288,10 @@ class NemoDsaDeepseekV4ForCausalLM(DeepseekV4ForCausalLM):
         aux = None
         if state.aux_losses:
             aux = torch.stack([loss.reshape(()) for loss in state.aux_losses]).sum()
-            if torch.is_grad_enabled() and aux.requires_grad:
-                # On the final hidden state, so the KL term trains whether the trainer's loss
-                # reads the logits or (fused linear cross-entropy) the hidden states.
-                hidden = _AttachAuxLoss.apply(hidden, aux)
+            # On the final hidden state, so the KL term trains whether the trainer's loss reads
+            # the logits or (fused linear cross-entropy) the hidden states; at the trainer's
+            # gradient for auxiliary losses (micro-batches and CP ranks, see aux_loss).
+            hidden = attach_indexer_loss(hidden, aux)
         logits = compute_lm_head_logits(self.lm_head, hidden, logits_to_keep, is_thd=thd, fp32_lm_head=True).logits
         return NemoDsaDeepseekV4Output(
             logits=logits,

@@ -53,3 +53,33 @@ def indexer_kl_loss(
     if ctx is not None:  # every rank takes part, also one whose queries selected nothing
         count = ctx.gather_sequence(count, 0)
     return (kl * rows).sum() / count.sum().clamp_min(1)
+
+
+class _AuxLossGradient(torch.autograd.Function):
+    """Identity on ``output``; the backward also sends ``grad_scale()`` into ``aux`` (a scalar loss)."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux: torch.Tensor, grad_scale) -> torch.Tensor:
+        ctx.aux_meta = (aux.shape, aux.dtype, aux.device)
+        ctx.grad_scale = grad_scale
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        shape, dtype, device = ctx.aux_meta
+        scale = ctx.grad_scale() if callable(ctx.grad_scale) else ctx.grad_scale
+        if isinstance(scale, torch.Tensor):  # a 0-dim CPU tensor multiplies as a scalar: no copy, no sync
+            scale = scale.to(dtype) if scale.device.type == "cpu" else scale.to(device=device, dtype=dtype)
+        return grad_output, torch.ones(shape, dtype=dtype, device=device) * scale, None
+
+
+def attach_aux_loss(output: torch.Tensor, aux: torch.Tensor, grad_scale=1.0) -> torch.Tensor:
+    """``output`` unchanged; whatever loss is backpropagated through it also trains ``aux``.
+
+    For trainers that build their loss from the logits (or hidden states) alone and never see the
+    indexer's loss. ``aux`` receives the gradient ``grad_scale`` (a number, a 0-dim tensor, or a
+    zero-argument callable read during the backward), independent of the gradient reaching
+    ``output``: the trainer's own scale for auxiliary losses, which accounts for how it splits a
+    step into micro-batches and ranks.
+    """
+    return _AuxLossGradient.apply(output, aux, grad_scale)
