@@ -475,6 +475,16 @@ def test_backend_and_option_keywords():
     torch_backend = NemoDsaDeepseekV4ForCausalLM(tiny_config(), backend=BackendConfig(attn="torch", experts="torch_mm",
                                                                                           dispatcher="torch"))  # fmt: skip
     assert torch_backend.dsa_config.backend == "torch"
+    assert torch_backend.dsa_config.attention_backend == "torch"  # backend.attn selects both kernels
+    assert model.dsa_config.attention_backend is None  # unset: the attention follows the indexer's choice
+    split = build_plugin(tiny_config(), indexer_backend="torch", attention_backend="tilelang")
+    assert (split.dsa_config.backend, split.dsa_config.attention_backend) == ("torch", "tilelang")
+    layer = split.model.layers["1"].self_attn.core
+    assert layer.config.attention_backend == "tilelang" and layer.indexer.backend == "torch"
+    from_config = build_plugin(tiny_config(attention_backend="torch"))
+    assert from_config.dsa_config.attention_backend == "torch"
+    with pytest.raises(ValueError, match="attention_backend"):
+        build_plugin(tiny_config(), attention_backend="cuda")
     with pytest.raises(TypeError, match="DeepseekV4Config"):
         NemoDsaDeepseekV4ForCausalLM({"model_type": "deepseek_v4"})
 

@@ -439,3 +439,76 @@ def test_casting_keeps_fp32_parameter_values():
         else:
             assert p.dtype == torch.bfloat16, name
     assert not torch.equal(before["wq_a.weight"].bfloat16().float(), before["wq_a.weight"])  # a cast does round
+
+
+# -- attention backend choice (the CUDA branch is decided on fake device flags: no GPU here) --
+
+
+def _q(heads=4, dim=64, dtype=torch.bfloat16):
+    return torch.zeros(1, 3, heads, dim, dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    "q, slots, expected",
+    [
+        (_q(), 16, "tilelang"),
+        (_q(), None, "tilelang"),  # ks/ke range: no slot limit
+        (_q(heads=128, dim=512), 2048, "tilelang"),  # at the kernels' limits
+        (_q(heads=129), 16, "torch"),
+        (_q(dim=513), 16, "torch"),
+        (_q(), 2049, "torch"),
+        (_q(dtype=torch.float32), 16, "torch"),
+        (_q(dtype=torch.float16), 16, "torch"),
+    ],
+)
+def test_auto_attention_backend_falls_back_where_the_kernels_cannot(q, slots, expected):
+    from nemo_dsa.layers.sparse_attention import attention_backend_for
+
+    indices = None if slots is None else torch.zeros(1, 3, slots, dtype=torch.int32)
+    assert attention_backend_for("auto", q, indices, on_cuda=True) == expected
+    assert attention_backend_for("auto", q, indices, on_cuda=False) == "torch"
+    # Explicit choices pass through: the op names the limit (or the CPU tensors) itself.
+    assert attention_backend_for("tilelang", q, indices, on_cuda=True) == "tilelang"
+    assert attention_backend_for("torch", q, indices, on_cuda=True) == "torch"
+
+
+def test_tilelang_attention_beyond_the_kernel_limits_names_the_limit():
+    from nemo_dsa.ops.sparse_attention.interface import _check_kernel_limits
+
+    with pytest.raises(ValueError, match="at most 128 heads"):
+        _check_kernel_limits(_q(heads=129), None)
+    with pytest.raises(TypeError, match="bfloat16"):
+        _check_kernel_limits(_q(dtype=torch.float32), None)
+
+
+@pytest.mark.parametrize(
+    "attention_backend, backend, heads, expected",
+    [
+        ("auto", "torch", 2, "tilelang"),  # the attention's own field, not the indexer's
+        ("auto", "torch", 130, "torch"),  # more heads than the kernels hold: the reference
+        (None, "tilelang", 2, "tilelang"),  # unset: follows the indexer's backend
+        ("torch", "tilelang", 2, "torch"),
+        ("tilelang", "torch", 130, "tilelang"),  # the op raises for it on a real device
+    ],
+)
+def test_layer_attention_uses_its_own_backend_field(monkeypatch, attention_backend, backend, heads, expected):
+    from nemo_dsa.layers import sparse_attention as layer_module
+
+    cfg = tiny_config(num_attention_heads=heads, backend=backend, attention_backend=attention_backend)
+    layer = make_layer(cfg, 2).to(torch.bfloat16)  # ratio 8: attends to every visible group (ks/ke)
+    seen, op = [], layer_module.sparse_window_attention
+
+    def recording_op(*args, backend, **kwargs):  # records the choice, computes on the CPU reference
+        seen.append(backend)
+        return op(*args, backend="torch", **kwargs)
+
+    monkeypatch.setattr(layer_module, "_on_cuda", lambda *tensors: True)  # as if the tensors were on CUDA
+    monkeypatch.setattr(layer_module, "sparse_window_attention", recording_op)
+    x = torch.randn(1, 32, cfg.hidden_size, dtype=torch.bfloat16)
+    out, _ = run(layer, x, packed_ids([[32]], 32))
+    assert seen == [expected] and torch.isfinite(out).all()
+
+
+def test_attention_backend_config_is_checked():
+    with pytest.raises(ValueError, match="attention_backend"):
+        tiny_config(attention_backend="cuda")

@@ -57,8 +57,8 @@ _DSA_FIELDS = tuple(f for f in dataclasses.fields(DSAModelConfig) if f.name != "
 _HF_NAMES = {"backend": "indexer_backend", "rope_scaling": "compress_rope_scaling"}
 # Tuple-typed fields (compress_ratios, layer-id lists): JSON round trips turn them into lists.
 _TUPLE_FIELDS = frozenset(f.name for f in _DSA_FIELDS if "tuple" in str(f.type))
-# nemo-automodel's BackendConfig.attn values that name one of nemo_dsa's indexer backends.
-_ATTN_TO_INDEXER_BACKEND = {"tilelang": "tilelang", "torch": "torch"}
+# nemo-automodel's BackendConfig.attn values that name nemo_dsa kernels (indexer and attention).
+_ATTN_TO_NEMO_DSA_BACKEND = {"tilelang": "tilelang", "torch": "torch"}
 
 
 def _field_default(f: dataclasses.Field) -> Any:
@@ -165,17 +165,18 @@ def register_with_transformers() -> None:
         AutoConfig.register(config_cls.model_type, config_cls, exist_ok=True)
 
 
-def _indexer_backend(backend: Any, default: str) -> str:
-    """nemo_dsa indexer backend from nemo-automodel's ``backend`` (BackendConfig, dict or None).
+def _backend_from_attn(backend: Any, default: str | None) -> str | None:
+    """nemo_dsa kernel choice from nemo-automodel's ``backend`` (BackendConfig, dict or None).
 
-    Only ``attn`` has a meaning here ("tilelang" or "torch" pick the indexer kernels); the other
-    BackendConfig fields (linear, rms_norm, experts, ...) concern modules this model does not have,
-    and attn values such as "sdpa" (BackendConfig's default) leave the config's choice in place.
+    Only ``attn`` has a meaning here ("tilelang" or "torch" pick the indexer's and the attention's
+    kernels); the other BackendConfig fields (linear, rms_norm, experts, ...) concern modules this
+    model does not have, and attn values such as "sdpa" (BackendConfig's default) leave the
+    config's choice (``default``) in place.
     """
     if backend is None:
         return default
     attn = backend.get("attn") if isinstance(backend, dict) else getattr(backend, "attn", None)
-    return _ATTN_TO_INDEXER_BACKEND.get(attn, default)
+    return _ATTN_TO_NEMO_DSA_BACKEND.get(attn, default)
 
 
 class _NemoDsaForCausalLMBase(DSAForCausalLM):
@@ -222,7 +223,10 @@ class _NemoDsaForCausalLMBase(DSAForCausalLM):
                 f"config must be a {self.config_class.__name__} (or a DSAModelConfig with scoring "
                 f"{self.config_class.scoring!r}), got {type(config).__name__}"
             )
-        dsa_config = config.to_dsa_config(backend=_indexer_backend(backend, config.backend))
+        dsa_config = config.to_dsa_config(
+            backend=_backend_from_attn(backend, config.backend),
+            attention_backend=_backend_from_attn(backend, config.attention_backend),
+        )
         super().__init__(dsa_config)
         self.dsa_config = dsa_config
         # nemo-automodel reads architectures/model_type/to_dict() from model.config; every

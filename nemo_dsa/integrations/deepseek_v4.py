@@ -31,8 +31,11 @@ config, so checkpoints it saves come back through it.
 
 nemo_dsa options (constructor keywords, or config attributes of the same name):
 ``scoring`` (``v4`` | ``v41``), ``indexer_kl_coef``, ``indexer_straight_through`` (default off,
-so default gradients equal the built-in's), ``indexer_backend`` (``auto`` | ``tilelang`` |
-``torch``; ``backend.attn`` of ``tilelang`` / ``torch`` also selects it) and ``fused_topk``.
+so default gradients equal the built-in's), ``indexer_backend`` and ``attention_backend`` (the
+indexer's and the window + compressed attention's kernels: ``auto`` | ``tilelang`` | ``torch``;
+``auto`` runs the attention's reference where its kernels cannot take the shapes; ``backend.attn``
+of ``tilelang`` / ``torch`` selects both unless they are given; an unset ``attention_backend``
+follows the indexer's) and ``fused_topk``.
 Enabled indexer KL losses reach the backward through the final hidden state (zero in the
 forward), with the gradient nemo-automodel's trainer gives auxiliary losses under gradient
 accumulation and CP (``nemo_dsa.integrations.aux_loss``), and are reported as ``indexer_aux_loss``.
@@ -69,9 +72,12 @@ _OPTION_DEFAULTS = {
     "indexer_kl_coef": None,
     "indexer_straight_through": False,
     "indexer_backend": None,
+    "attention_backend": None,
     "fused_topk": None,
 }
-_ATTN_TO_INDEXER_BACKEND = {"tilelang": "tilelang", "torch": "torch"}
+# nemo-automodel's BackendConfig.attn values that name nemo_dsa kernels (both the attention's and,
+# unless indexer_backend says otherwise, the indexer's); others ("sdpa", ...) leave them on auto.
+_ATTN_TO_NEMO_DSA_BACKEND = {"tilelang": "tilelang", "torch": "torch"}
 _VISION_INPUTS = ("pixel_values", "image_grid_hws", "n_images_per_sample", "vision_token_types")
 
 
@@ -147,8 +153,9 @@ class NemoDsaDeepseekV4ForCausalLM(DeepseekV4ForCausalLM):
             value = kwargs.pop(name, None)
             options[name] = value if value is not None else getattr(config, name, default)
         super().__init__(config, moe_config, backend, **kwargs)
-        attn = getattr(self.backend, "attn", None)
-        indexer_backend = options.pop("indexer_backend") or _ATTN_TO_INDEXER_BACKEND.get(attn)
+        attn = _ATTN_TO_NEMO_DSA_BACKEND.get(getattr(self.backend, "attn", None))
+        indexer_backend = options.pop("indexer_backend") or attn
+        options["attention_backend"] = options["attention_backend"] or attn
         self.dsa_config = dsa_config_from_deepseek_v4(config, backend=indexer_backend, **options)
         self.config.architectures = [ARCHITECTURE]
         for block in self.model.layers.values():

@@ -99,6 +99,7 @@ from nemo_dsa.layers.shared_state import SharedLayerState, SourceState
 from nemo_dsa.ops.fp8 import fp8_quant_dequant
 from nemo_dsa.ops.nvfp4 import nvfp4_quant_dequant
 from nemo_dsa.ops.sparse_attention import sparse_attention, sparse_window_attention
+from nemo_dsa.ops.sparse_attention.interface import _check_kernel_limits
 from nemo_dsa.ops.sparse_attention.naive import window_key_indices
 
 
@@ -217,8 +218,9 @@ class DSASparseAttention(KeepsFP32Parameters):
 
         The window is read by position (``window_start``); compressed keys by the selection's
         indices, or by the visible range ``[ks, ke)`` on layers that see every visible group, so
-        no index list exists for either (only the opt-in straight-through variant builds them). The kernels take bf16 and no logit bias: fp32 models and
-        the opt-in straight-through term run the reference on every device when ``backend`` is auto.
+        no index list exists for either (only the opt-in straight-through variant builds them).
+        The kernels take no logit bias: the opt-in straight-through term runs the reference on
+        every device; ``attention_backend_for`` picks the backend of the others.
         """
         window_start = document_window_start(meta, history)
         kwargs = {}
@@ -229,9 +231,8 @@ class DSASparseAttention(KeepsFP32Parameters):
                 kwargs.update(indices=compressed_indices.to(torch.int32))
         if self._straight_through(selection):
             return self._attend_with_index_bias(q, raw_kv, window_start, compressed_kv, compressed_indices, selection)
-        backend = self.config.backend
-        if backend == "auto" and q.dtype != torch.bfloat16:
-            backend = "torch"
+        requested = self.config.backend if self.config.attention_backend is None else self.config.attention_backend
+        backend = attention_backend_for(requested, q, kwargs.get("indices"), on_cuda=_on_cuda(q, raw_kv))
         return sparse_window_attention(
             q, raw_kv, window_start, self.window, compressed_kv,
             sink=self.attn_sink, scale=self.scale, backend=backend, check_indices=False, **kwargs,
@@ -301,6 +302,30 @@ class DSASparseAttention(KeepsFP32Parameters):
 
     def _trains_with_kl(self, selection: Selection | None) -> bool:
         return selection is not None and selection.index_score is not None and self.config.indexer_kl_coef > 0
+
+
+def _on_cuda(*tensors: torch.Tensor) -> bool:
+    return all(t.is_cuda for t in tensors)
+
+
+def attention_backend_for(requested: str, q: torch.Tensor, indices: torch.Tensor | None, *, on_cuda: bool) -> str:
+    """The backend ``sparse_window_attention`` runs a layer's attention on.
+
+    ``"auto"``: the TileLang kernels on CUDA when they take these shapes, else the reference
+    (fp32 models, more heads, a wider head or more selected groups than the kernels hold). The
+    kernels' own check (``_check_kernel_limits`` beside their ``KERNEL_MAX_*``) decides, so the
+    limits live in one place. ``"tilelang"`` and ``"torch"`` pass through: the op raises a
+    ValueError/TypeError naming the limit when the kernels cannot take a shape, or CPU tensors.
+    """
+    if requested != "auto":
+        return requested
+    if not on_cuda:
+        return "torch"
+    try:
+        _check_kernel_limits(q, indices)
+    except (TypeError, ValueError):
+        return "torch"
+    return "tilelang"
 
 
 def with_history(ctx: SequenceContext, x: torch.Tensor, n: int) -> torch.Tensor:

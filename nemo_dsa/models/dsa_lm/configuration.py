@@ -97,6 +97,11 @@ class DSAModelConfig:
     tie_word_embeddings: bool = False
     # Kernel choice for the indexer: "auto" (TileLang on CUDA, torch on CPU) | "tilelang" | "torch".
     backend: str = "auto"
+    # Kernel choice for the window + compressed attention: None (the indexer's ``backend``) |
+    # "auto" (TileLang on CUDA where the kernels take the layer's shapes: bf16, <= 128 heads,
+    # head_dim <= 512, <= 2048 selected groups; the reference otherwise) | "tilelang" (the kernels,
+    # an error naming the limit a shape exceeds) | "torch".
+    attention_backend: str | None = None
     # Select top-k without the [B, S, K] score matrix (streamed query chunks): None = wherever the
     # TileLang kernels run; False materialises the scores (the checking path), True always streams.
     fused_topk: bool | None = None
@@ -161,6 +166,10 @@ class DSAModelConfig:
         yarn_parameters(self.rope_scaling)  # raises ValueError naming rope_scaling
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.attention_backend is not None and self.attention_backend not in BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {BACKENDS} or null (the indexer's backend), got {self.attention_backend!r}"
+            )
         if self.fused_topk is not None and not isinstance(self.fused_topk, bool):
             raise TypeError(f"fused_topk must be true, false or null (auto), got {self.fused_topk!r}")
         if any(r < 1 for r in self.indexer_ratios):
