@@ -10,6 +10,11 @@ Reports the median step time over CUDA events, tokens/s, peak memory and the rat
 and as JSON (``--out``). Needs a CUDA GPU, TileLang and nemo-automodel.
 
     python examples/benchmark_model_step.py --seq 4096 16384 65536 --out step.json
+
+``--profile`` runs torch.profiler over a few more steps of each side after the timed ones and
+writes the ops' self CUDA time (key_averages, grouped by op name) as a table to
+``<out>.profile.txt`` (and prints it); the forward of every decoder-layer part is also marked
+with a range (``fwd L<i> <part>``) so its CUDA time can be read beside the ops.
 """
 
 from __future__ import annotations
@@ -93,6 +98,79 @@ def time_steps(model, seq: int, vocab: int, steps: int, warmup: int) -> dict:
     }  # fmt: skip
 
 
+PROFILED_PARTS = ("input_layernorm", "attn_hc", "self_attn", "post_attention_layernorm", "ffn_hc", "mlp")
+
+
+def mark_layer_parts(model) -> list:
+    """Forward hooks that open a profiler range around each decoder layer's parts (and the
+    attention's children); returns the hook handles."""
+    from torch.autograd.profiler import record_function
+
+    handles = []
+
+    def wrap(module, name):
+        def pre(_module, _args):
+            _module._nemo_dsa_range = record_function(name)
+            _module._nemo_dsa_range.__enter__()
+
+        def post(_module, _args, _out):
+            _module._nemo_dsa_range.__exit__(None, None, None)
+
+        handles.append(module.register_forward_pre_hook(pre))
+        handles.append(module.register_forward_hook(post))
+
+    for index, layer in model.model.layers.items():
+        for part in PROFILED_PARTS:
+            child = getattr(layer, part, None)
+            if child is None:
+                continue
+            wrap(child, f"fwd L{index} {part}")
+            if part == "self_attn":
+                for sub_name, sub in child.named_children():
+                    wrap(sub, f"fwd L{index} self_attn.{sub_name}")
+    return handles
+
+
+def profile_steps(model, seq: int, vocab: int, steps: int, rows: int = 45) -> str:
+    """torch.profiler over ``steps`` steps (after one unprofiled step): the ops by self CUDA
+    time, and the layer-part ranges by total CUDA time, as text tables."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    tokens = torch.randint(0, vocab, (1, seq + 1), device="cuda", generator=gen)
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    position_ids = torch.arange(seq, device="cuda").unsqueeze(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+
+    def step():
+        logits = model(inputs, position_ids=position_ids).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    handles = mark_layer_parts(model)
+    try:
+        step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+    finally:
+        for handle in handles:
+            handle.remove()
+        del optimizer
+    events = prof.key_averages()
+    ops = events.table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=90)
+    ranges = [e for e in events if e.key.startswith("fwd L")]
+    lines = [f"{'range':<48} {'count':>6} {'cuda total ms':>14} {'cpu total ms':>13}"]
+    for e in sorted(ranges, key=lambda e: e.key):
+        cuda_us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        lines.append(f"{e.key:<48} {e.count:>6} {cuda_us / 1000:>14.2f} {e.cpu_time_total / 1000:>13.2f}")
+    return f"{steps} steps at S={seq}\n\nops by self CUDA time:\n{ops}\nlayer-part forward ranges:\n" + "\n".join(lines)
+
+
 def free():
     gc.collect()
     torch.cuda.empty_cache()
@@ -108,12 +186,15 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--sides", nargs="+", default=["plugin", "builtin"], choices=["plugin", "builtin"])
     parser.add_argument("--out", default=None)
+    parser.add_argument("--profile", action="store_true", help="profile a few more steps per side (see above)")
+    parser.add_argument("--profile-steps", type=int, default=2)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmark_model_step needs a CUDA GPU")
     config = model_config(len(args.ratios), args.ratios, args.vocab, args.experts)
     torch.manual_seed(0)
     rows = []
+    profiles = []
     for seq in args.seq:
         row = {"S": seq}
         weights = None
@@ -126,6 +207,14 @@ def main() -> None:
             except torch.OutOfMemoryError:
                 row[side] = {"oom": True}
             print(f"S={seq} {side}: {row[side]}", flush=True)
+            if args.profile and not row[side].get("oom"):
+                free()
+                try:
+                    text = profile_steps(model, seq, args.vocab, args.profile_steps)
+                except torch.OutOfMemoryError:
+                    text = f"{args.profile_steps} steps at S={seq}: out of memory under the profiler"
+                profiles.append(f"=== {side} ===\n{text}")
+                print(profiles[-1], flush=True)
             del model
             free()
         del weights
@@ -145,6 +234,9 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"config": config.to_dict(), "rows": rows}, f, indent=1, default=str)
+        if profiles:
+            with open(f"{args.out}.profile.txt", "w") as f:
+                f.write("\n\n".join(profiles) + "\n")
 
 
 if __name__ == "__main__":

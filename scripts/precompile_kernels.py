@@ -26,7 +26,11 @@ def _jobs(heads: list[int], dims: list[int], counts: list[int]) -> list[tuple]:
     configs = {select_config(dtype, count, order) for dtype in (torch.float32, torch.bfloat16)
                for order in ("score", "index") for count in counts}
     selectors = [("select", c.score_dtype, c.slots, c.order) for c in sorted(configs, key=str)]
-    return scorers + selectors
+    # The sparse-attention kernels (forward, delta, backward) of every head dim and mode.
+    from nemo_dsa.ops.sparse_attention.kernels import KERNEL_DIMS, MODES
+
+    attention = [("attention", dim, mode) for dim in KERNEL_DIMS for mode in MODES]
+    return scorers + selectors + attention
 
 
 def _compile(job: tuple) -> str:
@@ -40,6 +44,12 @@ def _compile(job: tuple) -> str:
         _, dtype, slots, order = job
         compile_cubin(radix_select_kernel(dtype, slots, order))
         return f"select  {dtype} slots={slots} order={order} {time.perf_counter() - start:5.1f} s"
+    if kind == "attention":
+        from nemo_dsa.ops.sparse_attention import kernels
+
+        _, dim, mode = job
+        kernels.compile_all(dim, mode)
+        return f"attention dim={dim} mode={mode} {time.perf_counter() - start:5.1f} s"
     _, heads, dim = job
     if kind == "v41":
         from nemo_dsa.ops.v41_indexer import kernels
