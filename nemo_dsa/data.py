@@ -172,8 +172,8 @@ def split_documents(docs: Sequence[Document], val_percent: int = 5) -> tuple[lis
 # ---------------------------------------------------------------------------------------------
 
 
-def collate_rows(rows: Sequence[list[tuple[list[int], bool]]], seq_len: int) -> dict[str, torch.Tensor]:
-    """Turn packed rows into a batch.
+def collate_rows(rows: Sequence[list[tuple[list[int], bool]]], seq_len: int, *, pad_id: int = PAD_ID) -> dict[str, torch.Tensor]:
+    """Turn packed rows into a batch (``pad_id``: the token id of padding positions).
 
     Each row is a list of pieces ``(token_ids, is_padding)`` whose lengths sum to ``seq_len``.
     Returns ``input_ids``, ``labels``, ``position_ids`` (int64 [B,S]), ``packed_seq_ids``
@@ -182,7 +182,7 @@ def collate_rows(rows: Sequence[list[tuple[list[int], bool]]], seq_len: int) -> 
     into the last document's ``seq_lens_padded`` entry as the THD collater does).
     """
     b = len(rows)
-    input_ids = torch.full((b, seq_len), PAD_ID, dtype=torch.long)
+    input_ids = torch.full((b, seq_len), pad_id, dtype=torch.long)
     labels = torch.full((b, seq_len), IGNORE_INDEX, dtype=torch.long)
     position_ids = torch.zeros((b, seq_len), dtype=torch.long)
     packed_seq_ids = torch.zeros((b, seq_len), dtype=torch.int32)
@@ -251,8 +251,10 @@ class PackedBatches:
         seed: int = 0,
         shuffle: bool = True,
         min_piece: int = 8,
+        pad_id: int = PAD_ID,
     ) -> None:
         check_positive_int("seq_len", seq_len, minimum=2)
+        check_positive_int("pad_id", pad_id, minimum=0)
         check_positive_int("batch_size", batch_size)
         check_positive_int("min_piece", min_piece, minimum=2)
         if min_piece > seq_len:
@@ -263,7 +265,7 @@ class PackedBatches:
             raise ValueError("every document must hold at least 2 tokens (BOS and EOS)")
         self.documents = [list(d) for d in documents]
         self.seq_len, self.batch_size = seq_len, batch_size
-        self.seed, self.shuffle, self.min_piece = seed, shuffle, min_piece
+        self.seed, self.shuffle, self.min_piece, self.pad_id = seed, shuffle, min_piece, pad_id
         self.epoch, self.cursor, self.offset = 0, 0, 0  # read position: epoch, doc index, token
         self._order = self._epoch_order(0)
 
@@ -290,7 +292,7 @@ class PackedBatches:
                 room -= left
                 self._advance_doc()
                 if 0 < room < self.min_piece:
-                    row.append(([PAD_ID] * room, True))
+                    row.append(([self.pad_id] * room, True))
                     room = 0
             else:  # split: the remainder becomes the first piece of the next row
                 row.append((doc[self.offset : self.offset + room], False))
@@ -302,7 +304,7 @@ class PackedBatches:
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
-        return collate_rows([self._next_row() for _ in range(self.batch_size)], self.seq_len)
+        return collate_rows([self._next_row() for _ in range(self.batch_size)], self.seq_len, pad_id=self.pad_id)
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "cursor": self.cursor, "offset": self.offset, "seed": self.seed}
@@ -341,21 +343,44 @@ def build_streams(
     modules: Sequence[str] = CORPUS_MODULES,
 ) -> tuple[PackedBatches, list[dict[str, torch.Tensor]]]:
     """The shuffled training stream and a fixed list of validation batches over the stdlib corpus."""
-    tok = ByteTokenizer()
-    train_docs, val_docs = split_documents(stdlib_documents(modules), val_percent)
-    if not train_docs:
+    return pack_documents(stdlib_documents(modules), ByteTokenizer(), seq_len=seq_len, batch_size=batch_size,
+                          seed=seed, val_percent=val_percent, val_batches=val_batches, min_piece=min_piece)
+
+
+def pack_documents(
+    documents: Sequence[Document],
+    tokenizer,
+    *,
+    seq_len: int,
+    batch_size: int,
+    seed: int = 0,
+    val_percent: int = 5,
+    val_batches: int = 4,
+    min_piece: int = 8,
+) -> tuple[PackedBatches, list[dict[str, torch.Tensor]]]:
+    """Split ``documents`` by title hash, tokenize them (``tokenizer.encode(text)``: BOS ... EOS) and
+    pack them: the shuffled training stream and a fixed list of validation batches.
+
+    ``tokenizer`` is anything with ``encode(text) -> list[int]`` and ``pad_id`` (``ByteTokenizer`` or
+    ``nemo_dsa.recipe.data_sources.HFTokenizer``). A document that tokenizes to fewer than 2 tokens
+    carries nothing to learn from and is dropped.
+    """
+    train_docs, val_docs = split_documents(documents, val_percent)
+
+    def tokenized(docs: Sequence[Document]) -> list[list[int]]:
+        return [ids for ids in (tokenizer.encode(d.text) for d in docs) if len(ids) >= 2]
+
+    train_ids = tokenized(train_docs)
+    if not train_ids:
         raise ValueError("the corpus has no training documents: lower val_percent")
-    train = PackedBatches(
-        [tok.encode(d.text) for d in train_docs], seq_len=seq_len, batch_size=batch_size,
-        seed=seed, shuffle=True, min_piece=min_piece,
-    )
+    train = PackedBatches(train_ids, seq_len=seq_len, batch_size=batch_size, seed=seed, shuffle=True,
+                          min_piece=min_piece, pad_id=tokenizer.pad_id)
     val: list[dict[str, torch.Tensor]] = []
     if val_batches > 0:
-        if not val_docs:
+        val_ids = tokenized(val_docs)
+        if not val_ids:
             raise ValueError("the corpus has no validation documents: raise val_percent or set val_batches=0")
-        val_stream = PackedBatches(
-            [tok.encode(d.text) for d in val_docs], seq_len=seq_len, batch_size=batch_size,
-            shuffle=False, min_piece=min_piece,
-        )
+        val_stream = PackedBatches(val_ids, seq_len=seq_len, batch_size=batch_size, shuffle=False,
+                                   min_piece=min_piece, pad_id=tokenizer.pad_id)
         val = fixed_batches(val_stream, val_batches)
     return train, val

@@ -33,7 +33,7 @@ def _random_docs(seed: int, n: int, max_len: int) -> list[list[int]]:
     return docs
 
 
-def check_row_invariants(batch: dict[str, torch.Tensor], seq_len: int, min_piece: int) -> list[list[int]]:
+def check_row_invariants(batch: dict[str, torch.Tensor], seq_len: int, min_piece: int, pad_id: int = PAD_ID) -> list[list[int]]:
     """Assert the packing contract on every row; return the pieces (token lists) in order."""
     pieces = []
     b = batch["input_ids"].shape[0]
@@ -59,7 +59,7 @@ def check_row_invariants(batch: dict[str, torch.Tensor], seq_len: int, min_piece
         pad = seq_len - t
         assert pad < min_piece  # padding only when the room left is too small for a new piece
         tail = slice(t, seq_len)
-        assert (ids[tail] == PAD_ID).all() and (labels[tail] == IGNORE_INDEX).all()
+        assert (ids[tail] == pad_id).all() and (labels[tail] == IGNORE_INDEX).all()
         assert (doc[tail] == 0).all() and (mask[tail] == 0).all() and (pos[tail] == 0).all()
     return pieces
 

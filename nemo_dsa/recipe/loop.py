@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from nemo_dsa.data import PAD_ID
 from nemo_dsa.labels import IGNORE_INDEX
 from nemo_dsa.recipe.files import RunDirLock, atomic_write, remove_temporaries
 from nemo_dsa.recipe.metrics import MetricsLog, plot_losses, read_metrics, write_summary
@@ -58,13 +59,13 @@ def note(message: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def model_inputs(batch: dict[str, torch.Tensor], device: torch.device, par: Parallel, ratios) -> dict[str, Any]:
+def model_inputs(batch: dict[str, torch.Tensor], device: torch.device, par: Parallel, ratios,
+                 pad_id: int = PAD_ID) -> dict[str, Any]:
     batch = {k: batch[k] for k in MODEL_INPUTS if k in batch}
     if par.group is not None:
-        from nemo_dsa.data import PAD_ID
         from nemo_dsa.distributed import shard_batch
 
-        batch = shard_batch(batch, par.group, compress_ratios=ratios, pad_token_id=PAD_ID)
+        batch = shard_batch(batch, par.group, compress_ratios=ratios, pad_token_id=pad_id)
     inputs = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
     if par.group is not None:
         inputs["cp_group"] = par.group
@@ -82,14 +83,14 @@ def loss_terms(model, inputs: dict[str, Any], precision: str) -> tuple[torch.Ten
     return out.lm_loss.float() * count, aux, count
 
 
-def train_step(model, optimizer, schedule, batch, *, recipe, device, par: Parallel) -> dict[str, Any]:
+def train_step(model, optimizer, schedule, batch, *, recipe, device, par: Parallel, pad_id: int = PAD_ID) -> dict[str, Any]:
     """One optimizer step over one batch; returns loss, lr, grad norm, token count and ``skipped``.
 
     A step whose loss or gradient norm is not finite is skipped: the gradients are dropped and the
     weights and optimizer moments stay as they were (the schedule still advances, so the lr keeps
     following the step number). Every rank sees the same all-reduced gradients, so all skip together.
     """
-    inputs = model_inputs(batch, device, par, model.config.compress_ratios)
+    inputs = model_inputs(batch, device, par, model.config.compress_ratios, pad_id)
     loss_sum, aux, count = loss_terms(model, inputs, recipe.precision)
     total = all_reduce_sum(count.float(), par).clamp_min(1)
     # Normalise the LM loss by the global token count, so summing rank gradients gives the global
@@ -115,14 +116,14 @@ def train_step(model, optimizer, schedule, batch, *, recipe, device, par: Parall
 
 
 @torch.no_grad()
-def evaluate(model, batches, *, recipe, device, par: Parallel) -> float:
+def evaluate(model, batches, *, recipe, device, par: Parallel, pad_id: int = PAD_ID) -> float:
     """Token-weighted mean LM loss over fixed validation batches."""
     was_training = model.training
     model.eval()
     loss_sum = torch.zeros((), device=device)
     count = torch.zeros((), device=device)
     for batch in batches:
-        inputs = model_inputs(batch, device, par, model.config.compress_ratios)
+        inputs = model_inputs(batch, device, par, model.config.compress_ratios, pad_id)
         s, _, n = loss_terms(model, inputs, recipe.precision)
         loss_sum += s
         count += n
@@ -209,10 +210,20 @@ class TrainResult:
     is_main: bool = True
 
 
+def resolve_vocab_size(cfg, tokenizer) -> None:
+    """``model.config.vocab_size: tokenizer`` (set by ``tokenizer=hf``) becomes the tokenizer's
+    vocabulary size in ``cfg``; a number must hold every token id the tokenizer emits."""
+    size = cfg.model.config.vocab_size
+    if size == "tokenizer":
+        cfg.model.config.vocab_size = int(tokenizer.vocab_size)
+    elif isinstance(size, int) and size < tokenizer.vocab_size:
+        raise ValueError(f"model.config.vocab_size={size} is smaller than the tokenizer's vocabulary "
+                         f"({tokenizer.vocab_size} tokens, tokenizer={cfg.tokenizer.name}): set "
+                         f"model.config.vocab_size={tokenizer.vocab_size} (or vocab_size=tokenizer)")
+
+
 def _build_model(cfg, device: torch.device):
     from hydra.utils import instantiate
-
-    from nemo_dsa.data import VOCAB_SIZE
 
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -220,9 +231,6 @@ def _build_model(cfg, device: torch.device):
     if any(p.is_meta for p in model.parameters()):
         raise ValueError(f"model {cfg.model.get('name')!r} is built on the meta device (a shape preset): "
                          "it cannot be trained; pick model=tiny or model=small")
-    if model.config.vocab_size < VOCAB_SIZE:
-        raise ValueError(f"model.config.vocab_size must be >= {VOCAB_SIZE} (the byte tokenizer's vocabulary), "
-                         f"got {model.config.vocab_size}")
     return model.to(device).train()
 
 
@@ -255,7 +263,8 @@ def _run(cfg, recipe, device: torch.device, run_dir: Path) -> TrainResult:
     from omegaconf import OmegaConf
     from tqdm.auto import tqdm
 
-    from nemo_dsa.data import build_streams, corpus_fingerprint
+    from nemo_dsa.data import corpus_fingerprint, pack_documents
+    from nemo_dsa.recipe.data_sources import build_tokenizer, load_documents
 
     if recipe.num_threads:
         torch.set_num_threads(int(recipe.num_threads))
@@ -269,12 +278,15 @@ def _run(cfg, recipe, device: torch.device, run_dir: Path) -> TrainResult:
         for path in restored:
             note(f"restored {path} from the copy a killed re-save had set aside")
         shutil.rmtree(run_dir / TIMEOUT_DIR, ignore_errors=True)  # markers of an earlier run
+    tokenizer = build_tokenizer(cfg.tokenizer)
+    resolve_vocab_size(cfg, tokenizer)
+    documents = load_documents(cfg.data)
     model = _build_model(cfg, device)
     model_config = model.config.to_dict()
     recipe_now = {**OmegaConf.to_container(recipe, resolve=True), "seed": cfg.seed}
     optimizer, schedule = build_optimizer(model, recipe)
-    stream, val_batches = build_streams(
-        seq_len=recipe.seq_len, batch_size=recipe.batch_size, seed=cfg.seed,
+    stream, val_batches = pack_documents(
+        documents, tokenizer, seq_len=recipe.seq_len, batch_size=recipe.batch_size, seed=cfg.seed,
         val_percent=recipe.val_percent, val_batches=recipe.val_batches, min_piece=recipe.min_piece,
     )
     # What the checkpoint must have been trained on: the recipe, the seed and the corpus itself.
@@ -311,12 +323,13 @@ def _run(cfg, recipe, device: torch.device, run_dir: Path) -> TrainResult:
         tic = time.perf_counter()
         val_loss = None
         try:
-            stats = train_step(model, optimizer, schedule, next(stream), recipe=recipe, device=device, par=par)
+            stats = train_step(model, optimizer, schedule, next(stream), recipe=recipe, device=device, par=par,
+                               pad_id=tokenizer.pad_id)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             window_time += time.perf_counter() - tic  # step time only: not eval, checkpoints, plots
             if val_batches and (step % recipe.val_every == 0 or step == stop):
-                val_loss = evaluate(model, val_batches, recipe=recipe, device=device, par=par)
+                val_loss = evaluate(model, val_batches, recipe=recipe, device=device, par=par, pad_id=tokenizer.pad_id)
         except RuntimeError as e:
             if par.size > 1 and is_collective_timeout(e):
                 raise stalled_collective(e, par, step, _report_timeout(markers, par)) from e

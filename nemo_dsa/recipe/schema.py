@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import List, Optional  # noqa: UP035 - OmegaConf reads these annotations at runtime
 
@@ -56,7 +56,34 @@ class RecipeConfig:
     plot: bool = MISSING
 
 
+@dataclass
+class DataConfig:
+    """The ``data`` node: where the documents come from (``nemo_dsa.recipe.data_sources``)."""
+
+    name: str = MISSING
+    source: str = MISSING  # stdlib | text | jsonl | hf
+    paths: List[str] = field(default_factory=list)  # noqa: UP006 - text / jsonl: files, directories, globs
+    text_key: str = "text"  # jsonl / hf: the field holding each document's text
+    separator: Optional[str] = None  # noqa: UP045 - text: split each file into documents here (null: one per file)
+    dataset: Optional[str] = None  # noqa: UP045 - hf: a save_to_disk directory or a dataset in the local cache
+    dataset_config: Optional[str] = None  # noqa: UP045 - hf: the dataset's configuration name, if it has several
+    split: str = "train"  # hf: the split to read
+
+
+@dataclass
+class TokenizerConfig:
+    """The ``tokenizer`` node: ``byte`` (built in) or ``hf`` (a ``tokenizers`` file at ``path``)."""
+
+    name: str = MISSING
+    kind: str = MISSING  # byte | hf
+    path: Optional[str] = None  # noqa: UP045 - hf: tokenizer.json or a directory holding one
+    bos_token: Optional[str] = None  # noqa: UP045 - null: the directory's tokenizer_config.json (or none)
+    eos_token: Optional[str] = None  # noqa: UP045
+    pad_token: Optional[str] = None  # noqa: UP045 - null: tokenizer_config.json, else EOS
+
+
 RECIPE_KEYS = tuple(f.name for f in fields(RecipeConfig))
+SCHEMAS = {"recipe": RecipeConfig, "data": DataConfig, "tokenizer": TokenizerConfig}
 
 # Keys a resumed run may change: they take effect from the resumed step on (and are logged).
 # Changing any other key (seq_len, batch_size, val_percent, min_piece: the data stream and the
@@ -76,7 +103,8 @@ def register_schemas() -> None:
     """Put the schemas in Hydra's ConfigStore (idempotent; ``load_config`` calls it)."""
     from hydra.core.config_store import ConfigStore
 
-    ConfigStore.instance().store(group="recipe", name="schema", node=RecipeConfig)
+    for group, node in SCHEMAS.items():
+        ConfigStore.instance().store(group=group, name="schema", node=node)
 
 
 def load_config(overrides: Sequence[str] = (), config_dir: str | os.PathLike | None = None):
@@ -89,19 +117,21 @@ def load_config(overrides: Sequence[str] = (), config_dir: str | os.PathLike | N
     path = Path(config_dir) if config_dir is not None else default_config_dir()
     with initialize_config_dir(version_base=None, config_dir=str(path.resolve()), job_name="nemo_dsa_train"):
         cfg = compose(config_name="train", overrides=list(overrides))
-    check_known_keys(cfg.recipe)
+    for group in SCHEMAS:
+        check_known_keys(cfg[group], group)
     return cfg
 
 
-def check_known_keys(recipe) -> None:
+def check_known_keys(node, group: str = "recipe") -> None:
     """Refuse keys the schema does not have: Hydra's ``+recipe.key=...`` adds them past the schema."""
     import difflib
 
-    for key in recipe.keys():
-        if key not in RECIPE_KEYS:
-            match = difflib.get_close_matches(key, RECIPE_KEYS, n=1, cutoff=0.5)
+    known = tuple(f.name for f in fields(SCHEMAS[group]))
+    for key in node.keys():
+        if key not in known:
+            match = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
             hint = f" (did you mean {match[0]}?)" if match else ""
-            raise ValueError(f"recipe.{key}: no such key in recipe{hint}; keys: {', '.join(RECIPE_KEYS)}")
+            raise ValueError(f"{group}.{key}: no such key in {group}{hint}; keys: {', '.join(known)}")
 
 
 def check_recipe(recipe) -> None:
