@@ -41,9 +41,9 @@ from dataclasses import dataclass
 import torch
 
 from nemo_dsa._checks import INT32_MAX, check_has_data, check_positive_int, check_tensor
-from nemo_dsa.visibility import document_ks_ke, visible_mask
+from nemo_dsa.visibility import document_ks_ke, visible_mask, vouch_ks_ke
 
-__all__ = ["AttentionMetadata", "build_attention_metadata"]
+__all__ = ["AttentionMetadata", "build_attention_metadata", "build_attention_metadata_for_ratios"]
 
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 _MASK_DTYPES = (torch.bool,) + _INT_DTYPES
@@ -133,7 +133,12 @@ def build_attention_metadata(
             layout tensors it must be theirs.
         max_position_embeddings: when given, every real token's position inside its document
             (``local_positions``, what RoPE sees) must be below it; a longer document is a
-            ValueError naming it (one host read).
+            ValueError naming it.
+
+    The layout tensors' values are checked with one device-to-host read in all (only the
+    shape-only form, global lengths without any ``[B, S]`` tensor or ``seq_len``, reads the
+    first row's total once more); :func:`build_attention_metadata_for_ratios` shares that read
+    among several ratios.
 
     Returns:
         AttentionMetadata of the local shard.
@@ -143,10 +148,77 @@ def build_attention_metadata(
         input.
     """
     ratio = check_positive_int("compress_ratio", compress_ratio, maximum=INT32_MAX)
-    cp_size = check_positive_int("cp_size", cp_size, maximum=INT32_MAX)
-    cp_rank = check_positive_int("cp_rank", cp_rank, minimum=0, maximum=INT32_MAX)
+    return build_attention_metadata_for_ratios(
+        compress_ratios=(ratio,), position_ids=position_ids, seq_lens=seq_lens, seq_lens_padded=seq_lens_padded,
+        cu_seqlens=cu_seqlens, packed_seq_ids=packed_seq_ids, attention_mask=attention_mask, cp_rank=cp_rank,
+        cp_size=cp_size, batch_size=batch_size, seq_len=seq_len, device=device,
+        max_position_embeddings=max_position_embeddings,
+    )[ratio]  # fmt: skip
+
+
+def build_attention_metadata_for_ratios(
+    *, compress_ratios, max_position_embeddings: int | None = None, **layout
+) -> dict[int, AttentionMetadata]:
+    """:func:`build_attention_metadata` for every distinct ratio of ``compress_ratios`` at once.
+
+    The layout (the other keywords, as :func:`build_attention_metadata` takes them) is checked
+    and resolved once: one host read per model forward, whatever the number of ratios and layers.
+    Returns ``{ratio: AttentionMetadata}``.
+    """
+    if isinstance(compress_ratios, (int, torch.Tensor)) or not hasattr(compress_ratios, "__iter__"):
+        raise TypeError(f"compress_ratios must be a sequence of ints >= 1, got {type(compress_ratios).__name__}")
+    ratios = sorted({check_positive_int("compress_ratio", r, maximum=INT32_MAX) for r in compress_ratios})
+    if not ratios:
+        raise ValueError("compress_ratios must name at least one compression ratio")
     if max_position_embeddings is not None:
         check_positive_int("max_position_embeddings", max_position_embeddings)
+    deferred = _Checks(eager=False)
+    resolved = _resolve_layout(ratios, max_position_embeddings, deferred, **layout)
+    if deferred.any_failed():  # the one host read; the eager pass names the first failure
+        _resolve_layout(ratios, max_position_embeddings, _Checks(eager=True), **layout)
+        raise AssertionError("a deferred layout check failed that the eager checks did not find")  # pragma: no cover
+    return {ratio: _metadata_for_ratio(resolved, ratio) for ratio in ratios}
+
+
+class _Checks:
+    """The layout's value checks: deferred (each adds a flag; one host read for all, at the end)
+    or eager (each reads its flag at once, so the first failing check raises its own message)."""
+
+    def __init__(self, eager: bool) -> None:
+        self.eager = eager
+        self.flags: list[torch.Tensor] = []
+
+    def failed(self, bad: torch.Tensor) -> bool:
+        """Eager: whether any element of ``bad`` is set. Deferred: remembered, False for now."""
+        if self.eager:
+            return bool(bad.any())
+        self.flags.append(bad.any())
+        return False
+
+    def any_failed(self) -> bool:
+        return bool(torch.stack(self.flags).any()) if self.flags else False
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """The shard's tokens, resolved from the inputs: what every ratio's metadata derives from."""
+
+    pos: torch.Tensor  # int64 [B, S] global positions
+    valid: torch.Tensor  # bool [B, S] real tokens
+    start: torch.Tensor  # int64 [B, S] global start of each token's document (meaningless on padding)
+    cp_rank: int
+    cp_size: int
+    batch_size: int
+    seq_len: int
+
+
+def _resolve_layout(
+    ratios, max_position_embeddings, checks: _Checks, *, position_ids=None, seq_lens=None, seq_lens_padded=None,
+    cu_seqlens=None, packed_seq_ids=None, attention_mask=None, cp_rank=0, cp_size=1, batch_size=None, seq_len=None,
+    device=None,
+) -> _Layout:  # fmt: skip
+    cp_size = check_positive_int("cp_size", cp_size, maximum=INT32_MAX)
+    cp_rank = check_positive_int("cp_rank", cp_rank, minimum=0, maximum=INT32_MAX)
     if cp_rank >= cp_size:
         raise ValueError(f"cp_rank must be in [0, cp_size) = [0, {cp_size}), got {cp_rank}")
 
@@ -172,40 +244,41 @@ def build_attention_metadata(
             f"{length_name}: the global row (local length {S} x cp_size {cp_size} = {G} tokens) must be at most "
             f"{INT32_MAX} tokens (int32 positions)"
         )
-    if cp_size > 1 and S % ratio != 0:
-        raise ValueError(
-            f"{length_name}: under context parallelism the local length must be a multiple of "
-            f"compress_ratio so compression groups do not straddle ranks, got local length {S}, compress_ratio={ratio}"
-        )
+    for ratio in ratios:
+        if cp_size > 1 and S % ratio != 0:
+            raise ValueError(
+                f"{length_name}: under context parallelism the local length must be a multiple of "
+                f"compress_ratio so compression groups do not straddle ranks, got local length {S}, compress_ratio={ratio}"
+            )
     pos = (cp_rank * S + torch.arange(S, device=device, dtype=torch.int64)).expand(B, S)
 
     # --- global layouts from lengths (seq_lens, cu_seqlens): exact split and starts -------------
     layout_name, layout_valid, layout_start = None, None, None
     for name, lengths, spans in (
         ("seq_lens", seq_lens, seq_lens_padded),
-        ("cu_seqlens", None if cu_seqlens is None else _cu_to_lengths(cu_seqlens, G), None),
+        ("cu_seqlens", None if cu_seqlens is None else _cu_to_lengths(cu_seqlens, G, checks), None),
     ):
         if lengths is None:
             continue
-        valid_l, start_l = _layout_from_lengths(name, lengths, spans, pos, G)
+        valid_l, start_l = _layout_from_lengths(name, lengths, spans, pos, G, checks)
         if layout_name is None:
             layout_name, layout_valid, layout_start = name, valid_l, start_l
         else:
-            _require_equal(name, layout_name, "token/padding split", valid_l, layout_valid)
-            _require_equal(name, layout_name, "document start", start_l, layout_start, where=valid_l)
+            _require_equal(checks, name, layout_name, "token/padding split", valid_l, layout_valid)
+            _require_equal(checks, name, layout_name, "document start", start_l, layout_start, where=valid_l)
 
     # --- token/padding split: the first informative source wins, the others must agree --------
     valid_sources = []
     if layout_name is not None:
         valid_sources.append((layout_name, layout_valid))
     if packed_seq_ids is not None:
-        if (packed_seq_ids < 0).any():
+        if checks.failed(packed_seq_ids < 0):
             b, i = _first(packed_seq_ids < 0)
             value = int(packed_seq_ids[b, i])
             raise ValueError(f"packed_seq_ids must be >= 0 (0 = padding), row {b} token {i} is {value}")
         valid_sources.append(("packed_seq_ids", packed_seq_ids > 0))
     if attention_mask is not None:
-        if attention_mask.dtype != torch.bool and ((attention_mask != 0) & (attention_mask != 1)).any():
+        if attention_mask.dtype != torch.bool and checks.failed((attention_mask != 0) & (attention_mask != 1)):
             b, i = _first((attention_mask != 0) & (attention_mask != 1))
             value = int(attention_mask[b, i])
             raise ValueError(f"attention_mask must contain only 0 and 1, row {b} token {i} is {value}")
@@ -213,7 +286,7 @@ def build_attention_metadata(
     if valid_sources:
         valid_name, valid = valid_sources[0]
         for name, other in valid_sources[1:]:
-            _require_equal(name, valid_name, "token/padding split", other, valid)
+            _require_equal(checks, name, valid_name, "token/padding split", other, valid)
     else:
         valid_name, valid = None, torch.ones(B, S, dtype=torch.bool, device=device)
 
@@ -221,12 +294,12 @@ def build_attention_metadata(
     if position_ids is not None:
         position_ids = position_ids.to(torch.int64).expand(B, S)
         bad = valid & (position_ids < 0)
-        if bad.any():
+        if checks.failed(bad):
             b, i = _first(bad)
             value = int(position_ids[b, i])
             raise ValueError(f"position_ids must be >= 0 on real tokens, row {b} token {i} is {value}")
         bad = valid & (position_ids > pos)
-        if bad.any():
+        if checks.failed(bad):
             b, i = _first(bad)
             raise ValueError(
                 f"position_ids: row {b} token {i} has position_id {int(position_ids[b, i])} but global position "
@@ -236,7 +309,7 @@ def build_attention_metadata(
     if layout_name is not None:
         start_name, start = layout_name, layout_start
         if position_ids is not None:
-            _require_equal("position_ids", layout_name, "document start (global position - position_id)",
+            _require_equal(checks, "position_ids", layout_name, "document start (global position - position_id)",
                            pid_start, start, where=valid)  # fmt: skip
     elif position_ids is not None:
         start_name, start = "position_ids", pid_start
@@ -252,23 +325,31 @@ def build_attention_metadata(
         start_name, start = None, torch.zeros(B, S, dtype=torch.int64, device=device)
 
     if packed_seq_ids is not None:
-        _check_packed_runs(packed_seq_ids, valid, start, start_name)
-    _check_documents_contiguous(valid, start, pos, valid_name, start_name, position_ids)
+        _check_packed_runs(checks, packed_seq_ids, valid, start, start_name)
+    _check_documents_contiguous(checks, valid, start, pos, valid_name, start_name, position_ids)
 
-    # --- outputs ---------------------------------------------------------------------------------
-    doc_ids = torch.where(valid, start + 1, 0)
-    local_positions = torch.where(valid, pos - start, 0)
-    if max_position_embeddings is not None and local_positions.numel():
-        longest = int(local_positions.max())
-        if longest >= max_position_embeddings:
+    if max_position_embeddings is not None:
+        local_positions = torch.where(valid, pos - start, 0)
+        if checks.failed(local_positions >= max_position_embeddings):
+            longest = int(local_positions.max())
             b, i = _first(local_positions == longest)
             raise ValueError(
                 f"max_position_embeddings is {max_position_embeddings}, but row {b} token {i} is at position {longest} "
                 f"of its document (according to {start_name or 'the unpacked layout'})"
             )
+    return _Layout(pos=pos, valid=valid, start=start, cp_rank=cp_rank, cp_size=cp_size, batch_size=B, seq_len=S)
+
+
+def _metadata_for_ratio(layout: _Layout, ratio: int) -> AttentionMetadata:
+    """One ratio's metadata from the resolved (and checked) layout: no host reads."""
+    pos, valid, start, B, S = layout.pos, layout.valid, layout.start, layout.batch_size, layout.seq_len
+    G = S * layout.cp_size
+    doc_ids = torch.where(valid, start + 1, 0)
+    local_positions = torch.where(valid, pos - start, 0)
     doc_ks, doc_ke = document_ks_ke(start, pos, ratio, G // ratio)
-    ks = torch.where(valid, doc_ks, 0)
-    ke = torch.where(valid, doc_ke, 0)
+    ks = torch.where(valid, doc_ks, 0).to(torch.int32)
+    ke = torch.where(valid, doc_ke, 0).to(torch.int32)
+    vouch_ks_ke(ks, ke, G // ratio)  # 0 <= ks <= ke <= K by construction: later checks read nothing
 
     n_local = S // ratio
     token_docs = doc_ids[:, : n_local * ratio].reshape(B, n_local, ratio)
@@ -280,16 +361,16 @@ def build_attention_metadata(
         doc_ids=doc_ids,
         local_positions=local_positions,
         token_valid=valid.clone(),
-        ks=ks.to(torch.int32),
-        ke=ke.to(torch.int32),
+        ks=ks,
+        ke=ke,
         group_valid=group_valid,
         group_doc_ids=group_doc_ids,
         compress_ratio=ratio,
-        cp_rank=cp_rank,
-        cp_size=cp_size,
+        cp_rank=layout.cp_rank,
+        cp_size=layout.cp_size,
         seq_len=S,
         batch_size=B,
-        first_group=cp_rank * n_local,
+        first_group=layout.cp_rank * n_local,
         num_groups=G // ratio,
     )
 
@@ -402,24 +483,24 @@ def _resolve_shape(position_ids, seq_lens, seq_lens_padded, cu_seqlens, packed_s
 # ------------------------------------------------------------------------------------------------
 
 
-def _cu_to_lengths(cu_seqlens: torch.Tensor, G: int) -> torch.Tensor:
+def _cu_to_lengths(cu_seqlens: torch.Tensor, G: int, checks: _Checks) -> torch.Tensor:
     cu = cu_seqlens.to(torch.int64)
-    if (cu[:, 0] != 0).any():
+    if checks.failed(cu[:, 0] != 0):
         b = int((cu[:, 0] != 0).nonzero()[0])
         raise ValueError(f"cu_seqlens: row {b} starts at {int(cu[b, 0])}, expected 0")
     lengths = cu.diff(dim=1)
-    if (lengths < 0).any():
+    if checks.failed(lengths < 0):
         b, k = _first(lengths < 0)
         raise ValueError(
             f"cu_seqlens must be non-decreasing, row {b} drops from {int(cu[b, k])} to {int(cu[b, k + 1])}"
         )
-    if (cu[:, -1] != G).any():
+    if checks.failed(cu[:, -1] != G):
         b = int((cu[:, -1] != G).nonzero()[0])
         raise ValueError(f"cu_seqlens: row {b} ends at {int(cu[b, -1])}, expected {G} (= seq_len * cp_size)")
     return lengths
 
 
-def _layout_from_lengths(name, lengths, spans, pos, G):
+def _layout_from_lengths(name, lengths, spans, pos, G, checks: _Checks):
     """(valid, start) of every local token from per-document lengths over the global row."""
     real = lengths.to(torch.int64).clamp_min(0)
     span_name = name
@@ -428,7 +509,7 @@ def _layout_from_lengths(name, lengths, spans, pos, G):
     else:
         span_name = "seq_lens_padded"
         spans = spans.to(torch.int64).clamp_min(0)
-        if (real > spans).any():
+        if checks.failed(real > spans):
             b, k = _first(real > spans)
             raise ValueError(
                 f"seq_lens_padded: entry {k} of row {b} is {int(spans[b, k])}, shorter than seq_lens' {int(real[b, k])}"
@@ -436,13 +517,16 @@ def _layout_from_lengths(name, lengths, spans, pos, G):
     if spans.shape[1] == 0:
         raise ValueError(f"{span_name} has no entries; the documents must cover {G} (= seq_len * cp_size) tokens")
     ends = spans.cumsum(dim=1)
-    if (ends[:, -1] != G).any():
+    if checks.failed(ends[:, -1] != G):
         b = int((ends[:, -1] != G).nonzero()[0])
         raise ValueError(
             f"{span_name}: lengths of row {b} sum to {int(ends[b, -1])}, expected {G} (= seq_len * cp_size)"
         )
     # Document k spans [ends[k-1], ends[k]); zero-length entries are skipped by right-searchsorted.
     doc = torch.searchsorted(ends.contiguous(), pos.contiguous(), right=True)
+    # Only rows failing the sum check above reach past the last entry: clamped, so that their
+    # (deferred) failure is reported instead of an out-of-bounds gather.
+    doc = doc.clamp_max(spans.shape[1] - 1)
     start = (ends - spans).gather(1, doc)
     valid = (pos - start) < real.gather(1, doc)
     return valid, start
@@ -466,21 +550,55 @@ def _first(mask: torch.Tensor) -> tuple[int, int]:
     return b, i
 
 
-def _require_equal(name, ref_name, what, value, ref, where=None):
+def _require_equal(checks: _Checks, name, ref_name, what, value, ref, where=None):
     bad = value != ref
     if where is not None:
         bad &= where
-    if bad.any():
+    if checks.failed(bad):
         b, i = _first(bad)
         raise ValueError(
             f"{name}: {what} disagrees with {ref_name} at row {b} token {i} ({int(value[b, i])} vs {int(ref[b, i])})"
         )
 
 
-def _check_packed_runs(packed_seq_ids, valid, start, start_name):
+def _check_packed_runs(checks: _Checks, packed_seq_ids, valid, start, start_name):
     """Each id is one contiguous run per row, and runs are exactly the documents."""
     ids = packed_seq_ids.to(torch.int64)
-    B, S = ids.shape
+    if not checks.eager:  # the same rule without data-dependent shapes, given valid == (ids > 0)
+        checks.failed(_ids_in_several_runs(ids, valid))
+    else:
+        _name_id_in_several_runs(ids, valid)
+    if start_name in (None, "packed_seq_ids"):
+        return
+    both = valid[:, 1:] & valid[:, :-1]
+    same_id = ids[:, 1:] == ids[:, :-1]
+    same_doc = start[:, 1:] == start[:, :-1]
+    bad = both & (same_id != same_doc)
+    if checks.failed(bad):
+        b, i = _first(bad)
+        i += 1
+        if bool(same_id[b, i - 1]):
+            relation = "the same id but different documents"
+        else:
+            relation = "different ids but one document"
+        raise ValueError(
+            f"packed_seq_ids: tokens {i - 1} and {i} of row {b} have {relation} according to {start_name}"
+        )
+
+
+def _ids_in_several_runs(ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """bool [B, S - 1]: somewhere an id's real tokens are not one contiguous run (fixed shapes).
+
+    A stable sort lists each id's tokens in position order; they form one run iff consecutive
+    ones are adjacent positions. Padding sorts apart (-1)."""
+    key = torch.where(valid, ids, -1)
+    sorted_ids, order = torch.sort(key, dim=1, stable=True)
+    same_id = (sorted_ids[:, 1:] == sorted_ids[:, :-1]) & (sorted_ids[:, 1:] >= 0)
+    return same_id & (order[:, 1:] - order[:, :-1] != 1)
+
+
+def _name_id_in_several_runs(ids: torch.Tensor, valid: torch.Tensor) -> None:
+    """Raise naming the first id of a row that appears again after a gap (host reads: errors only)."""
     run_start = valid.clone()
     run_start[:, 1:] &= ids[:, 1:] != ids[:, :-1]
     rows, cols = run_start.nonzero(as_tuple=True)
@@ -494,29 +612,13 @@ def _check_packed_runs(packed_seq_ids, valid, start, start_name):
             f"packed_seq_ids: id {int(ids[b, i])} of row {b} appears again at token {i} after a gap; "
             "each document must be one contiguous run"
         )
-    if start_name in (None, "packed_seq_ids"):
-        return
-    both = valid[:, 1:] & valid[:, :-1]
-    same_id = ids[:, 1:] == ids[:, :-1]
-    same_doc = start[:, 1:] == start[:, :-1]
-    bad = both & (same_id != same_doc)
-    if bad.any():
-        b, i = _first(bad)
-        i += 1
-        if bool(same_id[b, i - 1]):
-            relation = "the same id but different documents"
-        else:
-            relation = "different ids but one document"
-        raise ValueError(
-            f"packed_seq_ids: tokens {i - 1} and {i} of row {b} have {relation} according to {start_name}"
-        )
 
 
-def _check_documents_contiguous(valid, start, pos, valid_name, start_name, position_ids):
+def _check_documents_contiguous(checks: _Checks, valid, start, pos, valid_name, start_name, position_ids):
     """A real token that is not its document's first must follow a real token of the same document."""
     continues = valid[:, 1:] & (start[:, 1:] < pos[:, 1:])
     prev_padding = continues & ~valid[:, :-1]
-    if prev_padding.any():
+    if checks.failed(prev_padding):
         b, i = _first(prev_padding)
         i += 1
         if start_name is None:
@@ -529,7 +631,7 @@ def _check_documents_contiguous(valid, start, pos, valid_name, start_name, posit
             f"document that started at global position {int(start[b, i])}; padding may not split a document"
         )
     prev_other = continues & valid[:, :-1] & (start[:, :-1] != start[:, 1:])
-    if prev_other.any():  # only position_ids can describe this
+    if checks.failed(prev_other):  # only position_ids can describe this
         b, i = _first(prev_other)
         i += 1
         raise ValueError(

@@ -9,8 +9,8 @@ visible; K clamps ks for a document starting in a row's trailing partial group),
 ``0 <= ks <= ke <= K``.
 
 This module holds the rule (:func:`document_ks_ke`, and its unpacked case :func:`causal_ks_ke`),
-the dense boolean form (:func:`visible_mask`) and the validation of a given pair
-(:func:`check_ks_ke`).
+the dense boolean form (:func:`visible_mask`), the validation of a given pair
+(:func:`check_ks_ke`) and the record that a pair made by the rule needs none (:func:`vouch_ks_ke`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ import torch
 from nemo_dsa._checks import check_tensor
 from nemo_dsa.memo import memo_on_tensors
 
-__all__ = ["causal_ks_ke", "check_ks_ke", "document_ks_ke", "visible_mask"]
+__all__ = ["causal_ks_ke", "check_ks_ke", "document_ks_ke", "visible_mask", "vouch_ks_ke"]
+# memo key of the (ks, ke) range checks: (_CHECKED, num_keys)
+_CHECKED = "ks_ke_checks"
 
 
 def check_ks_ke(
@@ -34,9 +36,10 @@ def check_ks_ke(
         check_tensor(name, value, ndim=2, dtypes=(torch.int32,), shape=(batch, queries), device=device)
     if ks.numel():
         # One device-to-host sync for all three checks, once per (ks, ke) pair: every indexer
-        # layer of a step passes the same metadata tensors.
+        # layer of a step passes the same metadata tensors. None for the builder's own pairs
+        # (``vouch_ks_ke``).
         below, above, reversed_ = memo_on_tensors(
-            (ks, ke), ("ks_ke_checks", num_keys),
+            (ks, ke), (_CHECKED, num_keys),
             lambda: torch.stack(((ks < 0).any(), (ke > num_keys).any(), (ke < ks).any())).tolist(),
         )
         if below:
@@ -46,6 +49,17 @@ def check_ks_ke(
         if reversed_:
             raise ValueError("ke must be >= ks for every query (ks == ke means the query sees no key)")
     return ks, ke
+
+
+def vouch_ks_ke(ks: torch.Tensor, ke: torch.Tensor, num_keys: int) -> None:
+    """Record that ``(ks, ke)`` hold ``0 <= ks <= ke <= num_keys``, so :func:`check_ks_ke` reads
+    nothing for them (until either is modified in place).
+
+    Only for pairs made by the rule itself from checked positions (the metadata builder's), which
+    satisfy it by construction: it spares every layer of every step a device-to-host read of
+    metadata that could not fail. Inputs from outside are checked where they enter.
+    """
+    memo_on_tensors((ks, ke), (_CHECKED, num_keys), lambda: [False, False, False])
 
 
 def _floor_div(x: torch.Tensor, ratio: int) -> torch.Tensor:

@@ -59,7 +59,7 @@ from nemo_dsa.integrations.deepseek_v4_attention import (
     adopt_builtin_layout,
 )
 from nemo_dsa.layers.shared_state import SharedLayerState
-from nemo_dsa.metadata import build_attention_metadata
+from nemo_dsa.metadata import build_attention_metadata_for_ratios
 from nemo_dsa.models.dsa_lm.configuration import DSAModelConfig
 
 __all__ = ["ARCHITECTURE", "NemoDsaDeepseekV4ForCausalLM", "NemoDsaDeepseekV4Output", "dsa_config_from_deepseek_v4"]
@@ -176,7 +176,8 @@ class NemoDsaDeepseekV4ForCausalLM(DeepseekV4ForCausalLM):
 
     def _metadata(self, input_ids, ctx, cp_active, *, position_ids, attention_mask, padding_mask, seq_lens,
                   seq_lens_padded, cu_seqlens, cu_seqlens_padded, packed_seq_ids) -> dict:  # fmt: skip
-        """``AttentionMetadata`` per distinct ratio (window-only layers use ratio 1)."""
+        """``AttentionMetadata`` per distinct ratio (window-only layers use ratio 1), from one check
+        of the layout (one host read per forward)."""
         if attention_mask is not None and attention_mask.ndim != 2:
             raise ValueError(f"attention_mask must be [B, S] (1 = token), got shape {tuple(attention_mask.shape)}")
         if attention_mask is None and padding_mask is not None:
@@ -202,13 +203,10 @@ class NemoDsaDeepseekV4ForCausalLM(DeepseekV4ForCausalLM):
                       cu_seqlens=cu_seqlens, packed_seq_ids=packed_seq_ids, attention_mask=attention_mask)  # fmt: skip
         layout = {k: v.to(input_ids.device) for k, v in layout.items() if v is not None}
         batch, seq = input_ids.shape[:2]
-        return {
-            ratio: build_attention_metadata(
-                compress_ratio=ratio, cp_rank=ctx.rank, cp_size=ctx.size, batch_size=batch, seq_len=seq,
-                device=input_ids.device, **layout,
-            )  # fmt: skip
-            for ratio in sorted({max(r, 1) for r in self.dsa_config.compress_ratios})
-        }
+        return build_attention_metadata_for_ratios(
+            compress_ratios={max(r, 1) for r in self.dsa_config.compress_ratios}, cp_rank=ctx.rank,
+            cp_size=ctx.size, batch_size=batch, seq_len=seq, device=input_ids.device, **layout,
+        )  # fmt: skip
 
     def forward(
         self,

@@ -115,19 +115,17 @@ class DSAForCausalLM(nn.Module):
         return sum(p.numel() for p in self.parameters() if p.requires_grad or not only_trainable)
 
     def build_metadata(self, input_ids: torch.Tensor, ctx, **layout) -> dict[int, object]:
-        """``AttentionMetadata`` per distinct ratio (window-only layers use ratio 1)."""
-        from nemo_dsa.metadata import build_attention_metadata
+        """``AttentionMetadata`` per distinct ratio (window-only layers use ratio 1), from one check
+        of the layout (one host read per forward)."""
+        from nemo_dsa.metadata import build_attention_metadata_for_ratios
 
         batch, seq = input_ids.shape
         # Layout tensors may come from a CPU-side collator: the metadata lives with the activations.
         layout = {k: v.to(input_ids.device) if isinstance(v, torch.Tensor) else v for k, v in layout.items()}
-        metas = {}
-        for ratio in sorted({max(r, 1) for r in self.config.compress_ratios}):
-            metas[ratio] = build_attention_metadata(
-                compress_ratio=ratio, cp_rank=ctx.rank, cp_size=ctx.size, batch_size=batch, seq_len=seq,
-                device=input_ids.device, **layout,
-            )
-        return metas
+        return build_attention_metadata_for_ratios(
+            compress_ratios={max(r, 1) for r in self.config.compress_ratios}, cp_rank=ctx.rank, cp_size=ctx.size,
+            batch_size=batch, seq_len=seq, device=input_ids.device, **layout,
+        )  # fmt: skip
 
     def forward(
         self,
