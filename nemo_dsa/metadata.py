@@ -248,7 +248,8 @@ def _resolve_layout(
         if cp_size > 1 and S % ratio != 0:
             raise ValueError(
                 f"{length_name}: under context parallelism the local length must be a multiple of "
-                f"compress_ratio so compression groups do not straddle ranks, got local length {S}, compress_ratio={ratio}"
+                f"compress_ratio so compression groups do not straddle ranks, got local length {S}, "
+                f"compress_ratio={ratio}"
             )
     pos = (cp_rank * S + torch.arange(S, device=device, dtype=torch.int64)).expand(B, S)
 

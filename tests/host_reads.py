@@ -5,8 +5,8 @@ tensor's values on the host, or give a result whose shape depends on them (``ite
 ``bool()``/``int()``/``float()``/``operator.index``, ``nonzero``, ``unique``, boolean-mask
 indexing, ``cpu``/``numpy``), and attributes each call to the innermost nemo_dsa source line
 that made it: the first caller outside torch must be nemo_dsa code (reads by nemo-automodel's own
-modules, e.g. its MoE routing, are not counted, nor are reads nested inside a counted one). The ``torch.cuda.set_sync_debug_mode`` notion of a
-sync, without a GPU.
+modules, e.g. its MoE routing, are not counted, nor are reads nested inside a counted one). The
+``torch.cuda.set_sync_debug_mode`` notion of a sync, without a GPU.
 """
 
 from __future__ import annotations

@@ -18,7 +18,12 @@ import torch
 
 from helpers import tiny_config
 from host_reads import count_host_reads
-from nemo_dsa.metadata import _ids_in_several_runs, _name_id_in_several_runs, build_attention_metadata, build_attention_metadata_for_ratios
+from nemo_dsa.metadata import (
+    _ids_in_several_runs,
+    _name_id_in_several_runs,
+    build_attention_metadata,
+    build_attention_metadata_for_ratios,
+)
 from nemo_dsa.models.dsa_lm.modeling import DSAForCausalLM
 from nemo_dsa.visibility import check_ks_ke
 
@@ -67,7 +72,8 @@ def test_metadata_of_every_ratio_reads_the_host_once(layout):
             assert torch.equal(getattr(meta, name), getattr(single, name)), (ratio, name)
         # The builder's pairs satisfy the contract by construction: checking them reads nothing.
         with count_host_reads() as reads:
-            check_ks_ke(meta.ks, meta.ke, batch=meta.batch_size, queries=seq, num_keys=meta.num_groups, device=meta.device)
+            check_ks_ke(meta.ks, meta.ke, batch=meta.batch_size, queries=seq, num_keys=meta.num_groups,
+                        device=meta.device)  # fmt: skip
         assert reads.total == 0
 
 

@@ -168,7 +168,8 @@ class DSAModelConfig:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.attention_backend is not None and self.attention_backend not in BACKENDS:
             raise ValueError(
-                f"attention_backend must be one of {BACKENDS} or null (the indexer's backend), got {self.attention_backend!r}"
+                f"attention_backend must be one of {BACKENDS} or null (the indexer's backend), "
+                f"got {self.attention_backend!r}"
             )
         if self.fused_topk is not None and not isinstance(self.fused_topk, bool):
             raise TypeError(f"fused_topk must be true, false or null (auto), got {self.fused_topk!r}")
