@@ -157,13 +157,15 @@ def build_attention_metadata(
 
 
 def build_attention_metadata_for_ratios(
-    *, compress_ratios, max_position_embeddings: int | None = None, **layout
+    *, compress_ratios, max_position_embeddings: int | None = None, extra_checks=(), **layout
 ) -> dict[int, AttentionMetadata]:
     """:func:`build_attention_metadata` for every distinct ratio of ``compress_ratios`` at once.
 
     The layout (the other keywords, as :func:`build_attention_metadata` takes them) is checked
     and resolved once: one host read per model forward, whatever the number of ratios and layers.
-    Returns ``{ratio: AttentionMetadata}``.
+    ``extra_checks``: the caller's own input checks, ``(bad, raise_error)`` pairs (``bad`` a bool
+    tensor that must be all False, ``raise_error()`` raising the caller's error), read in the
+    same host read and reported first. Returns ``{ratio: AttentionMetadata}``.
     """
     if isinstance(compress_ratios, (int, torch.Tensor)) or not hasattr(compress_ratios, "__iter__"):
         raise TypeError(f"compress_ratios must be a sequence of ints >= 1, got {type(compress_ratios).__name__}")
@@ -173,10 +175,16 @@ def build_attention_metadata_for_ratios(
     if max_position_embeddings is not None:
         check_positive_int("max_position_embeddings", max_position_embeddings)
     deferred = _Checks(eager=False)
+    for bad, _ in extra_checks:
+        deferred.failed(bad)
     resolved = _resolve_layout(ratios, max_position_embeddings, deferred, **layout)
-    if deferred.any_failed():  # the one host read; the eager pass names the first failure
-        _resolve_layout(ratios, max_position_embeddings, _Checks(eager=True), **layout)
-        raise AssertionError("a deferred layout check failed that the eager checks did not find")  # pragma: no cover
+    failed = deferred.read()  # the one host read
+    if any(failed):
+        for (_, raise_error), flag in zip(extra_checks, failed):
+            if flag:
+                raise_error()
+        _resolve_layout(ratios, max_position_embeddings, _Checks(eager=True), **layout)  # names the first failure
+        raise AssertionError("a deferred check failed that no eager check found")  # pragma: no cover
     return {ratio: _metadata_for_ratio(resolved, ratio) for ratio in ratios}
 
 
@@ -195,8 +203,9 @@ class _Checks:
         self.flags.append(bad.any())
         return False
 
-    def any_failed(self) -> bool:
-        return bool(torch.stack(self.flags).any()) if self.flags else False
+    def read(self) -> list[bool]:
+        """The deferred flags, in order, with one host read."""
+        return torch.stack(self.flags).tolist() if self.flags else []
 
 
 @dataclass(frozen=True)

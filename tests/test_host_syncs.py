@@ -3,10 +3,10 @@
 ``host_reads.count_host_reads`` counts every read of tensor values on the host that nemo_dsa's
 own code makes. The op references' reads (``nemo_dsa/ops/``: loop bounds of the CPU references;
 the kernels replace them on a GPU) are reported apart. Outside them, one forward of the
-DeepSeek-V4 plugin makes two (the layout check of the metadata, all ratios at once, and the
-``input_ids`` range check at the public boundary), a ``DSAForCausalLM`` forward one; before,
-every ratio's metadata re-checked the layout with one read per check (21 in the THD case below)
-and every all-groups and indexer layer pair re-read its ks/ke.
+DeepSeek-V4 plugin or of ``DSAForCausalLM`` makes one: the metadata's check of the layout, all
+ratios at once, which also reads the plugin's ``input_ids`` range check. Before, the plugin made
+24 in the THD case below: every ratio's metadata re-checked the layout with one read per check,
+the all-groups and indexer layers re-read their ks/ke, the input_ids check read on its own.
 """
 
 from __future__ import annotations
@@ -90,6 +90,17 @@ def test_bad_layouts_still_name_the_argument():
     with pytest.raises(TypeError, match="compress_ratios"):
         build_attention_metadata_for_ratios(compress_ratios=4, seq_len=8, batch_size=1)
 
+    def caller_error():
+        raise ValueError("the caller's own check")
+
+    flags = (torch.tensor([False, True]), caller_error)
+    with pytest.raises(ValueError, match="the caller's own check"):  # reported before the layout's errors
+        build_attention_metadata_for_ratios(compress_ratios=(1,), packed_seq_ids=ids, extra_checks=(flags,))
+    with count_host_reads() as reads:
+        build_attention_metadata_for_ratios(compress_ratios=(1, 4), seq_len=8, batch_size=1,
+                                            extra_checks=((torch.zeros(3, dtype=torch.bool), caller_error),))
+    assert reads.total == 1
+
 
 def test_sync_free_run_rule_equals_the_named_one():
     # The deferred check (a stable sort, fixed shapes) flags exactly the layouts the eager one
@@ -119,7 +130,7 @@ def test_model_forward_reads_the_host_once():
     assert len(sites) <= 1, sites
 
 
-def test_plugin_forward_reads_the_host_twice():
+def test_plugin_forward_reads_the_host_once():
     try:
         import nemo_automodel  # noqa: F401
     except ImportError:
@@ -140,5 +151,7 @@ def test_plugin_forward_reads_the_host_twice():
     ):
         sites = reads_outside_ops(run)
         print(sites)
-        assert len(sites) <= 2, sites
-        assert {path for path, _, _ in sites} <= {"metadata.py", "integrations/deepseek_v4.py"}, sites
+        assert len(sites) <= 1, sites
+        assert {path for path, _, _ in sites} <= {"metadata.py"}, sites
+    with pytest.raises(ValueError, match=r"input_ids must be in \[0, vocab_size=101\)"):
+        model(ids + VOCAB)  # the input check still raises, out of the shared read

@@ -175,9 +175,9 @@ class NemoDsaDeepseekV4ForCausalLM(DeepseekV4ForCausalLM):
     # ------------------------------------------------------------------------------------------
 
     def _metadata(self, input_ids, ctx, cp_active, *, position_ids, attention_mask, padding_mask, seq_lens,
-                  seq_lens_padded, cu_seqlens, cu_seqlens_padded, packed_seq_ids) -> dict:  # fmt: skip
+                  seq_lens_padded, cu_seqlens, cu_seqlens_padded, packed_seq_ids, input_checks=()) -> dict:  # fmt: skip
         """``AttentionMetadata`` per distinct ratio (window-only layers use ratio 1), from one check
-        of the layout (one host read per forward)."""
+        of the layout and ``input_checks`` (one host read per forward)."""
         if attention_mask is not None and attention_mask.ndim != 2:
             raise ValueError(f"attention_mask must be [B, S] (1 = token), got shape {tuple(attention_mask.shape)}")
         if attention_mask is None and padding_mask is not None:
@@ -205,7 +205,8 @@ class NemoDsaDeepseekV4ForCausalLM(DeepseekV4ForCausalLM):
         batch, seq = input_ids.shape[:2]
         return build_attention_metadata_for_ratios(
             compress_ratios={max(r, 1) for r in self.dsa_config.compress_ratios}, cp_rank=ctx.rank,
-            cp_size=ctx.size, batch_size=batch, seq_len=seq, device=input_ids.device, **layout,
+            cp_size=ctx.size, batch_size=batch, seq_len=seq, device=input_ids.device, extra_checks=input_checks,
+            **layout,
         )  # fmt: skip
 
     def forward(
@@ -242,17 +243,24 @@ class NemoDsaDeepseekV4ForCausalLM(DeepseekV4ForCausalLM):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         thd = qkv_format == "thd"
+        input_checks = ()
         if input_ids is not None:
             if input_ids.ndim == 1:  # THD rows arrive flattened
                 input_ids = input_ids.unsqueeze(0)
             if input_ids.ndim != 2:
                 raise ValueError(f"input_ids must be [B, S], got shape {tuple(input_ids.shape)}")
-            if ((input_ids < 0) | (input_ids >= self.config.vocab_size)).any():
-                raise ValueError(f"input_ids must be in [0, vocab_size={self.config.vocab_size})")
-            inputs_embeds = self.model.embed_tokens(input_ids)
-        elif inputs_embeds.ndim == 2:
-            inputs_embeds = inputs_embeds.unsqueeze(0)
-        shape_ref = inputs_embeds[..., 0]
+            vocab = self.config.vocab_size
+
+            def bad_ids():
+                raise ValueError(f"input_ids must be in [0, vocab_size={vocab})")
+
+            # Read on the host with the metadata's checks (one read per forward), before the embedding.
+            input_checks = (((input_ids < 0) | (input_ids >= vocab), bad_ids),)
+            shape_ref = input_ids
+        else:
+            if inputs_embeds.ndim == 2:
+                inputs_embeds = inputs_embeds.unsqueeze(0)
+            shape_ref = inputs_embeds[..., 0]
         if position_ids is not None and position_ids.ndim == 1:
             position_ids = position_ids.unsqueeze(0)
         if output_hidden_states is None:
@@ -263,8 +271,10 @@ class NemoDsaDeepseekV4ForCausalLM(DeepseekV4ForCausalLM):
         metadata = self._metadata(
             shape_ref, ctx, cp_group is not None, position_ids=position_ids, attention_mask=attention_mask,
             padding_mask=padding_mask, seq_lens=seq_lens, seq_lens_padded=seq_lens_padded, cu_seqlens=cu_seqlens,
-            cu_seqlens_padded=cu_seqlens_padded, packed_seq_ids=packed_seq_ids,
+            cu_seqlens_padded=cu_seqlens_padded, packed_seq_ids=packed_seq_ids, input_checks=input_checks,
         )  # fmt: skip
+        if input_ids is not None:
+            inputs_embeds = self.model.embed_tokens(input_ids)
         # The MoE drops padding tokens from routing statistics as the built-in does.
         moe_padding = padding_mask
         if moe_padding is None and attention_mask is not None:
