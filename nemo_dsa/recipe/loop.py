@@ -22,9 +22,12 @@ from nemo_dsa.recipe.optim import apply_recipe, build_optimizer
 from nemo_dsa.recipe.parallel import (
     Parallel,
     all_reduce_sum,
+    dp_slice,
+    drop_unreached_gradients,
     is_collective_timeout,
     launch_rank,
     setup_parallel,
+    shard_model,
     stalled_collective,
 )
 from nemo_dsa.recipe.schema import check_recipe, recipe_changes
@@ -37,6 +40,7 @@ from nemo_dsa.recipe.state import (
     list_checkpoints,
     read_state,
     restore,
+    gather_full_state,
     save_checkpoint,
     set_aside,
 )
@@ -90,20 +94,24 @@ def train_step(model, optimizer, schedule, batch, *, recipe, device, par: Parall
     weights and optimizer moments stay as they were (the schedule still advances, so the lr keeps
     following the step number). Every rank sees the same all-reduced gradients, so all skip together.
     """
-    inputs = model_inputs(batch, device, par, model.config.compress_ratios, pad_id)
+    inputs = model_inputs(dp_slice(batch, par), device, par, model.config.compress_ratios, pad_id)
     loss_sum, aux, count = loss_terms(model, inputs, recipe.precision)
     total = all_reduce_sum(count.float(), par).clamp_min(1)
     # Normalise the LM loss by the global token count, so summing rank gradients gives the global
-    # mean's; the indexer loss is already this rank's share of the global one (see the model).
+    # mean's; the indexer loss is already this rank's share of its CP group's (see the model), and
+    # the data-parallel replicas' indexer losses are averaged.
+    aux = aux / par.dp_size
     (loss_sum / total + aux).backward()
-    if par.group is not None:
+    if par.group is not None and not par.sharded:  # FSDP's reduce-scatter sums over every rank itself
         import torch.distributed as dist
 
         for p in model.parameters():
             if p.grad is not None:
                 dist.all_reduce(p.grad, group=par.group)
+    drop_unreached_gradients(model, par)
     max_norm = float("inf") if recipe.grad_clip is None else recipe.grad_clip  # inf: measure, do not clip
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    grad_norm = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()
     loss = (all_reduce_sum(loss_sum.detach(), par) / total + all_reduce_sum(aux.detach(), par)).item()
     lr = optimizer.param_groups[0]["lr"]
     skipped = not (math.isfinite(grad_norm) and math.isfinite(loss))
@@ -123,7 +131,7 @@ def evaluate(model, batches, *, recipe, device, par: Parallel, pad_id: int = PAD
     loss_sum = torch.zeros((), device=device)
     count = torch.zeros((), device=device)
     for batch in batches:
-        inputs = model_inputs(batch, device, par, model.config.compress_ratios, pad_id)
+        inputs = model_inputs(dp_slice(batch, par), device, par, model.config.compress_ratios, pad_id)
         s, _, n = loss_terms(model, inputs, recipe.precision)
         loss_sum += s
         count += n
@@ -186,7 +194,7 @@ def resume(cfg, run_dir: Path, objects: tuple, model_config: dict, recipe_now: d
                 note(f"{e}; set aside as {set_aside(path).name}, falling back to the previous checkpoint")
             continue
         applied = _compare(path, state, model_config, recipe_now)
-        restore(path, state, *objects)
+        restore(path, state, *objects, sharded=par.sharded)
         return path, state, applied, fallbacks
     if fallbacks:  # checkpoints existed, none intact: say so rather than silently start from step 0
         raise CorruptCheckpoint(f"no intact checkpoint in {run_dir} ({len(fallbacks)} set aside as corrupt-step_*); "
@@ -268,7 +276,7 @@ def _run(cfg, recipe, device: torch.device, run_dir: Path) -> TrainResult:
 
     if recipe.num_threads:
         torch.set_num_threads(int(recipe.num_threads))
-    par = setup_parallel(recipe.cp_size, recipe.dist_timeout_s)
+    par = setup_parallel(recipe.cp_size, recipe.dist_timeout_s, recipe.dp_size, device.type)
     if device.type == "cuda" and par.size > 1:
         device = torch.device("cuda", torch.cuda.current_device())  # init_from_env chose LOCAL_RANK
     if par.is_main:
@@ -283,6 +291,8 @@ def _run(cfg, recipe, device: torch.device, run_dir: Path) -> TrainResult:
     documents = load_documents(cfg.data)
     model = _build_model(cfg, device)
     model_config = model.config.to_dict()
+    n_params = sum(p.numel() for p in model.parameters())
+    model = shard_model(model, par)  # FSDP2 over every rank when recipe.dp_size > 1
     recipe_now = {**OmegaConf.to_container(recipe, resolve=True), "seed": cfg.seed}
     optimizer, schedule = build_optimizer(model, recipe)
     stream, val_batches = pack_documents(
@@ -307,7 +317,6 @@ def _run(cfg, recipe, device: torch.device, run_dir: Path) -> TrainResult:
     title = f"{cfg.model.name} / scoring {cfg.scoring.name} / {cfg.recipe.name}"
     result = TrainResult(run_dir=run_dir, step=start, resumed_from=resumed_from, is_main=par.is_main,
                          skipped_steps=int(saved.get("skipped_steps", 0)))
-    n_params = sum(p.numel() for p in model.parameters())
     bar = tqdm(total=stop, initial=start, disable=not (recipe.progress_bar and par.is_main), dynamic_ncols=True,
                desc="train")
     # Steps since the last logged record (restored on resume, so a window spanning a stop
@@ -318,7 +327,8 @@ def _run(cfg, recipe, device: torch.device, run_dir: Path) -> TrainResult:
     markers = run_dir / TIMEOUT_DIR
 
     metrics.log({"step": start, "event": "resume" if resumed_from is not None else "start", "model": cfg.model.name,
-                 "scoring": cfg.scoring.name, "params": n_params, "device": str(device), "cp_size": par.size})
+                 "scoring": cfg.scoring.name, "params": n_params, "device": str(device), "cp_size": par.cp_size,
+                 "dp_size": par.dp_size})
     for step in range(start + 1, stop + 1):
         tic = time.perf_counter()
         val_loss = None
@@ -352,11 +362,14 @@ def _run(cfg, recipe, device: torch.device, run_dir: Path) -> TrainResult:
             metrics.log({"step": step, "val_loss": val_loss})
             if par.is_main and recipe.progress_bar:
                 bar.write(f"step {step}: validation loss {val_loss:.4f}")
+        if step % recipe.ckpt_every == 0 or step == stop:
+            gathered = gather_full_state(model, optimizer) if par.sharded else None  # every rank takes part
         if par.is_main and (step % recipe.ckpt_every == 0 or step == stop):
             state = {"model_config": model_config, "recipe": recipe_now, "skipped_steps": result.skipped_steps,
                      "elapsed_s": metrics.elapsed(),
                      "log_window": {"losses": window_losses, "tokens": window_tokens, "time": window_time}}
-            save_checkpoint(run_dir, step, model, optimizer, schedule, stream, state, recipe.keep_checkpoints)
+            save_checkpoint(run_dir, step, model, optimizer, schedule, stream, state, recipe.keep_checkpoints,
+                            gathered=gathered)
             if recipe.plot:
                 plot_losses(metrics.path, run_dir / "loss.png", title)
         result.step = step

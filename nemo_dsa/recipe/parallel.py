@@ -1,4 +1,4 @@
-"""Context-parallel set-up for the recipe, and the message a stalled collective turns into."""
+"""Data- and context-parallel set-up for the recipe, and the message a stalled collective turns into."""
 
 from __future__ import annotations
 
@@ -11,16 +11,30 @@ import torch
 
 @dataclass
 class Parallel:
-    """Where this process sits: CP rank/size and the group handed to the model (None = no CP)."""
+    """Where this process sits in the torchrun job (a ``dp_size x cp_size`` grid of ranks).
+
+    ``rank``/``size``: this process in the whole job; ``group``: its CP group, handed to the model
+    (None without CP); ``dp_rank``/``dp_size``: which slice of every global batch it trains on;
+    ``fsdp_mesh``: the 1-D mesh of every rank the parameters are sharded over (None without DP).
+    """
 
     rank: int = 0
     size: int = 1
     group: Any = None
     timeout_s: float | None = None
+    cp_size: int = 1
+    dp_rank: int = 0
+    dp_size: int = 1
+    fsdp_mesh: Any = None
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def sharded(self) -> bool:
+        """Parameters, gradients and optimizer state are FSDP2-sharded (data parallelism)."""
+        return self.fsdp_mesh is not None
 
 
 def launch_rank() -> int:
@@ -28,39 +42,101 @@ def launch_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def setup_parallel(cp_size: int, timeout_s: float) -> Parallel:
-    """cp_size 1: nothing. cp_size > 1: join the torchrun job; every rank is one CP shard.
+def setup_parallel(cp_size: int, timeout_s: float, dp_size: int = 1, device_type: str = "cpu") -> Parallel:
+    """Join the torchrun job of ``dp_size x cp_size`` ranks (nothing when both are 1).
 
-    The recipe has no data parallelism: the world is one CP group of ``cp_size`` ranks, each
-    holding a contiguous sequence shard of every row (``nemo_dsa.distributed.shard_batch``); the
-    model's attention reaches the other ranks through the ``cp_group`` passed to its forward.
+    Rank ``r`` is CP rank ``r % cp_size`` of data-parallel replica ``r // cp_size``: each CP group
+    holds contiguous sequence shards of the same rows (``nemo_dsa.distributed.shard_batch``), the
+    model's attention reaching its peers through the ``cp_group`` passed to its forward; each
+    replica trains on its slice of the global batch. With ``dp_size > 1`` the parameters are
+    sharded over every rank with FSDP2 (``shard_model``), whose reduce-scatter sums the gradients
+    of all ranks; with CP alone the gradients are all-reduced over the CP group.
     ``timeout_s`` bounds every collective (``recipe.dist_timeout_s``): a stalled peer stops the
     run with ``stalled_collective``'s message instead of blocking for gloo's 10 minutes.
     """
-    if cp_size == 1:
+    world_needed = cp_size * dp_size
+    if world_needed == 1:
         return Parallel()
+    shape = f"recipe.dp_size={dp_size} x recipe.cp_size={cp_size}"
     if "WORLD_SIZE" not in os.environ:
-        raise ValueError(
-            f"recipe.cp_size={cp_size} needs a torchrun launch: "
-            f"torchrun --nproc-per-node={cp_size} -m nemo_dsa.train recipe.cp_size={cp_size} ..."
-        )
+        keys = " ".join(f"recipe.{k}={v}" for k, v in (("dp_size", dp_size), ("cp_size", cp_size)) if v > 1)
+        raise ValueError(f"{keys} needs a torchrun launch: torchrun --nproc-per-node={world_needed} "
+                         f"-m nemo_dsa.train {keys} ...")
     from nemo_dsa.distributed import init_from_env
 
     world = int(os.environ["WORLD_SIZE"])
-    if world != cp_size:
-        raise ValueError(f"recipe.cp_size={cp_size} must equal the torchrun world size {world} (no data parallelism)")
-    env = init_from_env(cp_size, timeout_s=timeout_s)
-    return Parallel(rank=env.cp_rank, size=env.cp_size, group=env.cp_group, timeout_s=timeout_s)
+    if world != world_needed:
+        raise ValueError(f"{shape} = {world_needed} ranks must equal the torchrun world size {world}")
+    env = init_from_env(cp_size, timeout_s=timeout_s)  # CP groups of contiguous ranks
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    mesh = None
+    if dp_size > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("fsdp",))
+    return Parallel(rank=rank, size=world, group=env.cp_group, timeout_s=timeout_s, cp_size=cp_size,
+                    dp_rank=rank // cp_size, dp_size=dp_size, fsdp_mesh=mesh)
+
+
+def shard_model(model: torch.nn.Module, par: Parallel) -> torch.nn.Module:
+    """FSDP2 (``fully_shard``) over every rank: each decoder layer, then the rest.
+
+    Gradients are summed, not averaged (divide factor 1, plain sums, which gloo also has): the
+    recipe normalises the loss by the global label count itself, as without DP.
+    """
+    if not par.sharded:
+        return model
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    for layer in model.layers:
+        fully_shard(layer, mesh=par.fsdp_mesh)
+    fully_shard(model, mesh=par.fsdp_mesh)
+    for module in model.modules():  # each FSDP unit reduces its own gradients
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def drop_unreached_gradients(model: torch.nn.Module, par: Parallel) -> None:
+    """Set to None the sharded gradients that are exactly zero on every rank.
+
+    FSDP2 hands some parameters that no loss term reaches (the V4 indexer's with
+    ``indexer_kl_coef`` 0) an all-zero gradient where one process leaves ``grad`` None, and AdamW
+    steps a zero gradient: weight decay and the step count would then differ from one process's
+    run. (A reached parameter whose gradient is exactly zero everywhere is treated alike.)
+    """
+    if not par.sharded:
+        return
+    import torch.distributed as dist
+
+    params = [p for p in model.parameters() if p.grad is not None]
+    local = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params]
+    reached = torch.tensor([float(bool(g.ne(0).any())) for g in local])
+    dist.all_reduce(reached)
+    for p, hit in zip(params, reached.tolist()):
+        if hit == 0:
+            p.grad = None
+
+
+def dp_slice(batch: dict[str, torch.Tensor], par: Parallel) -> dict[str, torch.Tensor]:
+    """This replica's rows of a global batch (every rank builds the same global batch)."""
+    if par.dp_size == 1:
+        return batch
+    rows = batch["input_ids"].shape[0] // par.dp_size
+    return {k: v[par.dp_rank * rows : (par.dp_rank + 1) * rows] for k, v in batch.items()}
 
 
 def all_reduce_sum(x: torch.Tensor, par: Parallel) -> torch.Tensor:
-    """Sum over the CP group (a copy; ``x`` itself without CP)."""
-    if par.group is None:
+    """Sum over every rank of the job (a copy; ``x`` itself in a single process)."""
+    if par.size == 1:
         return x
     import torch.distributed as dist
 
     x = x.detach().clone()
-    dist.all_reduce(x, group=par.group)
+    dist.all_reduce(x)
     return x
 
 

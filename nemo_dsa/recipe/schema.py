@@ -50,6 +50,7 @@ class RecipeConfig:
     stop_at_step: Optional[int] = MISSING  # noqa: UP045
     num_threads: Optional[int] = MISSING  # noqa: UP045
     cp_size: int = MISSING
+    dp_size: int = MISSING
     max_skipped_steps: int = MISSING
     dist_timeout_s: float = MISSING
     progress_bar: bool = MISSING
@@ -91,7 +92,7 @@ SCHEMAS = {"recipe": RecipeConfig, "data": DataConfig, "tokenizer": TokenizerCon
 RESUME_APPLIES = frozenset({
     "name", "max_steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "betas", "grad_clip", "precision",
     "log_every", "val_every", "val_batches", "ckpt_every", "keep_checkpoints", "stop_at_step", "num_threads",
-    "cp_size", "max_skipped_steps", "dist_timeout_s", "progress_bar", "plot",
+    "cp_size", "dp_size", "max_skipped_steps", "dist_timeout_s", "progress_bar", "plot",
 })
 
 
@@ -138,7 +139,7 @@ def check_recipe(recipe) -> None:
     """Fail before any work, naming the key: the rules the schema's types do not express."""
     problems = []
     positive = (
-        "seq_len", "batch_size", "max_steps", "log_every", "val_every", "ckpt_every", "keep_checkpoints", "cp_size",
+        "seq_len", "batch_size", "max_steps", "log_every", "val_every", "ckpt_every", "keep_checkpoints", "cp_size", "dp_size",
     )
     problems += [f"recipe.{k} must be an int >= 1, got {recipe[k]!r}" for k in positive if not is_positive_int(recipe[k])]
     problems += [f"recipe.{k} must be an int >= 0, got {recipe[k]!r}"
@@ -161,6 +162,9 @@ def check_recipe(recipe) -> None:
         problems.append(f"recipe.dist_timeout_s must be > 0 seconds, got {recipe.dist_timeout_s}")
     if recipe.num_threads is not None and not is_positive_int(recipe.num_threads):
         problems.append(f"recipe.num_threads must be an int >= 1 or null, got {recipe.num_threads!r}")
+    if is_positive_int(recipe.dp_size) and is_positive_int(recipe.batch_size) and recipe.batch_size % recipe.dp_size:
+        problems.append(f"recipe.batch_size={recipe.batch_size} must be a multiple of recipe.dp_size={recipe.dp_size} "
+                        "(each data-parallel rank trains on batch_size / dp_size rows)")
     if problems:
         raise ValueError("; ".join(problems))
     if recipe.max_steps <= recipe.warmup_steps:

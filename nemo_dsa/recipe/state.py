@@ -120,19 +120,58 @@ def verify_checkpoint(path: Path) -> None:
             raise CorruptCheckpoint(f"checkpoint {path}: {name} does not match its sha256 in {MANIFEST_FILE} (corrupted)")
 
 
-def weights_are_finite(model: torch.nn.Module) -> bool:
-    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
+def weights_are_finite(model: torch.nn.Module, tensors: dict[str, torch.Tensor] | None = None) -> bool:
+    values = model.parameters() if tensors is None else tensors.values()
+    return all(bool(torch.isfinite(p).all()) for p in values)
 
 
-def save_checkpoint(run_dir: Path, step: int, model, optimizer, schedule, stream, state: dict, keep: int) -> Path:
+class _GatheredWeights:
+    """What ``save_weights`` reads of a model (``state_dict()``, ``config``), for gathered full tensors."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], config) -> None:
+        self._tensors, self.config = tensors, config
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self._tensors
+
+
+def _parameter_order(model, optimizer) -> list[str]:
+    """Parameter names in the optimizer's order: the integer ids of ``Optimizer.state_dict()``."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+def gather_full_state(model, optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    """The full (unsharded) weights and optimizer state of an FSDP2 model, on CPU, in the formats a
+    single process saves (the optimizer's keyed by integer ids), so a checkpoint resumes on any
+    number of ranks. A collective: every rank calls it; only rank 0's return values hold data."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = get_model_state_dict(model, options=options)
+    by_name = get_optimizer_state_dict(model, optimizer, options=options)
+    if not weights:
+        return {}, {}
+    index = {name: i for i, name in enumerate(_parameter_order(model, optimizer))}
+    groups = [{**g, "params": [index[n] for n in g["params"]]} for g in by_name["param_groups"]]
+    return weights, {"state": {index[n]: v for n, v in by_name["state"].items()}, "param_groups": groups}
+
+
+def save_checkpoint(run_dir: Path, step: int, model, optimizer, schedule, stream, state: dict, keep: int, *,
+                    gathered: tuple[dict, dict] | None = None) -> Path:
     """Write ``checkpoints/step_<step>/`` atomically with its manifest and prune to the newest ``keep``.
 
     ``state``: the rest of the train state (``model_config``, ``recipe``, ``log_window``,
-    ``skipped_steps``). Non-finite weights are never saved (``FloatingPointError``).
+    ``skipped_steps``). ``gathered``: ``gather_full_state``'s weights and optimizer state of a
+    sharded model. Non-finite weights are never saved (``FloatingPointError``).
     """
     from nemo_dsa.models.dsa_lm.checkpoint import save_checkpoint as save_weights
 
-    if not weights_are_finite(model):
+    if gathered is not None:
+        model, optimizer_state = _GatheredWeights(gathered[0], model.config), gathered[1]
+    else:
+        optimizer_state = optimizer.state_dict() if optimizer is not None else None
+    if not weights_are_finite(model, gathered[0] if gathered is not None else None):
         raise FloatingPointError(f"step {step}: the model holds non-finite weights; not checkpointing them")
     root = Path(run_dir) / "checkpoints"
     final = root / f"{CHECKPOINT_PREFIX}{step:07d}"
@@ -141,7 +180,7 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, schedule, stream
     tmp.mkdir(parents=True)
     try:
         save_weights(model, tmp)  # model.safetensors with the DeepSeek-V4 key names
-        torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": schedule.state_dict(),
+        torch.save({"step": step, "optimizer": optimizer_state, "scheduler": schedule.state_dict(),
                     "rng": rng_state(), "data": stream.state_dict(), **state}, tmp / STATE_FILE)
         files = {}
         for file in sorted(tmp.iterdir()):
@@ -202,12 +241,39 @@ def read_state(path: Path) -> dict:
         raise CorruptCheckpoint(f"checkpoint {path}: {STATE_FILE} does not load ({type(e).__name__}: {e})") from None
 
 
-def restore(path: Path, state: dict, model, optimizer, schedule, stream) -> None:
-    """Load what ``save_checkpoint`` wrote into the live objects (``state`` from ``read_state``)."""
+def restore(path: Path, state: dict, model, optimizer, schedule, stream, *, sharded: bool = False) -> None:
+    """Load what ``save_checkpoint`` wrote into the live objects (``state`` from ``read_state``).
+
+    ``sharded``: the model is FSDP2-sharded; every rank reads the full checkpoint and keeps its shard
+    (whatever number of ranks wrote it).
+    """
     from nemo_dsa.models.dsa_lm.checkpoint import load_checkpoint as load_weights
 
-    load_weights(model, path, strict=True)
-    optimizer.load_state_dict(state["optimizer"])
+    if sharded:
+        _restore_sharded(path, state["optimizer"], model, optimizer)
+    else:
+        load_weights(model, path, strict=True)
+        optimizer.load_state_dict(state["optimizer"])
     schedule.load_state_dict(state["scheduler"])
     stream.load_state_dict(state["data"])
     set_rng_state(state["rng"])
+
+
+def _restore_sharded(path: Path, optimizer_state: dict, model, optimizer) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    from nemo_dsa.models.dsa_lm.checkpoint import read_checkpoint
+
+    tensors = read_checkpoint(path)
+    tied = {"head.weight"} if getattr(getattr(model, "config", None), "tie_word_embeddings", False) else set()
+    expected = set(model.state_dict()) - tied
+    if set(tensors) != expected:
+        raise ValueError(f"checkpoint {path} keys do not match the model: missing {sorted(expected - set(tensors))[:8]}, "
+                         f"unexpected {sorted(set(tensors) - expected)[:8]}")
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, tensors, options=options)
+    order = _parameter_order(model, optimizer)
+    by_name = {"state": {order[i]: v for i, v in optimizer_state["state"].items()},
+               "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in optimizer_state["param_groups"]]}
+    # Not strict: a parameter no loss term reaches has no optimizer state, as in one process.
+    set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True, strict=False))
