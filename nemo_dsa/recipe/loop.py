@@ -17,7 +17,14 @@ import torch
 from nemo_dsa.data import PAD_ID
 from nemo_dsa.labels import IGNORE_INDEX
 from nemo_dsa.recipe.files import RunDirLock, atomic_write, remove_temporaries
-from nemo_dsa.recipe.metrics import MetricsLog, plot_losses, read_metrics, write_summary
+from nemo_dsa.recipe.metrics import (
+    MetricsLog,
+    TensorBoardScalars,
+    plot_losses,
+    read_metrics,
+    require_tensorboard,
+    write_summary,
+)
 from nemo_dsa.recipe.optim import apply_recipe, build_optimizer
 from nemo_dsa.recipe.parallel import (
     Parallel,
@@ -258,6 +265,8 @@ def train(cfg) -> TrainResult:
     recipe = cfg.recipe
     check_recipe(recipe)
     device = _device(cfg, recipe)
+    if cfg.logger.tensorboard:
+        require_tensorboard()  # before any work: the missing package is named at once
     run_dir = Path(cfg.run_dir)
     lock = RunDirLock(run_dir).acquire() if launch_rank() == 0 else None  # before anything is written
     try:
@@ -310,6 +319,8 @@ def _run(cfg, recipe, device: torch.device, run_dir: Path) -> TrainResult:
     # aside (never resumed by a later resume=auto, never pruned), and said so.
     abandoned = abandon_newer(run_dir, start) if par.is_main and path is not None else []
     metrics = _open_metrics(cfg, run_dir, par, saved, path, applied, fallbacks)
+    if cfg.logger.tensorboard and par.is_main:
+        metrics.tensorboard = TensorBoardScalars(run_dir / cfg.logger.log_dir, purge_step=start + 1)
     for old in abandoned:
         note(f"set aside {old.name[len(ABANDONED_PREFIX):]} as {old} (newer than step {start}, which this run resumes from)")
         metrics.log({"step": start, "event": "checkpoint_abandoned", "path": str(old)})
@@ -376,6 +387,7 @@ def _run(cfg, recipe, device: torch.device, run_dir: Path) -> TrainResult:
     bar.close()
     if par.is_main:
         _finish(run_dir, metrics.path, result, recipe, n_params, title)
+    metrics.close()
     return result
 
 

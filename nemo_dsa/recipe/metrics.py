@@ -43,6 +43,7 @@ class MetricsLog:
         self.enabled = enabled
         self.elapsed_before = elapsed_before
         self._start = time.monotonic()
+        self.tensorboard: TensorBoardScalars | None = None  # set by the recipe for logger=tensorboard
 
     def elapsed(self) -> float:
         return self.elapsed_before + (time.monotonic() - self._start)
@@ -61,6 +62,58 @@ class MetricsLog:
         if self.enabled:
             stamp = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "elapsed_s": round(self.elapsed(), 3)}
             append_line(self.path, json.dumps({**record, **stamp}))
+            if self.tensorboard is not None:
+                self.tensorboard.write(record)
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = None
+
+
+TENSORBOARD_PACKAGE_HINT = "pip install 'nemo-dsa[tensorboard]' (or pip install tensorboard)"
+
+
+def require_tensorboard() -> None:
+    """Fail at once, naming the package, when ``logger=tensorboard`` cannot write."""
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard") is None:
+        raise ValueError(f"logger=tensorboard needs the 'tensorboard' package, which is not installed: "
+                         f"{TENSORBOARD_PACKAGE_HINT}")
+
+
+class TensorBoardScalars:
+    """The numeric fields of training records (loss, lr, grad_norm, tokens_per_s, val_loss, ...) as
+    TensorBoard scalars under ``train/`` and ``val/``, at their step.
+
+    ``purge_step``: on resume, the events an earlier run logged from this step on are dropped by
+    TensorBoard, as ``metrics.jsonl`` drops its records past the checkpoint.
+    """
+
+    SCALARS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
+               "tokens_per_s": "train/tokens_per_s", "val_loss": "val/loss"}
+
+    def __init__(self, log_dir: Path, purge_step: int | None = None) -> None:
+        require_tensorboard()
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.log_dir = Path(log_dir)
+        self._writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge_step)
+
+    def write(self, record: dict) -> None:
+        if "event" in record:
+            if record["event"] == "skipped":
+                self._writer.add_scalar("train/skipped_steps", record["skipped_steps"], record["step"])
+            return
+        for key, tag in self.SCALARS.items():
+            value = record.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._writer.add_scalar(tag, value, record["step"])
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
 
 
 def write_summary(path: Path, summary: dict) -> None:

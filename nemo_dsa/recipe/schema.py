@@ -83,8 +83,17 @@ class TokenizerConfig:
     pad_token: Optional[str] = None  # noqa: UP045 - null: tokenizer_config.json, else EOS
 
 
+@dataclass
+class LoggerConfig:
+    """The ``logger`` node: ``metrics.jsonl`` always; TensorBoard scalars too with ``logger=tensorboard``."""
+
+    name: str = MISSING
+    tensorboard: bool = False
+    log_dir: str = "tensorboard"  # under run_dir
+
+
 RECIPE_KEYS = tuple(f.name for f in fields(RecipeConfig))
-SCHEMAS = {"recipe": RecipeConfig, "data": DataConfig, "tokenizer": TokenizerConfig}
+SCHEMAS = {"recipe": RecipeConfig, "data": DataConfig, "tokenizer": TokenizerConfig, "logger": LoggerConfig}
 
 # Keys a resumed run may change: they take effect from the resumed step on (and are logged).
 # Changing any other key (seq_len, batch_size, val_percent, min_piece: the data stream and the
