@@ -1,0 +1,48 @@
+"""nemo-automodel's ``train_ft`` recipe on a CPU-only machine: the same recipe and config.
+
+    .venv/bin/python examples/automodel/write_tiny_v4_checkpoint.py --output /tmp/nemo_dsa_tiny_v4
+    .venv/bin/python examples/automodel/train_ft_cpu.py --config examples/automodel/deepseek_v4_plugin_tiny_ft.yaml
+
+nemo-automodel 0.7.0's recipe assumes CUDA in three calls, which fail on a CPU build of torch
+(``AttributeError: module 'torch._C' has no attribute '_cuda_resetPeakMemoryStats'``): model
+building asks ``torch.cuda.current_device()``, ``setup()`` resets CUDA peak-memory statistics and
+``_build_model`` materialises the model on that CUDA device. Without a GPU this script stands in
+for those three (device 0 as a plain number, no statistics to reset, materialise on the CPU) and
+selects the gloo backend (``--dist_env.backend gloo`` unless given); everything else is
+nemo-automodel's own ``train_ft.main``. With a GPU it changes nothing. Extra arguments are the
+recipe's own overrides, e.g. ``--step_scheduler.max_steps 4``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+
+def patch_cuda_only_calls() -> None:
+    from nemo_automodel._transformers import auto_model
+
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.reset_peak_memory_stats = lambda *args, **kwargs: None
+    build = auto_model.apply_model_infrastructure
+
+    def on_cpu(*args, **kwargs):
+        kwargs["device"] = torch.device("cpu")
+        return build(*args, **kwargs)
+
+    auto_model.apply_model_infrastructure = on_cpu
+
+
+def main() -> None:
+    from nemo_automodel.recipes.llm import train_ft
+
+    if not torch.cuda.is_available():
+        patch_cuda_only_calls()
+        if not any(arg.startswith("--dist_env.backend") for arg in sys.argv[1:]):
+            sys.argv += ["--dist_env.backend", "gloo"]
+    train_ft.main()
+
+
+if __name__ == "__main__":
+    main()
