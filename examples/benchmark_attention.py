@@ -9,10 +9,17 @@ head, key) forward, 14 * D forward + backward), peak memory above the inputs. Pr
 writes JSON (``--json``).
 
     python examples/benchmark_attention.py --seq 4096 16384 32768 65536 --json out.json
+
+``--variants split-pv/atomic balanced/key-major`` times nemo_dsa once per kernel variant
+(forward schedule / how the window keys' dkv is summed, see ``ops/sparse_attention/kernels.py``);
+the first is the table's, the others are printed after it. ``--parts`` also times the backward's
+pieces alone (the kernels asked for only some gradients), to show where its time goes.
 """
 
 import argparse
+import contextlib
 import json
+import os
 
 import torch
 
@@ -82,7 +89,47 @@ def peak_mib(fn) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def run(seq: int, iters: int, ours_only: bool = False) -> dict:
+@contextlib.contextmanager
+def variant(name: str):
+    """Select a kernel variant "<forward schedule>/<window dkv>" through the environment."""
+    schedule, window_dkv = name.split("/")
+    saved = {k: os.environ.get(k) for k in ("NEMO_DSA_ATTN_FWD", "NEMO_DSA_WINDOW_DKV")}
+    os.environ["NEMO_DSA_ATTN_FWD"], os.environ["NEMO_DSA_WINDOW_DKV"] = schedule, window_dkv
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def backward_parts(q, raw, comp, sink, indices, window_start, grad, iters: int) -> dict:
+    """ms of the backward alone (forward saved once), asking the kernels for some gradients."""
+    from nemo_dsa.ops.sparse_attention import kernels
+
+    inputs = kernels.KernelInputs(q, raw, window_start, WINDOW, comp, indices, None, None, sink, DIM**-0.5)
+    out, lse = kernels.sparse_window_forward(inputs)
+    parts = {
+        "all, window dkv by atomics": ("atomic", (True, True, True)),
+        "all, window dkv key-major": ("key-major", (True, True, True)),
+        "dq only (no dkv GEMMs, no atomics)": ("atomic", (True, False, False)),
+        "dq + compressed dkv (window dkv skipped)": ("atomic", (True, False, True)),
+        "window dkv key-major alone": ("key-major", (False, True, False)),
+        "delta alone": ("atomic", (False, False, False)),
+    }
+    result = {}
+    for name, (window_dkv, (dq, d_raw, d_comp)) in parts.items():
+        with variant(f"split-pv/{window_dkv}"):
+            result[name] = median_ms(
+                lambda: kernels.sparse_window_backward(inputs, out, lse, grad, need_dq=dq, need_d_raw=d_raw, need_d_comp=d_comp),
+                iters,
+            )
+    return result
+
+
+def run(seq: int, iters: int, ours_only: bool = False, variants: tuple = ("split-pv/atomic",), parts: bool = False) -> dict:
     from nemo_automodel.components.models.deepseek_v4.kernels.sparse_attention import sparse_attn_tilelang
 
     q, raw, comp, sink, indices, window_start = make_inputs(seq)
@@ -122,17 +169,30 @@ def run(seq: int, iters: int, ours_only: bool = False) -> dict:
         del ours_out, theirs_out
     cases = [("ours_fwd", ours_fwd, 4 * DIM), ("builtin_fwd", builtin_fwd, 4 * DIM),
              ("ours_fwd_bwd", ours_fwd_bwd, 14 * DIM), ("builtin_fwd_bwd", builtin_fwd_bwd, 14 * DIM)]
+    row["variant"] = variants[0]
     for name, fn, flop_per_pair in cases:
         if ours_only and name.startswith("builtin"):
             continue
         try:
-            ms = median_ms(fn, iters)
-            row[name + "_ms"] = ms
-            row[name + "_tflops"] = pairs * flop_per_pair / ms / 1e9
-            row[name + "_peak_mib"] = peak_mib(fn)
+            with variant(variants[0]):
+                ms = median_ms(fn, iters)
+                row[name + "_ms"] = ms
+                row[name + "_tflops"] = pairs * flop_per_pair / ms / 1e9
+                row[name + "_peak_mib"] = peak_mib(fn)
         except torch.cuda.OutOfMemoryError:
             row[name + "_ms"] = None
             torch.cuda.empty_cache()
+    print(json.dumps(row), flush=True)  # the table's row first: a variant that fails leaves it
+    row["other_variants"] = {}
+    for name in variants[1:]:
+        with variant(name):
+            fwd, fwd_bwd = median_ms(ours_fwd, iters), median_ms(ours_fwd_bwd, iters)
+        row["other_variants"][name] = {
+            "fwd_ms": fwd, "fwd_tflops": pairs * 4 * DIM / fwd / 1e9,
+            "fwd_bwd_ms": fwd_bwd, "fwd_bwd_tflops": pairs * 14 * DIM / fwd_bwd / 1e9,
+        }  # fmt: skip
+    if parts:
+        row["backward_parts_ms"] = backward_parts(q, raw, comp, sink, indices, window_start, grad, iters)
     for kind in ("fwd", "fwd_bwd"):
         if row.get(f"ours_{kind}_ms") and row.get(f"builtin_{kind}_ms"):
             row[f"speedup_{kind}"] = row[f"builtin_{kind}_ms"] / row[f"ours_{kind}_ms"]
@@ -145,10 +205,17 @@ def main():
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--json", default=None)
     parser.add_argument("--ours-only", action="store_true", help="skip the built-in (and its compile)")
+    parser.add_argument("--variants", nargs="+", default=["split-pv/atomic"],
+                        help="<forward schedule>/<window dkv>: split-pv|balanced / atomic|key-major")
+    parser.add_argument("--parts", action="store_true", help="also time the backward's pieces")
     args = parser.parse_args()
+    for name in args.variants:
+        schedule, _, window_dkv = name.partition("/")
+        if schedule not in ("split-pv", "balanced") or window_dkv not in ("atomic", "key-major"):
+            parser.error(f"--variants: {name!r} is not <split-pv|balanced>/<atomic|key-major>")
     rows = []
     for seq in args.seq:
-        rows.append(run(seq, args.iters, args.ours_only))
+        rows.append(run(seq, args.iters, args.ours_only, tuple(args.variants), args.parts))
         print(json.dumps(rows[-1]), flush=True)
         torch.cuda.empty_cache()
     if args.json:
@@ -175,6 +242,17 @@ def print_table(rows: list[dict]) -> None:
             f"{f(r, 'ours_fwd_bwd_tflops', '.0f')} / {f(r, 'builtin_fwd_bwd_tflops', '.0f')} | "
             f"{f(r, 'ours_fwd_bwd_peak_mib', '.0f')} / {f(r, 'builtin_fwd_bwd_peak_mib', '.0f')} |"
         )
+    variants = [(r["seq"], name, v) for r in rows for name, v in r.get("other_variants", {}).items()]
+    if variants:
+        print(f"\nnemo_dsa variants (table: {rows[0]['variant']})\n| S | variant | fwd | TFLOP/s | fwd+bwd | TFLOP/s |")
+        print("|---|---|---|---|---|---|")
+        for seq, name, v in variants:
+            print(f"| {seq} | {name} | {v['fwd_ms']:.2f} ms | {v['fwd_tflops']:.0f} | {v['fwd_bwd_ms']:.1f} ms | {v['fwd_bwd_tflops']:.0f} |")
+    for r in rows:
+        if "backward_parts_ms" in r:
+            print(f"\nbackward alone, S = {r['seq']} (split-pv forward saved once):")
+            for name, ms in r["backward_parts_ms"].items():
+                print(f"  {name}: {ms:.2f} ms")
 
 
 if __name__ == "__main__":

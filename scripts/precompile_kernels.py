@@ -26,10 +26,10 @@ def _jobs(heads: list[int], dims: list[int], counts: list[int]) -> list[tuple]:
     configs = {select_config(dtype, count, order) for dtype in (torch.float32, torch.bfloat16)
                for order in ("score", "index") for count in counts}
     selectors = [("select", c.score_dtype, c.slots, c.order) for c in sorted(configs, key=str)]
-    # The sparse-attention kernels (forward, delta, backward) of every head dim and mode.
-    from nemo_dsa.ops.sparse_attention.kernels import KERNEL_DIMS, MODES
+    # The sparse-attention kernels (forwards, backward, window dkv, delta) of every head dim/mode.
+    from nemo_dsa.ops.sparse_attention.kernels import KERNEL_DIMS, dispatched_configs
 
-    attention = [("attention", dim, mode) for dim in KERNEL_DIMS for mode in MODES]
+    attention = [("attention", config) for config in dispatched_configs() + list(KERNEL_DIMS)]
     return scorers + selectors + attention
 
 
@@ -47,9 +47,8 @@ def _compile(job: tuple) -> str:
     if kind == "attention":
         from nemo_dsa.ops.sparse_attention import kernels
 
-        _, dim, mode = job
-        kernels.compile_all(dim, mode)
-        return f"attention dim={dim} mode={mode} {time.perf_counter() - start:5.1f} s"
+        kernels.compile_config(job[1])
+        return f"attention {job[1]} {time.perf_counter() - start:5.1f} s"
     _, heads, dim = job
     if kind == "v41":
         from nemo_dsa.ops.v41_indexer import kernels

@@ -7,6 +7,7 @@ operands, and the gradients are routed to the right inputs. The two kernel launc
 by the reference on the unpadded operands, which is all they promise to compute.
 """
 
+import pytest
 import torch
 
 from helpers import generator
@@ -36,13 +37,18 @@ def fake_forward(inputs, *, out=None, lse=None):
         return _reference_on(inputs, _leaves(inputs, False))
 
 
-def fake_backward(inputs, out, lse, grad_out, *, dq=None):
+BACKWARD_CALLS = []
+
+
+def fake_backward(inputs, out, lse, grad_out, *, dq=None, need_dq=True, need_d_raw=True, need_d_comp=True):
+    BACKWARD_CALLS.append((need_dq, need_d_raw, need_d_comp))
     leaves = _leaves(inputs, True)
     with torch.enable_grad():
         ref_out, _ = _reference_on(inputs, leaves)
         dq, d_raw, d_comp = torch.autograd.grad(ref_out, leaves[:3], grad_out, allow_unused=True)
     delta = (grad_out.float() * out.float()).sum(-1)
-    return dq, d_raw, torch.zeros_like(leaves[2]) if d_comp is None else d_comp, delta
+    d_comp = torch.zeros_like(leaves[2]) if d_comp is None else d_comp
+    return dq if need_dq else None, d_raw if need_d_raw else None, d_comp if need_d_comp else None, delta
 
 
 def test_function_saves_through_save_for_backward_and_routes_gradients(monkeypatch):
@@ -80,3 +86,43 @@ def test_function_saves_through_save_for_backward_and_routes_gradients(monkeypat
     assert torch.equal(out, ref_out.detach()) and torch.equal(lse, ref_lse.detach())
     for got, want, name in zip(leaves, expected, ("q", "raw_kv", "compressed_kv", "sink")):
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize(
+    "wanted",
+    [("q",), ("raw_kv",), ("q", "raw_kv"), ("q", "raw_kv", "sink"), ("compressed_kv",), ("sink",), ("q", "compressed_kv", "sink")],
+)
+def test_backward_computes_only_the_gradients_inputs_need(monkeypatch, wanted):
+    """ctx.needs_input_grad decides what the kernel is asked for (frozen compressed kv, frozen q,
+    sink only: no kernel gradient at all); the wanted gradients still match the reference."""
+    monkeypatch.setattr(kernels, "sparse_window_forward", fake_forward)
+    monkeypatch.setattr(kernels, "sparse_window_backward", fake_backward)
+    BACKWARD_CALLS.clear()
+    gen = generator(11)
+    batch, seq, history, heads, dim, num_comp = 1, 13, 3, 2, 16, 7
+    names = ("q", "raw_kv", "compressed_kv", "sink")
+    values = (
+        torch.randn(batch, seq, heads, dim, generator=gen), torch.randn(batch, seq + history, dim, generator=gen),
+        torch.randn(batch, num_comp, dim, generator=gen), torch.randn(heads, generator=gen),
+    )  # fmt: skip
+    window_start = torch.zeros(batch, seq, dtype=torch.int32)
+    indices = torch.randint(-1, num_comp, (batch, seq, 3), generator=gen, dtype=torch.int32)
+    grad = torch.randn(batch, seq, heads, dim, generator=gen)
+
+    leaves = [v.clone().requires_grad_(n in wanted) for n, v in zip(names, values)]
+    out, _ = SparseWindowAttentionFunction.apply(
+        leaves[0], leaves[1], window_start, 5, leaves[2], indices, None, None, leaves[3], 0.25
+    )
+    out.backward(grad)
+    assert BACKWARD_CALLS == [("q" in wanted, "raw_kv" in wanted, "compressed_kv" in wanted)]
+
+    expected = [v.clone().requires_grad_(True) for v in values]
+    ref_out, _ = window_compressed_attention_reference(
+        expected[0], expected[1], window_start, 5, expected[2], indices=indices, sink=expected[3], scale=0.25
+    )
+    ref_out.backward(grad)
+    for got, want, name in zip(leaves, expected, names):
+        if name in wanted:
+            torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-6, msg=name)
+        else:
+            assert got.grad is None, name

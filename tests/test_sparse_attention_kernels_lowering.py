@@ -14,6 +14,7 @@ from nemo_dsa.ops.sparse_attention.kernels import (
     HOPPER_SMEM_LIMIT,
     BackwardConfig,
     ForwardConfig,
+    WindowDkvConfig,
     backward_config,
     dispatched_configs,
     forward_config,
@@ -26,6 +27,8 @@ def _factory(config):
         return kernels.sparse_window_fwd_kernel
     if isinstance(config, BackwardConfig):
         return kernels.sparse_window_bwd_kernel
+    if isinstance(config, WindowDkvConfig):
+        return kernels.window_dkv_kernel
     return kernels.attention_delta_kernel
 
 
@@ -52,8 +55,9 @@ def _forward_problems(config: ForwardConfig, source: str) -> list[str]:
     """What the forward's CUDA lacks of its schedule: S = Q K^T as m64n64 wgmmas, one m64 x D/2
     P V wgmma per consumer, the setmaxnreg split, and zero-filling cp.async gathers."""
     problems = []
-    if not re.search(r"wgmma_ss<[^>]*\b64, 64, 16\b", source):
-        problems.append("S = Q K^T as m64n64k16 wgmma")
+    keys = 32 if config.schedule == "balanced" else 64  # balanced: each consumer scores half the keys
+    if len(re.findall(rf"wgmma_ss<[^>]*\b64, {keys}, 16\b", source)) < (4 if config.schedule == "balanced" else 2):
+        problems.append(f"S = Q K^T as m64n{keys}k16 wgmma (in each scoring consumer)")
     if len(re.findall(rf"wgmma_ss<[^>]*\b64, {config.dim // 2}, 16\b", source)) < 2:
         problems.append(f"one m64n{config.dim // 2} P V wgmma per consumer")
     if f"warpgroup_reg_dealloc<{config.producer_registers}>" not in source:
@@ -72,9 +76,18 @@ def _forward_problems(config: ForwardConfig, source: str) -> list[str]:
     return problems
 
 
+def _check_window_dkv(config: WindowDkvConfig, source: str) -> None:
+    """The key-major window dkv: S and dP as m64n32 wgmmas, dkv accumulated as m64 x D/2 wgmmas
+    (one half of D per warpgroup), and its only atomics after the query loop (one add per row)."""
+    assert re.search(r"wgmma_ss<[^>]*\b64, 32, 16\b", source), f"{config}: S = Q K^T wgmma"
+    assert len(re.findall(rf"wgmma_ss<[^>]*\b64, {config.dim // 2}, 16, true, true\b", source)) == 2, f"{config}: dkv wgmmas"
+    last_gemm, first_atomic = source.rfind("wgmma_ss<"), source.find("AtomicAdd")
+    assert 0 < last_gemm < first_atomic, f"{config}: an atomic inside the query loop"
+
+
 def test_every_dispatched_config_lowers_with_wgmma_and_fits_shared_memory():
     configs = dispatched_configs()
-    assert len(configs) == len(set(configs)) == 2 * len(kernels.KERNEL_DIMS) * len(kernels.MODES)
+    assert len(configs) == len(set(configs)) == (3 * len(kernels.MODES) + 1) * len(kernels.KERNEL_DIMS)
     results = map_in_workers(_lower, configs + list(kernels.KERNEL_DIMS))
     for config, source, smem in results:
         assert smem <= HOPPER_SMEM_LIMIT, f"{config}: {smem} bytes of dynamic shared memory"
@@ -87,10 +100,18 @@ def test_every_dispatched_config_lowers_with_wgmma_and_fits_shared_memory():
             assert "wgmma_ss<" in source, f"{config}: no wgmma"
             assert "AtomicAdd" in source, f"{config}: dkv is not accumulated atomically"
             assert smem > 0
-    budget = 128 * sum(
-        getattr(configs[0], name) for name in ("consumer0_registers", "consumer1_registers", "producer_registers")
-    )
-    assert budget <= 65536, f"setmaxnreg budgets ask for {budget} registers"
+        elif isinstance(config, WindowDkvConfig):
+            _check_window_dkv(config, source)
+    for config in configs:
+        if isinstance(config, ForwardConfig):
+            # setmaxnreg moves registers within the launch allocation: asking for more hangs.
+            budget = config.consumer0_registers + config.consumer1_registers + config.producer_registers
+            assert budget <= 3 * kernels.LAUNCH_REGISTERS, f"{config}: setmaxnreg budgets ask for {budget} > 504"
+            assert kernels.LAUNCH_REGISTERS * kernels.FWD_THREADS <= 65536
+            if config.schedule == "balanced":  # the consumers meet at their own 256-thread barriers
+                source = next(src for c, src, _ in results if c == config)
+                for barrier in (kernels.EXCHANGE_BARRIER, kernels.P_READY_BARRIER):
+                    assert f"__sync_thread_partial({barrier}, 256)" in source, f"{config}: barrier {barrier}"
 
 
 def test_role_barrier_renumbering_separates_shared_ids():
@@ -131,12 +152,15 @@ def test_schedule_check_can_fail():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found: cannot build cubins")
 def test_representative_configs_compile_to_cubin():
-    fwd, bwd = forward_config(512, "indices"), backward_config(128, "range")
-    fwd_source, bwd_source = map_in_workers(_compile, [fwd, bwd])
-    assert not _forward_problems(fwd, fwd_source)
-    for role_id in kernels.ROLE_BARRIER_IDS:  # the post-processing hook ran before nvcc
-        assert f"__sync_thread_partial({role_id}, 128)" in fwd_source
+    fwd, bwd = forward_config(512, "indices", "split-pv"), backward_config(128, "range")
+    balanced, window_dkv = forward_config(512, "range", "balanced"), WindowDkvConfig(512)
+    fwd_source, bwd_source, balanced_source, window_source = map_in_workers(_compile, [fwd, bwd, balanced, window_dkv])
+    for config, source in ((fwd, fwd_source), (balanced, balanced_source)):
+        assert not _forward_problems(config, source)
+        for role_id in kernels.ROLE_BARRIER_IDS:  # the post-processing hook ran before nvcc
+            assert f"__sync_thread_partial({role_id}, 128)" in source
     assert "AtomicAdd" in bwd_source
+    _check_window_dkv(window_dkv, window_source)
 
 
 def test_dims_and_modes_map_to_kernels():

@@ -50,16 +50,23 @@ class SparseWindowAttentionFunction(torch.autograd.Function):
         )
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        dq, d_raw, d_comp, delta = kernels.sparse_window_backward(inputs, out, lse, grad_out)
         has_compressed = compressed_kv is not None
-        if has_compressed and d_comp.shape != compressed_kv.shape:  # zero slots: nothing read
+        need_dq, need_d_raw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_d_comp = has_compressed and ctx.needs_input_grad[4]
+        need_d_sink = sink is not None and ctx.needs_input_grad[8]
+        # Only the gradients some input needs are computed (e.g. frozen compressed kv or q); with
+        # none of dq / d raw / d compressed wanted, the sink's delta is all that runs.
+        dq, d_raw, d_comp, delta = kernels.sparse_window_backward(
+            inputs, out, lse, grad_out, need_dq=need_dq, need_d_raw=need_d_raw, need_d_comp=need_d_comp
+        )
+        if d_comp is not None and d_comp.shape != compressed_kv.shape:  # zero slots: nothing read
             d_comp = d_comp.new_zeros(compressed_kv.shape)
         d_sink = None
-        if sink is not None and ctx.needs_input_grad[8]:
+        if need_d_sink:
             # d lse / d sink = p_sink; d out / d sink = -p_sink * out, so dL/dsink = -p_sink * delta.
             p_sink = torch.exp(sink.view(1, 1, -1) - lse)
             d_sink = -(p_sink * delta).sum(dim=(0, 1))
-        return dq, d_raw, None, None, d_comp if has_compressed else None, None, None, None, d_sink, None
+        return dq, d_raw, None, None, d_comp, None, None, None, d_sink, None
 
 
 def _validate(q, raw_kv, window_start, window, compressed_kv, indices, ks, ke, sink, scale, check_indices):

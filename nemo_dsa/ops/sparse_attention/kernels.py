@@ -30,6 +30,7 @@ dkv = scale * dS^T Q + P^T dO into an fp32 [N_raw + K, D] buffer with 16-byte at
 """
 
 
+import os
 import re
 from dataclasses import asdict, dataclass
 
@@ -47,11 +48,29 @@ LOG2E = 1.4426950408889634
 # Running-max floor in log2 units: finite, so exp2(m_old - m_new) is never inf - inf.
 M_FLOOR = -1.0e30
 MODES = ("indices", "range")
+# How the window keys' dkv is summed: "atomic" (the query-major backward adds every (query, tile)
+# contribution with fp32 atomics) or "key-major" (window_dkv_kernel: one sum per raw tile, in
+# registers). NEMO_DSA_WINDOW_DKV overrides the default (for A/B measurements).
+WINDOW_DKV_MODES = ("atomic", "key-major")
+DEFAULT_WINDOW_DKV = "atomic"
 
 FWD_THREADS = 384
 FWD_PASS_CONFIGS = {"tl.disable_warp_specialized": True, "tl.disable_safe_memory_legalize": True}
 BWD_THREADS = 256
 BWD_PASS_CONFIGS = {"tl.disable_warp_specialized": True, "tl.disable_tma_lower": True}
+
+
+# Forward schedules: "split-pv" (consumer 0 scores and does half of PV, consumer 1 the other
+# half) or "balanced" (each consumer scores half the keys and does half of PV, FlashMLA's split).
+# NEMO_DSA_ATTN_FWD overrides the default (for A/B measurements).
+FWD_SCHEDULES = ("split-pv", "balanced")
+DEFAULT_FWD_SCHEDULE = "split-pv"
+# setmaxnreg (consumer 0, consumer 1, producer) per schedule. The warpgroups trade registers
+# inside the block's launch allocation (168 a thread at 384 threads: 504 per thread-triple), so
+# the three must sum to <= 504: a setmaxnreg.inc beyond it waits forever (the first balanced
+# version asked for 208 + 208 + 96 = 512 and hung on the GPU).
+LAUNCH_REGISTERS = 168  # 65536 / 384, rounded down to a multiple of 8
+FWD_REGISTERS = {"split-pv": (240, 168, 96), "balanced": (208, 200, 96)}
 
 
 @dataclass(frozen=True)
@@ -64,6 +83,7 @@ class ForwardConfig:
     consumer0_registers: int = 240
     consumer1_registers: int = 168
     producer_registers: int = 96
+    schedule: str = "split-pv"
 
     def kernel_kwargs(self) -> dict:
         return asdict(self)
@@ -90,6 +110,19 @@ class BackwardConfig:
         return dict(BWD_PASS_CONFIGS)
 
 
+@dataclass(frozen=True)
+class WindowDkvConfig:
+    """One compiled :func:`window_dkv_kernel` (the key-major window dkv)."""
+
+    dim: int
+
+    def kernel_kwargs(self) -> dict:
+        return asdict(self)
+
+    def pass_configs(self) -> dict:
+        return dict(BWD_PASS_CONFIGS)
+
+
 def kernel_dim(dim: int) -> int:
     """The built head dim that serves ``dim`` (the smallest of KERNEL_DIMS >= it)."""
     for d in KERNEL_DIMS:
@@ -98,13 +131,26 @@ def kernel_dim(dim: int) -> int:
     raise ValueError(f"head_dim must be <= {MAX_DIM}, got {dim}")
 
 
-def forward_config(dim: int, mode: str) -> ForwardConfig:
-    """Stages: as many 64-key tiles as fit beside Q in 227 KiB (2 at D = 512, 4 at D = 128)."""
+def forward_schedule() -> str:
+    """The forward schedule in use: NEMO_DSA_ATTN_FWD if set, else DEFAULT_FWD_SCHEDULE."""
+    schedule = os.environ.get("NEMO_DSA_ATTN_FWD", DEFAULT_FWD_SCHEDULE)
+    if schedule not in FWD_SCHEDULES:
+        raise ValueError(f"NEMO_DSA_ATTN_FWD must be one of {FWD_SCHEDULES}, got {schedule!r}")
+    return schedule
+
+
+def forward_config(dim: int, mode: str, schedule: str | None = None) -> ForwardConfig:
+    """Stages: as many 64-key tiles as fit beside Q in 227 KiB (2 at D = 512, 4 at D = 128);
+    ``schedule`` None: :func:`forward_schedule`."""
     if dim not in KERNEL_DIMS:
         raise ValueError(f"dim must be one of {KERNEL_DIMS} for a kernel, got {dim}")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    return ForwardConfig(dim, mode, num_stages=2 if dim == 512 else 4)
+    schedule = forward_schedule() if schedule is None else schedule
+    if schedule not in FWD_SCHEDULES:
+        raise ValueError(f"schedule must be one of {FWD_SCHEDULES}, got {schedule!r}")
+    c0, c1, producer = FWD_REGISTERS[schedule]
+    return ForwardConfig(dim, mode, 2 if dim == 512 else 4, c0, c1, producer, schedule)
 
 
 def backward_config(dim: int, mode: str) -> BackwardConfig:
@@ -116,10 +162,12 @@ def backward_config(dim: int, mode: str) -> BackwardConfig:
 
 
 def dispatched_configs() -> list:
-    """Every forward and backward configuration the wrappers can compile."""
-    return [forward_config(d, m) for d in KERNEL_DIMS for m in MODES] + [
-        backward_config(d, m) for d in KERNEL_DIMS for m in MODES
-    ]
+    """Every forward, backward and key-major window-dkv configuration the wrappers can compile."""
+    return (
+        [forward_config(d, m, sched) for sched in FWD_SCHEDULES for d in KERNEL_DIMS for m in MODES]
+        + [backward_config(d, m) for d in KERNEL_DIMS for m in MODES]
+        + [WindowDkvConfig(d) for d in KERNEL_DIMS]
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -193,14 +241,21 @@ def sparse_window_fwd_kernel(
     consumer0_registers: int,
     consumer1_registers: int,
     producer_registers: int,
+    schedule: str = "split-pv",
 ):
     """PrimFunc of the forward for one configuration. Grid: (S, H / 64, B); H a multiple of 64
-    (the wrapper zero-pads q's heads: padded heads compute rows nobody reads).
+    (the wrapper zero-pads q's heads: padded heads compute rows nobody reads). ``schedule``
+    "balanced" gives :func:`sparse_window_fwd_balanced_kernel` instead.
 
     Arguments: Q [B, S, H, D], Raw [B, N_raw, D], Comp [B, K, D] (bf16), WindowStart [B, S],
-    Indices [B, S, T] or KS/KE [B, S] (int32), Sink [H] fp32, Params [2] fp32 (scale, has_sink),
+    Indices [B, S, T] with KE [B, S] = 1 + its last valid slot, or KS/KE [B, S] (int32), Sink [H]
+    fp32, Params [2] fp32 (scale, has_sink),
     Window [1] int32; out: Out [B, S, H, D] bf16, Lse [B, S, H] fp32 (natural log).
     """
+    if schedule == "balanced":
+        return sparse_window_fwd_balanced_kernel(
+            dim, mode, num_stages, consumer0_registers, consumer1_registers, producer_registers
+        )
     T = tilelang().language
     bf16, f32, i32 = T.bfloat16, T.float32, T.int32
     HB, BK, D, half = BLOCK_HEADS, BLOCK_KEYS, dim, dim // 2
@@ -255,18 +310,19 @@ def sparse_window_fwd_kernel(
             has_sink = Params[1] > 0.5
             window = Window[0]
             if by_index:
-                ks = 0
-                n_sel = n_slots
-            else:
-                ks = Indices[b, s]
-                n_sel = T.max(KE[b, s] - ks, 0)
-            lo, window_tiles, tiles = _tile_plan(T, own, WindowStart[b, s], window, n_sel)
-
-            if by_index:
                 for j in T.Parallel(MAX_SELECTED):
                     if j < n_slots:
                         idx_s[j] = Indices[b, s, j]
             T.sync_threads()
+            if by_index:
+                # KE holds 1 + the last valid slot in this mode: the -1 tails of the early
+                # queries' selections are never loaded nor scored.
+                ks = 0
+                n_sel = T.max(T.min(KE[b, s], n_slots), 0)
+            else:
+                ks = Indices[b, s]
+                n_sel = T.max(KE[b, s] - ks, 0)
+            lo, window_tiles, tiles = _tile_plan(T, own, WindowStart[b, s], window, n_sel)
 
             if tx < 128:
                 T.set_max_nreg(producer_registers, 0)
@@ -387,6 +443,223 @@ def sparse_window_fwd_kernel(
     return sparse_window_fwd
 
 
+EXCHANGE_BARRIER = 8  # named barriers of the two consumers of the balanced forward (256 threads)
+P_READY_BARRIER = 9
+
+
+def sparse_window_fwd_balanced_kernel(
+    dim: int,
+    mode: str,
+    num_stages: int,
+    consumer0_registers: int,
+    consumer1_registers: int,
+    producer_registers: int,
+):
+    """The forward with FlashMLA's balance: consumer ``me`` (0, 1) scores keys [32 me, 32 me + 32)
+    of each tile (S = Q K^T over all of D), the two exchange their row maxima through shared
+    memory (named barrier 8), each writes its P half, and after named barrier 9 each adds
+    P V[:, its D half] over all 64 keys. Both keep the same running max and their own partial
+    row sums (added at the end), so each warpgroup does half of every GEMM. Same arguments,
+    grid and producer as :func:`sparse_window_fwd_kernel`."""
+    T = tilelang().language
+    bf16, f32, i32 = T.bfloat16, T.float32, T.int32
+    HB, BK, D, half = BLOCK_HEADS, BLOCK_KEYS, dim, dim // 2
+    KH = BK // 2  # keys scored per consumer
+    batch, seq_len, heads = T.dynamic("batch"), T.dynamic("seq_len"), T.dynamic("heads")
+    n_raw, n_comp, n_slots = T.dynamic("n_raw"), T.dynamic("n_comp"), T.dynamic("n_slots")
+    by_index = mode == "indices"
+    idx_shape = [batch, seq_len, n_slots] if by_index else [batch, seq_len]
+
+    @T.macro
+    def consumer(me, q_l, q_r, k_l, k_r, k_mine, p_shared, max_x, sum_x, full, empty, acc_s, acc_o, m_i, m_prev,
+                 row_sum, tile_max, tile_sum, alpha, sink_f, tiles, window_tiles, lo, own, n_sel, n_comp_, idx_s,
+                 scale_log2, has_sink, Sink, Out, Lse, b, s, h0):
+        c0 = me * KH
+        T.fill(m_i, M_FLOOR)
+        T.fill(row_sum, 0)
+        T.fill(acc_o, 0)
+        for t in T.serial(tiles):
+            stage = t % num_stages
+            T.mbarrier_wait_parity(full[stage], (t // num_stages) % 2)
+            T.gemm(q_l, k_l[stage, c0 : c0 + KH, :], acc_s, transpose_B=True, clear_accum=True)
+            T.gemm(q_r, k_r[stage, c0 : c0 + KH, :], acc_s, transpose_B=True)
+            for h, c in T.Parallel(HB, KH):
+                col = c0 + c
+                slot = T.max((t - window_tiles) * BK + col, 0)
+                if by_index:
+                    key = idx_s[T.min(slot, MAX_SELECTED - 1)]
+                    comp_seen = (slot < n_sel) & (key >= 0) & (key < n_comp_)
+                else:
+                    comp_seen = slot < n_sel
+                seen = T.if_then_else(t < window_tiles, lo + t * BK + col <= own, comp_seen)
+                acc_s[h, c] = T.if_then_else(seen, acc_s[h, c] * scale_log2, -T.infinity(f32))
+            T.reduce_max(acc_s, tile_max, dim=1, clear=True)
+            for h in T.Parallel(HB):
+                max_x[me, h] = tile_max[h]
+            T.sync_threads(EXCHANGE_BARRIER, 256)  # both halves' maxima written
+            T.copy(m_i, m_prev)
+            for h in T.Parallel(HB):
+                m_i[h] = T.max(m_prev[h], T.max(max_x[0, h], max_x[1, h]))
+                alpha[h] = T.exp2(m_prev[h] - m_i[h])
+            for h, c in T.Parallel(HB, KH):
+                acc_s[h, c] = T.exp2(acc_s[h, c] - m_i[h])
+            T.reduce_sum(acc_s, tile_sum, dim=1)
+            for h in T.Parallel(HB):
+                row_sum[h] = row_sum[h] * alpha[h] + tile_sum[h]
+            for h, d in T.Parallel(HB, half):
+                acc_o[h, d] *= alpha[h]
+            T.copy(acc_s, p_shared[:, c0 : c0 + KH])
+            T.fence_proxy_async()
+            T.sync_threads(P_READY_BARRIER, 256)  # both P halves written (and both maxima read)
+            T.gemm(p_shared, k_mine[stage, :, :], acc_o)
+            T.mbarrier_arrive(empty[stage])
+        # Row sums: each consumer summed its own keys; the maxima are the same in both.
+        for h in T.Parallel(HB):
+            sum_x[me, h] = row_sum[h]
+        T.sync_threads(EXCHANGE_BARRIER, 256)
+        for h in T.Parallel(HB):
+            sink_f[h] = T.if_then_else(has_sink, Sink[h0 + h] * LOG2E, M_FLOOR)
+        for h in T.Parallel(HB):
+            m_prev[h] = T.max(m_i[h], sink_f[h])  # final max
+            row_sum[h] = (sum_x[0, h] + sum_x[1, h]) * T.exp2(m_i[h] - m_prev[h]) + T.if_then_else(
+                has_sink, T.exp2(sink_f[h] - m_prev[h]), T.cast(0, f32)
+            )
+            alpha[h] = T.if_then_else(row_sum[h] > 0, T.exp2(m_i[h] - m_prev[h]) / row_sum[h], T.cast(0, f32))
+        if me == 0:
+            for h in T.Parallel(HB):
+                Lse[b, s, h0 + h] = T.if_then_else(
+                    row_sum[h] > 0, (m_prev[h] + T.log2(row_sum[h])) / LOG2E, -T.infinity(f32)
+                )
+        for h, d in T.Parallel(HB, half):
+            acc_o[h, d] *= alpha[h]
+        # Q is dead once both consumers passed the last tile: each stages its half of O there.
+        T.sync_threads(P_READY_BARRIER, 256)
+        if me == 0:
+            T.copy(acc_o, q_l)
+            T.copy(q_l, Out[b, s, h0 : h0 + HB, 0:half], disable_tma=True)
+        else:
+            T.copy(acc_o, q_r)
+            T.copy(q_r, Out[b, s, h0 : h0 + HB, half:D], disable_tma=True)
+
+    @T.prim_func
+    def sparse_window_fwd_balanced(
+        Q: T.Tensor([batch, seq_len, heads, D], bf16),
+        Raw: T.Tensor([batch, n_raw, D], bf16),
+        Comp: T.Tensor([batch, n_comp, D], bf16),
+        WindowStart: T.Tensor([batch, seq_len], i32),
+        Indices: T.Tensor(idx_shape, i32),
+        KE: T.Tensor([batch, seq_len], i32),
+        Sink: T.Tensor([heads], f32),
+        Params: T.Tensor([2], f32),
+        Window: T.Tensor([1], i32),
+        Out: T.Tensor([batch, seq_len, heads, D], bf16),
+        Lse: T.Tensor([batch, seq_len, heads], f32),
+    ):
+        with T.Kernel(seq_len, heads // HB, batch, threads=FWD_THREADS) as (s, g, b):
+            tx = T.get_thread_binding()
+            q_l = T.alloc_shared([HB, half], bf16)
+            q_r = T.alloc_shared([HB, half], bf16)
+            k_l = T.alloc_shared([num_stages, BK, half], bf16)
+            k_r = T.alloc_shared([num_stages, BK, half], bf16)
+            p_shared = T.alloc_shared([HB, BK], bf16)
+            max_x = T.alloc_shared([2, HB], f32)
+            sum_x = T.alloc_shared([2, HB], f32)
+            idx_s = T.alloc_shared([MAX_SELECTED if by_index else 1], i32)
+            full = T.alloc_barrier([128] * num_stages)  # producer threads (cp.async noinc)
+            empty = T.alloc_barrier([256] * num_stages)  # both consumers
+
+            acc_s0 = T.alloc_fragment([HB, KH], f32)
+            acc_s1 = T.alloc_fragment([HB, KH], f32)
+            acc_o0 = T.alloc_fragment([HB, half], f32)
+            acc_o1 = T.alloc_fragment([HB, half], f32)
+            m_i0 = T.alloc_fragment([HB], f32)
+            m_i1 = T.alloc_fragment([HB], f32)
+            m_prev0 = T.alloc_fragment([HB], f32)
+            m_prev1 = T.alloc_fragment([HB], f32)
+            row_sum0 = T.alloc_fragment([HB], f32)
+            row_sum1 = T.alloc_fragment([HB], f32)
+            tile_max0 = T.alloc_fragment([HB], f32)
+            tile_max1 = T.alloc_fragment([HB], f32)
+            tile_sum0 = T.alloc_fragment([HB], f32)
+            tile_sum1 = T.alloc_fragment([HB], f32)
+            alpha0 = T.alloc_fragment([HB], f32)
+            alpha1 = T.alloc_fragment([HB], f32)
+            sink_f0 = T.alloc_fragment([HB], f32)
+            sink_f1 = T.alloc_fragment([HB], f32)
+
+            h0 = g * HB
+            own = s + n_raw - seq_len
+            scale_log2 = Params[0] * LOG2E
+            has_sink = Params[1] > 0.5
+            window = Window[0]
+            if by_index:
+                for j in T.Parallel(MAX_SELECTED):
+                    if j < n_slots:
+                        idx_s[j] = Indices[b, s, j]
+            T.sync_threads()
+            if by_index:
+                ks = 0
+                n_sel = T.max(T.min(KE[b, s], n_slots), 0)
+            else:
+                ks = Indices[b, s]
+                n_sel = T.max(KE[b, s] - ks, 0)
+            lo, window_tiles, tiles = _tile_plan(T, own, WindowStart[b, s], window, n_sel)
+
+            if tx < 128:
+                T.set_max_nreg(producer_registers, 0)
+                for t in T.serial(tiles):
+                    stage = t % num_stages
+                    T.mbarrier_wait_parity(empty[stage], ((t // num_stages) % 2) ^ 1)
+                    if t < window_tiles:
+                        for r, d in T.Parallel(BK, half, prefer_async=True):
+                            k_l[stage, r, d] = T.if_then_else(
+                                lo + t * BK + r <= own, Raw[b, T.min(lo + t * BK + r, n_raw - 1), d], T.cast(0, bf16)
+                            )
+                            k_r[stage, r, d] = T.if_then_else(
+                                lo + t * BK + r <= own, Raw[b, T.min(lo + t * BK + r, n_raw - 1), half + d], T.cast(0, bf16)
+                            )
+                    else:
+                        base = (t - window_tiles) * BK
+                        if by_index:
+                            for r, d in T.Parallel(BK, half, prefer_async=True):
+                                k_l[stage, r, d] = T.if_then_else(
+                                    (base + r < n_sel) & (idx_s[T.min(base + r, MAX_SELECTED - 1)] >= 0) & (idx_s[T.min(base + r, MAX_SELECTED - 1)] < n_comp),
+                                    Comp[b, T.max(idx_s[T.min(base + r, MAX_SELECTED - 1)], 0), d], T.cast(0, bf16),
+                                )
+                                k_r[stage, r, d] = T.if_then_else(
+                                    (base + r < n_sel) & (idx_s[T.min(base + r, MAX_SELECTED - 1)] >= 0) & (idx_s[T.min(base + r, MAX_SELECTED - 1)] < n_comp),
+                                    Comp[b, T.max(idx_s[T.min(base + r, MAX_SELECTED - 1)], 0), half + d], T.cast(0, bf16),
+                                )
+                        else:
+                            for r, d in T.Parallel(BK, half, prefer_async=True):
+                                k_l[stage, r, d] = T.if_then_else(
+                                    base + r < n_sel, Comp[b, T.min(ks + base + r, n_comp - 1), d], T.cast(0, bf16)
+                                )
+                                k_r[stage, r, d] = T.if_then_else(
+                                    base + r < n_sel, Comp[b, T.min(ks + base + r, n_comp - 1), half + d], T.cast(0, bf16)
+                                )
+                    T.fence_proxy_async()
+                    T.mbarrier_arrive(full[stage])
+            elif tx < 256:
+                T.set_max_nreg(consumer0_registers, 1)
+                T.copy(Q[b, s, h0 : h0 + HB, 0:half], q_l, disable_tma=True)  # each consumer loads half of Q
+                T.fence_proxy_async()
+                T.sync_threads(EXCHANGE_BARRIER, 256)
+                consumer(0, q_l, q_r, k_l, k_r, k_l, p_shared, max_x, sum_x, full, empty, acc_s0, acc_o0, m_i0, m_prev0,
+                         row_sum0, tile_max0, tile_sum0, alpha0, sink_f0, tiles, window_tiles, lo, own, n_sel, n_comp,
+                         idx_s, scale_log2, has_sink, Sink, Out, Lse, b, s, h0)
+            else:
+                T.set_max_nreg(consumer1_registers, 1)
+                T.copy(Q[b, s, h0 : h0 + HB, half:D], q_r, disable_tma=True)
+                T.fence_proxy_async()
+                T.sync_threads(EXCHANGE_BARRIER, 256)
+                consumer(1, q_l, q_r, k_l, k_r, k_r, p_shared, max_x, sum_x, full, empty, acc_s1, acc_o1, m_i1, m_prev1,
+                         row_sum1, tile_max1, tile_sum1, alpha1, sink_f1, tiles, window_tiles, lo, own, n_sel, n_comp,
+                         idx_s, scale_log2, has_sink, Sink, Out, Lse, b, s, h0)
+
+    return sparse_window_fwd_balanced
+
+
 # ----------------------------------------------------------------------------------------------
 # Backward
 # ----------------------------------------------------------------------------------------------
@@ -428,9 +701,11 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int):
     """PrimFunc of the backward for one configuration. Grid: (S, H / 64, B), 256 threads; H a
     multiple of 64 (zero q and dO rows in padded heads contribute exact zeros).
 
-    Arguments as the forward's inputs plus dO [B, S, H, D] bf16, Lse and Delta [B, S, H] fp32;
-    out: dQ [B, S, H, D] bf16 and dKV [B, N_raw + K, D] fp32 (raw rows first, then compressed),
-    which must hold zeros on entry (the tiles' contributions are added atomically).
+    Arguments as the forward's inputs plus Needs [3] int32 (nonzero: dq, d raw rows, d compressed
+    rows wanted), dO [B, S, H, D] bf16, Lse and Delta [B, S, H] fp32; out: dQ [B, S, H, D] bf16
+    (written only if wanted) and dKV [B, N_raw + K, D] fp32 (raw rows first, then compressed),
+    which must hold zeros on entry in the wanted rows (the tiles' contributions are added
+    atomically; unwanted rows are never touched).
     """
     T = tilelang().language
     bf16, f32, i32 = T.bfloat16, T.float32, T.int32
@@ -450,6 +725,7 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int):
         KE: T.Tensor([batch, seq_len], i32),
         Params: T.Tensor([2], f32),
         Window: T.Tensor([1], i32),
+        Needs: T.Tensor([3], i32),
         dO: T.Tensor([batch, seq_len, heads, D], bf16),
         Lse: T.Tensor([batch, seq_len, heads], f32),
         Delta: T.Tensor([batch, seq_len, heads], f32),
@@ -475,9 +751,10 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int):
             scale = Params[0]
             scale_log2 = Params[0] * LOG2E
             window = Window[0]
-            if by_index:
+            need_dq, need_d_raw, need_d_comp = Needs[0] > 0, Needs[1] > 0, Needs[2] > 0
+            if by_index:  # tiles stop at the last valid slot (KE), as in the forward
                 ks = 0
-                n_sel = n_slots
+                n_sel = T.max(T.min(KE[b, s], n_slots), 0)
             else:
                 ks = Indices[b, s]
                 n_sel = T.max(KE[b, s] - ks, 0)
@@ -522,18 +799,120 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int):
                 T.copy(acc_s, p_s)
                 T.copy(acc_dp, ds_s)
                 T.sync_threads()
-                T.gemm(ds_s, k_s, acc_dq)
-                for c in T.serial(D // dkv_chunk):
-                    T.gemm(ds_s, q_s[:, c * dkv_chunk : (c + 1) * dkv_chunk], acc_kv, transpose_A=True, clear_accum=True)
-                    T.gemm(p_s, do_s[:, c * dkv_chunk : (c + 1) * dkv_chunk], acc_kv, transpose_A=True)
-                    for r, d in T.Parallel(BK, dkv_chunk):
-                        if rows_s[r] >= 0:
-                            T.atomic_add(dKV[b, rows_s[r], c * dkv_chunk + d], acc_kv[r, d])
+                # Uniform branches: gradients nobody asked for are neither computed nor added.
+                if need_dq:
+                    T.gemm(ds_s, k_s, acc_dq)
+                if ((t < window_tiles) & need_d_raw) | ((t >= window_tiles) & need_d_comp):
+                    for c in T.serial(D // dkv_chunk):
+                        T.gemm(ds_s, q_s[:, c * dkv_chunk : (c + 1) * dkv_chunk], acc_kv, transpose_A=True, clear_accum=True)
+                        T.gemm(p_s, do_s[:, c * dkv_chunk : (c + 1) * dkv_chunk], acc_kv, transpose_A=True)
+                        for r, d in T.Parallel(BK, dkv_chunk):
+                            if rows_s[r] >= 0:
+                                T.atomic_add(dKV[b, rows_s[r], c * dkv_chunk + d], acc_kv[r, d])
                 T.sync_threads()
-            T.copy(acc_dq, q_s)
-            T.copy(q_s, dQ[b, s, h0 : h0 + HB, :], disable_tma=True)
+            if need_dq:
+                T.copy(acc_dq, q_s)
+                T.copy(q_s, dQ[b, s, h0 : h0 + HB, :], disable_tma=True)
 
     return sparse_window_bwd
+
+
+def window_dkv_kernel(dim: int):
+    """PrimFunc of the window keys' dkv, key-major: no atomics per (query, tile).
+
+    Grid: (ceil(N_raw / 64), n_split, B), 256 threads. Block (k, j, b) owns raw rows
+    [64 k, 64 k + 64) of batch b: the queries whose window can reach them own rows
+    [64 k, 64 k + 62 + window] (contiguous), split into ``n_split`` runs of ``Chunk[0]`` queries
+    (one run per block). For each of its queries that sees one of the rows (same document, in its
+    window) and each 64-head group, it recomputes P and dS against the tile (S = Q K^T and
+    dP = dO K^T, from the saved lse and delta) and accumulates dkv = dS^T Q + P^T dO for the 64
+    rows in registers; at the end the [64, D] sum is added once into DRaw (fp32, zero on entry;
+    the runs of a tile are the only adders). Every use of S and dP goes through a select on
+    visibility: the tile is shared by queries that see different rows, so an unseen row's NaN
+    or inf may reach S, never P, dS or dkv.
+
+    Arguments: Q [B, S, H, D], Raw [B, N_raw, D] (bf16), WindowStart [B, S] int32, Params [2]
+    fp32 (scale, has_sink), Window [1] int32, Chunk [n_split] int32 (queries per run),
+    dO [B, S, H, D] bf16, Lse and Delta [B, S, H] fp32; out: DRaw [B, N_raw, D] fp32.
+    """
+    T = tilelang().language
+    bf16, f32, i32 = T.bfloat16, T.float32, T.int32
+    HB, BK, D = BLOCK_HEADS, BLOCK_KEYS, dim
+    batch, seq_len, heads = T.dynamic("batch"), T.dynamic("seq_len"), T.dynamic("heads")
+    n_raw, n_split = T.dynamic("n_raw"), T.dynamic("n_split")
+
+    @T.prim_func
+    def window_dkv(
+        Q: T.Tensor([batch, seq_len, heads, D], bf16),
+        Raw: T.Tensor([batch, n_raw, D], bf16),
+        WindowStart: T.Tensor([batch, seq_len], i32),
+        Params: T.Tensor([2], f32),
+        Window: T.Tensor([1], i32),
+        Chunk: T.Tensor([n_split], i32),
+        dO: T.Tensor([batch, seq_len, heads, D], bf16),
+        Lse: T.Tensor([batch, seq_len, heads], f32),
+        Delta: T.Tensor([batch, seq_len, heads], f32),
+        DRaw: T.Tensor([batch, n_raw, D], f32),
+    ):
+        with T.Kernel(T.ceildiv(n_raw, BK), n_split, batch, threads=BWD_THREADS) as (kt, j, b):
+            k_s = T.alloc_shared([BK, D], bf16)
+            q_s = T.alloc_shared([HB, D], bf16)
+            do_s = T.alloc_shared([HB, D], bf16)
+            p_s = T.alloc_shared([HB, BK], bf16)
+            ds_s = T.alloc_shared([HB, BK], bf16)
+            acc_s = T.alloc_fragment([HB, BK], f32)
+            acc_dp = T.alloc_fragment([HB, BK], f32)
+            acc_kv = T.alloc_fragment([BK, D], f32)
+            lse2 = T.alloc_fragment([HB], f32)
+            delta = T.alloc_fragment([HB], f32)
+
+            k0 = kt * BK
+            history = n_raw - seq_len  # rows in front of the shard's own rows
+            window = Window[0]
+            scale = Params[0]
+            scale_log2 = Params[0] * LOG2E
+            chunk = Chunk[0]
+            # Queries whose window can reach rows [k0, k0 + BK): own in [k0, k0 + BK - 2 + window].
+            first = T.max(k0 - history, 0) + j * chunk
+            last = T.min(T.min(k0 + BK + window - 2 - history, seq_len - 1), first + chunk - 1)
+
+            for r, d in T.Parallel(BK, D):
+                k_s[r, d] = T.if_then_else(k0 + r < n_raw, Raw[b, T.min(k0 + r, n_raw - 1), d], T.cast(0, bf16))
+            T.clear(acc_kv)
+            T.sync_threads()
+            for i in T.serial(T.max(last - first + 1, 0)):
+                s = first + i
+                own = s + history
+                lo = T.max(T.max(WindowStart[b, s], own - window + 1), 0)
+                # Uniform per block: skip queries whose window misses the tile (other document,
+                # padding queries that see no raw row).
+                if (lo <= own) & (lo < k0 + BK) & (own >= k0):
+                    for g in T.serial(heads // HB):
+                        h0 = g * HB
+                        T.copy(Q[b, s, h0 : h0 + HB, :], q_s, disable_tma=True)
+                        T.copy(dO[b, s, h0 : h0 + HB, :], do_s, disable_tma=True)
+                        for h in T.Parallel(HB):
+                            lse2[h] = Lse[b, s, h0 + h] * LOG2E
+                            delta[h] = Delta[b, s, h0 + h]
+                        T.sync_threads()
+                        T.gemm(q_s, k_s, acc_s, transpose_B=True, clear_accum=True)
+                        T.gemm(do_s, k_s, acc_dp, transpose_B=True, clear_accum=True)
+                        for h, c in T.Parallel(HB, BK):
+                            seen = (k0 + c >= lo) & (k0 + c <= own)
+                            acc_s[h, c] = T.if_then_else(seen, T.exp2(acc_s[h, c] * scale_log2 - lse2[h]), T.cast(0, f32))
+                            acc_dp[h, c] = T.if_then_else(seen, acc_s[h, c] * (acc_dp[h, c] - delta[h]) * scale, T.cast(0, f32))
+                        T.copy(acc_s, p_s)
+                        T.copy(acc_dp, ds_s)
+                        T.sync_threads()
+                        T.gemm(ds_s, q_s, acc_kv, transpose_A=True)
+                        T.gemm(p_s, do_s, acc_kv, transpose_A=True)
+                        T.sync_threads()
+            if last >= first:
+                for r, d in T.Parallel(BK, D):
+                    if k0 + r < n_raw:
+                        T.atomic_add(DRaw[b, T.min(k0 + r, n_raw - 1), d], acc_kv[r, d])
+
+    return window_dkv
 
 
 # ----------------------------------------------------------------------------------------------
@@ -556,6 +935,19 @@ def _params(device, scale: float, has_sink: bool, window: int):
     return cached
 
 
+_needs_cache: dict[tuple, torch.Tensor] = {}
+
+
+def _needs(device, need_dq: bool, need_d_raw: bool, need_d_comp: bool) -> torch.Tensor:
+    """The backward's int32 [3] flags (dq, d raw rows, d compressed rows), cached per device."""
+    key = (device, bool(need_dq), bool(need_d_raw), bool(need_d_comp))
+    cached = _needs_cache.get(key)
+    if cached is None:
+        cached = torch.tensor([int(v) for v in key[1:]], dtype=torch.int32, device=device)
+        _needs_cache[key] = cached
+    return cached
+
+
 def _pad_dim(x: torch.Tensor, dim: int) -> torch.Tensor:
     x = x.contiguous()
     return x if x.shape[-1] == dim else torch.nn.functional.pad(x, (0, dim - x.shape[-1]))
@@ -567,6 +959,14 @@ def _pad_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
         return x.contiguous()
     pad = [0, 0] * (x.ndim - 3) + [0, heads - x.shape[2]]
     return torch.nn.functional.pad(x, pad).contiguous()
+
+
+def last_valid_slots(indices: torch.Tensor) -> torch.Tensor:
+    """int32 [B, S]: 1 + the last slot j with indices[b, i, j] >= 0, or 0 for a row of -1s."""
+    if indices.shape[-1] == 0:
+        return indices.new_zeros(indices.shape[:2])
+    slots = torch.arange(1, indices.shape[-1] + 1, device=indices.device, dtype=torch.int16)  # T <= 2048
+    return torch.where(indices >= 0, slots, 0).amax(-1).to(torch.int32)
 
 
 class KernelInputs:
@@ -590,7 +990,9 @@ class KernelInputs:
         self.comp = _pad_dim(compressed_kv, self.kdim)
         if indices is not None:
             self.mode = "indices"
-            self.selector, self.end = indices.contiguous(), self.window_start  # end unused
+            # end = 1 + the last slot holding an index >= 0 (0 if none): the kernels read no
+            # slot past it (the -1 tails of queries with fewer visible compressed rows).
+            self.selector, self.end = indices.contiguous(), last_valid_slots(indices)
         else:
             self.mode = "range"
             self.selector, self.end = ks.contiguous(), ke.contiguous()
@@ -599,6 +1001,7 @@ class KernelInputs:
         if sink is not None:
             self.sink[:heads] = sink
         self.params, self.window = _params(q.device, scale, self.has_sink, window)
+        self.window_length = int(window)
 
 
 def sparse_window_forward(inputs: KernelInputs, *, out=None, lse=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -627,34 +1030,103 @@ def attention_delta(out: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
     return delta
 
 
-def sparse_window_backward(inputs: KernelInputs, out, lse, grad_out, *, dq=None):
-    """(dq, d raw_kv, d compressed_kv, delta) for the saved forward; gradients in bf16. ``dq``
-    (optional, contiguous, at the built head dim) receives dq, every element written."""
+def window_dkv_mode() -> str:
+    """The window-dkv summation in use: NEMO_DSA_WINDOW_DKV if set, else DEFAULT_WINDOW_DKV."""
+    mode = os.environ.get("NEMO_DSA_WINDOW_DKV", DEFAULT_WINDOW_DKV)
+    if mode not in WINDOW_DKV_MODES:
+        raise ValueError(f"NEMO_DSA_WINDOW_DKV must be one of {WINDOW_DKV_MODES}, got {mode!r}")
+    return mode
+
+
+_split_cache: dict[tuple, torch.Tensor] = {}
+
+
+def window_dkv_split(device, n_raw: int, batch: int, window: int) -> torch.Tensor:
+    """Chunk [n_split] int32 for :func:`window_dkv_kernel`: each raw tile's candidate queries
+    (64 + window - 1) split into runs so that the grid fills about two waves of the GPU."""
+    key = (device, n_raw, batch, window)
+    cached = _split_cache.get(key)
+    if cached is None:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+        candidates = BLOCK_KEYS + window - 1
+        blocks = -(-n_raw // BLOCK_KEYS) * batch
+        n_split = max(1, min(-(-2 * sms // blocks), -(-candidates // 16)))
+        chunk = -(-candidates // n_split)
+        n_split = -(-candidates // chunk)
+        cached = torch.full((n_split,), chunk, dtype=torch.int32, device=device)
+        if len(_split_cache) > 256:
+            _split_cache.clear()
+        _split_cache[key] = cached
+    return cached
+
+
+def sparse_window_backward(inputs: KernelInputs, out, lse, grad_out, *, dq=None, need_dq: bool = True,
+                           need_d_raw: bool = True, need_d_comp: bool = True):
+    """(dq, d raw_kv, d compressed_kv, delta) for the saved forward; gradients in bf16, ``None``
+    for each one not wanted (``need_*``: neither computed nor added; with none wanted only delta
+    runs). The window keys' dkv is summed as :func:`window_dkv_mode` says. ``dq`` (optional,
+    contiguous, at the built head dim) receives dq, every element written."""
     q = inputs.q
     batch, seq_len, heads, _ = q.shape
     # Padded heads: zero dO (so zero delta and gradients) and a finite lse of 0.
     grad_out = _pad_heads(_pad_dim(grad_out, inputs.kdim), inputs.kheads)
     delta = attention_delta(_pad_heads(_pad_dim(out, inputs.kdim), inputs.kheads), grad_out)
-    lse = _pad_heads(lse, inputs.kheads)
-    dq = torch.empty_like(q) if dq is None else dq
     n_comp = inputs.comp.shape[1]
-    dkv = torch.zeros((batch, inputs.n_raw + n_comp, inputs.kdim), dtype=torch.float32, device=q.device)
-    if q.numel():
-        config = backward_config(inputs.kdim, inputs.mode)
-        kernel = compile_cached(sparse_window_bwd_kernel, pass_configs=config.pass_configs(), **config.kernel_kwargs())
-        kernel(q, inputs.raw, inputs.comp, inputs.window_start, inputs.selector, inputs.end, inputs.params,
-               inputs.window, grad_out, lse, delta, dq, dkv)
-    dim = inputs.dim
-    d_raw = dkv[:, : inputs.n_raw, :dim].to(q.dtype)
-    d_comp = dkv[:, inputs.n_raw :, :dim].to(q.dtype)
-    heads = inputs.heads
-    return dq[:, :, :heads, :dim], d_raw, d_comp, delta[:, :, :heads]
+    key_major = need_d_raw and window_dkv_mode() == "key-major"
+    atomic_d_raw = need_d_raw and not key_major  # window dkv added by the query-major kernel
+    lse = _pad_heads(lse, inputs.kheads)
+    shape = (batch, inputs.n_raw + n_comp, inputs.kdim)
+    dkv = None
+    if need_dq or atomic_d_raw or need_d_comp:
+        dq = torch.empty_like(q) if dq is None else dq
+        # Rows nobody wants are never added to, so they need no zeros (one allocation).
+        if atomic_d_raw and need_d_comp:
+            dkv = torch.zeros(shape, dtype=torch.float32, device=q.device)
+        else:
+            dkv = torch.empty(shape, dtype=torch.float32, device=q.device)
+            if atomic_d_raw:
+                dkv[:, : inputs.n_raw].zero_()
+            elif need_d_comp:
+                dkv[:, inputs.n_raw :].zero_()
+        if q.numel():
+            config = backward_config(inputs.kdim, inputs.mode)
+            kernel = compile_cached(sparse_window_bwd_kernel, pass_configs=config.pass_configs(), **config.kernel_kwargs())
+            kernel(q, inputs.raw, inputs.comp, inputs.window_start, inputs.selector, inputs.end, inputs.params,
+                   inputs.window, _needs(q.device, need_dq, atomic_d_raw, need_d_comp), grad_out, lse, delta, dq, dkv)
+    dim, heads = inputs.dim, inputs.heads
+    d_raw = None
+    if key_major:
+        d_raw32 = torch.zeros((batch, inputs.n_raw, inputs.kdim), dtype=torch.float32, device=q.device)
+        if q.numel():
+            config = WindowDkvConfig(inputs.kdim)
+            kernel = compile_cached(window_dkv_kernel, pass_configs=config.pass_configs(), **config.kernel_kwargs())
+            chunk = window_dkv_split(q.device, inputs.n_raw, batch, int(inputs.window_length))
+            kernel(q, inputs.raw, inputs.window_start, inputs.params, inputs.window, chunk, grad_out, lse, delta, d_raw32)
+        d_raw = d_raw32[..., :dim].to(q.dtype)
+    elif need_d_raw:
+        d_raw = dkv[:, : inputs.n_raw, :dim].to(q.dtype)
+    d_comp = dkv[:, inputs.n_raw :, :dim].to(q.dtype) if need_d_comp else None
+    return dq[:, :, :heads, :dim] if need_dq else None, d_raw, d_comp, delta[:, :, :heads]
+
+
+def compile_config(config) -> None:
+    """Compile (or load from TileLang's disk cache) one configuration of
+    :func:`dispatched_configs`, or the delta kernel of a head dim given as an int."""
+    if isinstance(config, int):
+        compile_cached(attention_delta_kernel, dim=config)
+    elif isinstance(config, ForwardConfig):
+        _compile_forward(config)
+    elif isinstance(config, BackwardConfig):
+        compile_cached(sparse_window_bwd_kernel, pass_configs=config.pass_configs(), **config.kernel_kwargs())
+    else:
+        compile_cached(window_dkv_kernel, pass_configs=config.pass_configs(), **config.kernel_kwargs())
 
 
 def compile_all(dim: int, mode: str) -> None:
-    """Compile (or load from TileLang's disk cache) the forward, backward and delta kernels of one
-    head dim and mode, e.g. in parallel processes before a first training step."""
-    fwd, bwd = forward_config(dim, mode), backward_config(dim, mode)
-    _compile_forward(fwd)
-    compile_cached(sparse_window_bwd_kernel, pass_configs=bwd.pass_configs(), **bwd.kernel_kwargs())
-    compile_cached(attention_delta_kernel, dim=dim)
+    """Compile (or load from TileLang's disk cache) every kernel of one head dim and mode (both
+    forward schedules), e.g. in parallel processes before a first training step."""
+    for schedule in FWD_SCHEDULES:
+        compile_config(forward_config(dim, mode, schedule))
+    compile_config(backward_config(dim, mode))
+    compile_config(dim)
+    compile_config(WindowDkvConfig(dim))
