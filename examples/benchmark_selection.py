@@ -2,6 +2,8 @@
 
     python examples/benchmark_selection.py --out selection.json
     python examples/benchmark_selection.py --sizes 32768 --reps 5 --check
+    python examples/benchmark_selection.py --shapes v41 --sizes 32768 --v41-ratios 1 2 --check
+    python examples/benchmark_selection.py --shapes v41 --sizes 131072 --v41-ratios 1 --builtin-max-seq 65536
 
 Shapes: H=64 index heads, D=128, R=4, T=512, causal, B=1, K = S/4. Rows per S:
 - ``nemo_dsa scores only v4`` / ``v41``: the scoring kernel alone (the [S, K] matrix is its
@@ -12,6 +14,14 @@ Shapes: H=64 index heads, D=128, R=4, T=512, causal, B=1, K = S/4. Rows per S:
   TileLang radix select; ``--check`` also compares with the torch reference selection);
 - ``built-in v4`` / ``v41`` (nemo-automodel 0.7.0, imported here only): ``batched_indexer_fwd``
   logits / ``indexer_scores`` with a dense allowed mask, then ``torch.topk`` (no tie rule).
+``--shapes v41``: the released DeepSeek-V4.1 indexer, H=32 index heads of D=128 (MXFP4-rounded q
+and k), T=512, causal, B=1, each ratio of ``--v41-ratios`` (1: K = S, 2: K = S/2), candidate
+blocks of 8, 2048 kept. Rows: the scores alone; streamed (the default selector, and the opt-in
+one with the window below the row maximum); streamed reindex layers masked by candidate blocks
+(the default torch block mask, the opt-in blocks applied inside the select, with and without
+the window); the streamed
+candidate-source layer (S <= 65,536); materialised; built-in ``indexer_scores`` + torch.topk
+(S <= ``--builtin-max-seq``).
 Times are medians of CUDA-event timings after one warm-up call (compiles): "ms" synchronises
 before each call (so it holds the host's work before the first kernel), "queued ms" times calls
 enqueued back to back (the GPU's time, as inside a training step). "extra" memory is the
@@ -28,6 +38,7 @@ import statistics
 import torch
 
 HEADS, DIM, RATIO, TOPK = 64, 128, 4, 512
+V41_HEADS, V41_BLOCK_SIZE, V41_TOPK_BLOCKS = 32, 8, 2048
 
 
 def _inputs(seq: int, w_dtype: torch.dtype, seed: int = 0):
@@ -40,6 +51,143 @@ def _inputs(seq: int, w_dtype: torch.dtype, seed: int = 0):
     w = (torch.randn(1, seq, HEADS, device="cuda", generator=g) * (DIM**-0.5 * HEADS**-0.5)).to(w_dtype)
     ks, ke = causal_ks_ke(1, seq, num_keys, RATIO, q.device)
     return q, k, w, ks, ke
+
+
+def _v41_inputs(seq: int, ratio: int, seed: int = 0):
+    """The V4.1 indexer's operands: MXFP4-rounded q [1, S, 32, 128] and k [1, K, 128], bf16 head
+    weights, causal ranges; a second q / w for a reindex layer on the same keys."""
+    from nemo_dsa.ops.mxfp4 import mxfp4_quant_dequant
+    from nemo_dsa.visibility import causal_ks_ke
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    num_keys = seq // ratio
+    q, q2 = (mxfp4_quant_dequant(torch.randn(1, seq, V41_HEADS, DIM, device="cuda", generator=g).bfloat16()) for _ in range(2))
+    k = mxfp4_quant_dequant(torch.randn(1, num_keys, DIM, device="cuda", generator=g).bfloat16())
+    w, w2 = ((torch.randn(1, seq, V41_HEADS, device="cuda", generator=g) * (DIM**-0.5 * V41_HEADS**-0.5)).bfloat16() for _ in range(2))
+    ks, ke = causal_ks_ke(1, seq, num_keys, ratio, q.device)
+    return q, q2, k, w, w2, ks, ke
+
+
+def _v41_rows(chunk_bytes: int):
+    """name -> (fn(inputs, blocks, allowed) -> outputs, needs dense mask, longest S or None)."""
+    from unittest import mock
+
+    from nemo_dsa.ops.fused_selection import interface as fused
+    from nemo_dsa.ops.fused_selection import v41_select_topk
+    from nemo_dsa.ops.topk import kernels as topk_kernels
+    from nemo_dsa.ops.topk import select_topk
+    from nemo_dsa.ops.v41_indexer.kernels import v41_scores_tilelang
+
+    def stream(inputs, blocks, allowed, budget=chunk_bytes):
+        q, _, k, w, _, ks, ke = inputs
+        return v41_select_topk(q, k, w, ks, ke, TOPK, backend="tilelang", chunk_bytes=budget)
+
+    def stream_window(inputs, blocks, allowed):
+        with mock.patch.dict(topk_kernels.TOP_WINDOW, {"bfloat16": True}):
+            return stream(inputs, blocks, allowed)
+
+    def reindex_torch_mask(inputs, blocks, allowed):
+        _, q2, k, _, w2, ks, ke = inputs
+        return v41_select_topk(q2, k, w2, ks, ke, TOPK, candidate_block_size=V41_BLOCK_SIZE,
+                               candidate_blocks=blocks, backend="tilelang", chunk_bytes=chunk_bytes)  # fmt: skip
+
+    def reindex(inputs, blocks, allowed):
+        with mock.patch.object(fused, "SELECT_APPLIES_BLOCKS", True):
+            return reindex_torch_mask(inputs, blocks, allowed)
+
+    def reindex_window(inputs, blocks, allowed):
+        with mock.patch.dict(topk_kernels.TOP_WINDOW, {"bfloat16": True}):
+            return reindex(inputs, blocks, allowed)
+
+    def source(inputs, blocks, allowed):
+        q, _, k, w, _, ks, ke = inputs
+        return v41_select_topk(q, k, w, ks, ke, TOPK, candidate_block_size=V41_BLOCK_SIZE,
+                               candidate_topk_blocks=V41_TOPK_BLOCKS, backend="tilelang", chunk_bytes=chunk_bytes)  # fmt: skip
+
+    def scores(inputs, blocks, allowed):
+        q, _, k, w, _, ks, ke = inputs
+        return v41_scores_tilelang(q, k, w, ks, ke)
+
+    def full(inputs, blocks, allowed):
+        q, _, k, w, _, ks, ke = inputs
+        return select_topk(v41_scores_tilelang(q, k, w, ks, ke), TOPK, order="index", ks=ks, ke=ke)
+
+    def builtin(inputs, blocks, allowed):
+        from nemo_automodel.components.models.deepseek_v41.indexer import indexer_scores
+
+        q, _, k, w, _, ks, ke = inputs
+        dense = indexer_scores(q, k, w, allowed)
+        return torch.topk(dense, min(TOPK, k.shape[1]), dim=-1).indices.sort(dim=-1).values
+
+    return {
+        "nemo_dsa scores only v41": (scores, False, None),
+        "nemo_dsa stream v41": (stream, False, None),
+        "nemo_dsa stream v41, 1 GiB chunks": (lambda *a: stream(*a, budget=2**30), False, None),
+        "nemo_dsa stream v41, window select": (stream_window, False, None),
+        "nemo_dsa stream v41 reindex, torch block mask": (reindex_torch_mask, False, 32768),
+        "nemo_dsa stream v41 reindex (blocks in the select)": (reindex, False, None),
+        "nemo_dsa stream v41 reindex (blocks in the window select)": (reindex_window, False, None),
+        "nemo_dsa stream v41 candidate source": (source, False, 65536),
+        "nemo_dsa materialise v41": (full, False, 65536),
+        "built-in v41 + torch.topk": (builtin, True, None),
+    }
+
+
+def _run_v41(args, results: list) -> None:
+    """The V4.1 indexer shapes: every row of ``_v41_rows`` per S and ratio."""
+    from nemo_dsa.ops.fused_selection import v41_select_topk
+
+    rows = _v41_rows(args.chunk_mib * 2**20)
+    for seq in args.sizes:
+        for ratio in args.v41_ratios:
+            inputs = _v41_inputs(seq, ratio)
+            q, _, k, w, _, ks, ke = inputs
+            blocks = v41_select_topk(q, k, w, ks, ke, TOPK, candidate_block_size=V41_BLOCK_SIZE,
+                                     candidate_topk_blocks=V41_TOPK_BLOCKS, backend="tilelang")[1]  # fmt: skip
+            allowed = None
+            for name, (fn, dense, longest) in rows.items():
+                entry = {"shape": "v41", "S": seq, "K": seq // ratio, "ratio": ratio, "row": name}
+                builtin_limit = args.builtin_max_seq if name.startswith("built-in") else None
+                if (longest is not None and seq > longest) or (builtin_limit is not None and seq > builtin_limit):
+                    continue
+                try:
+                    if dense and allowed is None:  # the built-in API's input, not counted as extra
+                        keys = torch.arange(k.shape[1], device="cuda")
+                        allowed = (keys >= ks[..., None]) & (keys < ke[..., None])
+                    entry.update(_measure(lambda *a: fn(inputs, blocks, allowed), (), args.reps))
+                except torch.OutOfMemoryError:
+                    entry.update({"ms": None, "extra_mib": None, "note": "OOM"})
+                torch.cuda.empty_cache()
+                results.append(entry)
+                print(json.dumps(entry), flush=True)
+            del allowed
+            if args.check:
+                results.append(_v41_check(rows, inputs, blocks, seq, ratio))
+                print(json.dumps(results[-1]), flush=True)
+            del inputs, q, k, w, ks, ke, blocks
+            torch.cuda.empty_cache()
+
+
+def _v41_check(rows, inputs, blocks, seq: int, ratio: int) -> dict:
+    """Streamed == materialised == the torch reference selection on the kernel's scores; the
+    opt-in window selector and blocks applied in the select choose the same."""
+    from nemo_dsa.ops.topk import blocks_to_mask, select_topk_reference
+    from nemo_dsa.ops.v41_indexer.kernels import v41_scores_tilelang
+
+    q, q2, k, w, w2, ks, ke = inputs
+    stream = rows["nemo_dsa stream v41"][0](inputs, blocks, None)
+    same = {
+        "streaming_equals_materialising": torch.equal(stream, rows["nemo_dsa materialise v41"][0](inputs, blocks, None)),
+        "window_select_equal": torch.equal(stream, rows["nemo_dsa stream v41, window select"][0](inputs, blocks, None)),
+        "kernel_equals_reference": torch.equal(stream, select_topk_reference(v41_scores_tilelang(q, k, w, ks, ke), TOPK, order="index")),
+    }  # fmt: skip
+    reindex = rows["nemo_dsa stream v41 reindex (blocks in the select)"][0](inputs, blocks, None)
+    same["reindex_equals_torch_mask"] = torch.equal(reindex, rows["nemo_dsa stream v41 reindex, torch block mask"][0](inputs, blocks, None))
+    same["reindex_window_equal"] = torch.equal(reindex, rows["nemo_dsa stream v41 reindex (blocks in the window select)"][0](inputs, blocks, None))
+    keep = blocks_to_mask(blocks, ks, ke, V41_BLOCK_SIZE, k.shape[1])
+    masked = v41_scores_tilelang(q2, k, w2, ks, ke).masked_fill(~keep, float("-inf"))
+    same["reindex_equals_reference"] = torch.equal(reindex, select_topk_reference(masked, TOPK, order="index"))
+    return {"shape": "v41", "S": seq, "ratio": ratio, "row": "check", **same}
 
 
 def _rows(chunk_bytes: int):
@@ -151,13 +299,19 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--chunk-mib", type=int, default=512)
     parser.add_argument("--check", action="store_true", help="streaming indices == materialising indices")
+    parser.add_argument("--shapes", nargs="+", choices=("v4", "v41"), default=["v4"],
+                        help="v4: H=64, R=4 (both scorings); v41: the released V4.1 indexer (H=32, ratios 1 and 2)")
+    parser.add_argument("--v41-ratios", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--builtin-max-seq", type=int, default=1 << 30, help="skip the built-in rows above this S")
     parser.add_argument("--out", default="selection_benchmark.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmark_selection.py needs a CUDA GPU (Hopper): it times the TileLang kernels")
     rows = _rows(args.chunk_mib * 2**20)
     results = []
-    for seq in args.sizes:
+    if "v41" in args.shapes:
+        _run_v41(args, results)
+    for seq in (args.sizes if "v4" in args.shapes else ()):
         for dtype in (torch.float32, torch.bfloat16):
             q, k, w, ks, ke = _inputs(seq, dtype)
             allowed = None
@@ -192,37 +346,40 @@ def main() -> None:
     with open(args.out, "w") as handle:
         json.dump({"heads": HEADS, "dim": DIM, "ratio": RATIO, "topk": TOPK, "chunk_mib": args.chunk_mib,
                    "device": torch.cuda.get_device_name(), "results": results}, handle, indent=1)
-    print(f"\n| S | K | row | median ms | queued ms | extra MiB |\n|---|---|---|---|---|---|")
+    print("\n| shape | S | K | row | median ms | queued ms | extra MiB |\n|---|---|---|---|---|---|---|")
     for r in results:
+        shape = r.get("shape", "v4") + (f" R={r['ratio']}" if "ratio" in r else "")
         if "ms" in r:
             ms = "OOM" if r["ms"] is None else f"{r['ms']:.2f}"
             queued = "-" if r.get("queued_ms") is None else f"{r['queued_ms']:.2f}"
             mib = "-" if r["extra_mib"] is None else f"{r['extra_mib']:.0f}"
-            print(f"| {r['S']} | {r['K']} | {r['row']} | {ms} | {queued} | {mib} |")
+            print(f"| {shape} | {r['S']} | {r.get('K', '')} | {r['row']} | {ms} | {queued} | {mib} |")
         else:
-            print(f"| {r['S']} | | {r['row']} | streamed == materialised: {r['streaming_equals_materialising']}, "
-                  f"kernel == reference: {r['kernel_equals_reference']} | | |")
+            checks = ", ".join(f"{k}: {v}" for k, v in r.items() if isinstance(v, bool))
+            print(f"| {shape} | {r['S']} | | {r['row']} | {checks} | | |")
     _print_ratios(results)
 
 
 def _print_ratios(results: list[dict]) -> None:
-    """Streamed scores + top-k against the scores alone and against the built-in path, per S,
-    synchronised and queued."""
+    """Streamed scores + top-k against the scores alone and against the built-in path, per shape,
+    S and ratio, synchronised and queued."""
     for column in ("ms", "queued_ms"):
-        times = {(r["S"], r["row"]): r[column] for r in results if r.get(column)}
-        for seq in sorted({r["S"] for r in results}):
+        times = {(r.get("shape", "v4"), r["S"], r.get("ratio"), r["row"]): r[column] for r in results if r.get(column)}
+        for shape, seq, ratio in sorted({key[:3] for key in times}, key=str):
             for mode in ("v4", "v41"):
-                stream = times.get((seq, f"nemo_dsa stream {mode}"))
-                scores = times.get((seq, f"nemo_dsa scores only {mode}"))
-                builtin = times.get((seq, f"built-in {mode} + torch.topk"))
-                if stream is None:
-                    continue
-                parts = [f"{column:9s} S={seq} {mode}: streamed scores + top-{TOPK} {stream:.2f} ms"]
-                if scores:
-                    parts.append(f"{stream / scores:.2f}x the scores alone ({scores:.2f} ms)")
-                if builtin:
-                    parts.append(f"{builtin / stream:.2f}x faster than built-in + torch.topk ({builtin:.2f} ms)")
-                print("; ".join(parts))
+                scores = times.get((shape, seq, ratio, f"nemo_dsa scores only {mode}"))
+                builtin = times.get((shape, seq, ratio, f"built-in {mode} + torch.topk"))
+                for name in [key[3] for key in times if key[:3] == (shape, seq, ratio)]:
+                    if not name.startswith(f"nemo_dsa stream {mode}") or (mode == "v4" and "v41" in name):
+                        continue
+                    stream = times[(shape, seq, ratio, name)]
+                    label = f"{shape}{'' if ratio is None else f' R={ratio}'} S={seq}"
+                    parts = [f"{column:9s} {label}: {name} {stream:.2f} ms"]
+                    if scores:
+                        parts.append(f"{stream / scores:.2f}x the scores alone ({scores:.2f} ms)")
+                    if builtin:
+                        parts.append(f"{builtin / stream:.2f}x faster than built-in + torch.topk ({builtin:.2f} ms)")
+                    print("; ".join(parts))
 
 
 if __name__ == "__main__":

@@ -3,9 +3,12 @@
 Bitwise equality of indices and picked scores with ``select_topk_reference`` (which implements the
 docs/semantics.md rule with unique keys): fresh random rows of ragged widths, both dtypes and orders, T in
 {64, 100, 512, 1024, 2048}, visible ranges, quantised scores with long runs of ties at the cut,
-NaN/+-inf, signed zeros, rows with fewer finite scores than T and rows that see nothing, and rows
-past the kernel's register cache (8192 keys) and past 65536 keys. Outputs are poisoned before the
-kernel writes them.
+NaN/+-inf, signed zeros, rows with fewer finite scores than T and rows that see nothing, rows
+past the kernel's register cache (8192 keys) and past 65536 keys; bf16 rows whose cut the window
+below the row's maximum decides and rows it cannot (the generic passes), each also through the
+window-less kernel; candidate-block masks applied inside the select (unordered, repeated, -1 and
+out-of-row blocks, block sizes 3 / 4 / 8) against masking the scores first. Outputs are poisoned
+before the kernel writes them.
 """
 
 import zlib
@@ -15,9 +18,17 @@ import torch
 
 from nemo_dsa.ops.topk import select_topk_reference
 from nemo_dsa.ops.topk.interface import select_topk
+from nemo_dsa.ops.topk import kernels as topk_kernels
 from nemo_dsa.ops.topk.kernels import select_rows_tilelang
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(params=[False, True], ids=["generic", "window"])
+def bf16_window(request, monkeypatch):
+    """Both bf16 selectors: the generic passes and the opt-in window below the row maximum."""
+    monkeypatch.setitem(topk_kernels.TOP_WINDOW, "bfloat16", request.param)
+    return request.param
 
 
 def _rows(kind: str, rows: int, width: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -71,7 +82,9 @@ def _poisoned(rows, count, dtype):
 @pytest.mark.parametrize("kind", ["continuous", "quantised", "special"])
 # Widths past 8192 keys reach the steps that are read again in every pass (not cached in registers).
 @pytest.mark.parametrize("count,width", [(64, 300), (100, 1001), (512, 4097), (1024, 3000), (2048, 8191), (512, 20_001)])
-def test_kernel_equals_reference_on_ranges(dtype, order, kind, count, width):
+def test_kernel_equals_reference_on_ranges(dtype, order, kind, count, width, bf16_window):
+    if dtype == torch.float32 and bf16_window:
+        pytest.skip("the window is a bf16 selector")
     rows = 67
     seed = zlib.crc32(f"{dtype}{order}{kind}{count}".encode()) % 1000
     ks, ke = _ranges(rows, width, seed)
@@ -110,3 +123,63 @@ def test_dispatcher_uses_ranges_and_matches_reference(dtype):
     assert torch.equal(select_topk(scores, 128, "index", backend="tilelang"), select_topk_reference(scores, 128, "index"))
     with pytest.raises(TypeError, match="float32 or bfloat16"):
         select_topk(scores.half(), 8, backend="tilelang")
+
+
+def _random_blocks(rows: int, width: int, block_size: int, seed: int) -> torch.Tensor:
+    """Kept block numbers per row (from ks): unordered, repeated, -1 padded, some past the row."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = -(-width // block_size)
+    kept = max(1, num_blocks // 3)
+    blocks = torch.randint(-1, num_blocks, (rows, kept), generator=g)
+    blocks[:, -1] = -1
+    return blocks.int().cuda()
+
+
+# The masked selectors V4.1 builds (bf16, index order) and the score-order path on fp32.
+@pytest.mark.parametrize("dtype,order", [(torch.bfloat16, "index"), (torch.float32, "score")])
+@pytest.mark.parametrize("kind", ["continuous", "quantised", "special"])
+@pytest.mark.parametrize("count,width,block_size", [(64, 1001, 4), (512, 20_001, 8), (100, 3000, 3)])
+def test_block_masked_kernel_equals_reference(dtype, order, kind, count, width, block_size, bf16_window):
+    """Candidate-block masks applied inside the select equal masking the scores first."""
+    if dtype == torch.float32 and bf16_window:
+        pytest.skip("the window is a bf16 selector")
+    from nemo_dsa.ops.topk import blocks_to_mask
+
+    rows = 67
+    seed = zlib.crc32(f"mask{dtype}{order}{kind}{count}".encode()) % 1000
+    ks, ke = _ranges(rows, width, seed)
+    scores = _mask_outside(_rows(kind, rows, width, dtype, seed), ks, ke)
+    blocks = _random_blocks(rows, width, block_size, seed)
+    keep = blocks_to_mask(blocks[None], ks[None], ke[None], block_size, width)[0]
+    out = _poisoned(rows, count, dtype)
+    index, picked = select_rows_tilelang(scores, count, order, ks, ke, out=out, blocks=blocks, block_size=block_size)
+    want_index, want_picked = _expected(scores.masked_fill(~keep, float("-inf")), count, order)
+    assert torch.equal(index, want_index)
+    assert torch.equal(picked, want_picked)
+
+
+@pytest.mark.parametrize("spread", [0.01, 1.0, 100.0])
+def test_bf16_window_and_generic_passes_agree(spread):
+    """bf16 rows whose T-th key lies near the maximum (the window decides), far below it (the
+    generic passes do) and between: the dispatched kernel, the window one and the window-less one
+    equal the reference."""
+    from dataclasses import asdict
+
+    from nemo_dsa.ops._tilelang import compile_cached
+    from nemo_dsa.ops.topk.kernels import radix_select_kernel, select_config
+
+    rows, width, count = 129, 9000, 512
+    g = torch.Generator().manual_seed(int(spread * 100))
+    scale = torch.exp(torch.randn(rows, 1, generator=g) * spread)  # rows of very different ranges
+    scores = (torch.randn(rows, width, generator=g) * scale + torch.randn(rows, 1, generator=g)).bfloat16().cuda()
+    ks, ke = _ranges(rows, width, int(spread * 10))
+    scores = _mask_outside(scores, ks, ke)
+    want_index, want_picked = _expected(scores, count, "index")
+    index, picked = select_rows_tilelang(scores, count, "index", ks, ke, out=_poisoned(rows, count, torch.bfloat16))
+    assert torch.equal(index, want_index) and torch.equal(picked, want_picked)
+    config = asdict(select_config(torch.bfloat16, count, "index"))
+    for top_window in (False, True):
+        kernel = compile_cached(radix_select_kernel, **{**config, "top_window": top_window})
+        index2, picked2 = _poisoned(rows, count, torch.bfloat16)
+        kernel(scores, ks, ke, index2, picked2, 0, torch.empty((1, 1), dtype=torch.int32, device="cuda"))
+        assert torch.equal(index2, want_index) and torch.equal(picked2, want_picked), top_window

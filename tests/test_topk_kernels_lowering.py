@@ -1,8 +1,10 @@
 """TileLang radix select on the CPU: every configuration the lowering table names lowers for
 sm_90a within Hopper's shared memory, with the row's images cached in registers, a shared-memory
 histogram with no barrier inside the passes' key loops, an ordered warp-ballot gather, no barrier
-under a thread-dependent branch (that hangs the GPU); one compiles to a cubin with nvcc; the
-wrapper and the dispatcher validate their inputs."""
+under a thread-dependent branch (that hangs the GPU); bf16 rows first try the window below the
+row's maximum (a max walk and a per-warp histogram walk, the gather's counts from those
+histograms); candidate-block masks live in static shared memory and add no barrier; one compiles
+to a cubin with nvcc; the wrapper and the dispatcher validate their inputs."""
 
 import re
 import shutil
@@ -17,11 +19,15 @@ from nemo_dsa.ops.topk.interface import select_topk
 from nemo_dsa.ops.topk.kernels import (
     CACHED_STEPS,
     DIGIT_BITS,
+    MASK_BLOCKS,
     MAX_COUNT,
     MIN_BLOCKS_PER_SM,
+    TOP_WINDOW,
     UNROLL,
+    WINDOW_BINS,
     SelectConfig,
     dispatched_configs,
+    fits_block_mask,
     radix_select_kernel,
     select_config,
     select_rows_tilelang,
@@ -30,10 +36,11 @@ from nemo_dsa.ops.topk.kernels import (
 
 
 def _barriers_per_step_loop(source: str) -> list[int]:
-    """``__syncthreads`` count inside each loop over a row's steps (``for (int step...``), in order."""
+    """``__syncthreads`` count inside each loop over a row's steps (``for (int step...``, from step
+    0 or, past the register cache, from a later one), in order."""
     counts, depth, open_at = [], 0, None
     for line in source.splitlines():
-        if open_at is None and re.search(r"for \(int step(_\d+)? = 0; step(_\d+)? < steps;", line):
+        if open_at is None and re.search(r"for \(int step(_\d+)? = \d+; step(_\d+)? < (max\()?steps", line):
             open_at = depth
             counts.append(0)
         elif open_at is not None and "__syncthreads" in line:
@@ -68,13 +75,34 @@ def _lower(config, **knobs):
     return config, str(artifact.kernel_source), dynamic_shared_memory_bytes(artifact)
 
 
+def _step_loops(config: SelectConfig, source: str):
+    """(window walks, histogram passes, counting walk, writing walk) barrier counts."""
+    loops = _barriers_per_step_loop(source)
+    window = loops[:2] if config.top_window else []
+    *passes, counting, writing = loops[len(window) :]
+    return window, passes, counting, writing
+
+
+# Built on demand: the opt-in window selectors and candidate-block masked ones (V4.1 reindex
+# layers, per block size).
+EXTRA = [
+    SelectConfig("bfloat16", 128, "index", True),
+    SelectConfig("bfloat16", 512, "score", True),
+    SelectConfig("bfloat16", 128, "index", True, 8),
+    SelectConfig("bfloat16", 128, "index", False, 3),
+    SelectConfig("float32", 256, "score", False, 4),
+]
+
+
 def test_every_config_lowers_within_shared_memory():
     configs = dispatched_configs()
     assert len(configs) == len(set(configs))
-    results = map_in_workers(_lower, configs)
+    assert {c.top_window for c in configs if c.score_dtype == "bfloat16"} == {TOP_WINDOW["bfloat16"]}
+    results = map_in_workers(_lower, configs + EXTRA)
     for config, source, smem in results:
         assert smem >= config.shared_memory_bytes(), f"{config}: the kernel needs more than {smem} bytes"
-        assert smem <= HOPPER_SMEM_LIMIT, f"{config}: {smem} bytes of dynamic shared memory"
+        static = MASK_BLOCKS if config.block_size else 0
+        assert smem + static <= HOPPER_SMEM_LIMIT, f"{config}: {smem} + {static} bytes of shared memory"
         # The images of the first CACHED_STEPS steps live in registers; histogram atomics on
         # shared memory; the gather ranks keys with warp ballots, not atomics.
         assert f"uint cached[{CACHED_STEPS * UNROLL}];" in source, config
@@ -85,14 +113,20 @@ def test_every_config_lowers_within_shared_memory():
         # One histogram pass per digit of the score (no index digits: ties are ranked in the
         # gather), then the gather's counting and writing walks: no barrier inside any of them
         # but one per step of the score-order writes, which TileLang puts before the sort keys'
-        # stores (at data-dependent places in the shared allocation).
-        *passes, counting, writing = _barriers_per_step_loop(source)
+        # stores (at data-dependent places in the shared allocation). bf16: first the window's
+        # max walk and per-warp histogram walk, also without barriers.
+        window, passes, counting, writing = _step_loops(config, source)
         assert len(passes) == len(DIGIT_BITS[config.score_dtype]), config
-        assert not any(passes) and counting == 0, f"{config}: barriers inside the key loops: {passes}, {counting}"
+        assert not any(window) and not any(passes) and counting == 0, (config, window, passes, counting)
+        if config.top_window:
+            assert f"whist)[(((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t){WINDOW_BINS})" in source, config
+            assert "window_hit)[0] == 1" in source, config  # the counting walk only without a window cut
+        assert (f"__shared__ __align__(16) uchar kept[{MASK_BLOCKS}];" in source) == bool(config.block_size), config
         assert writing == (1 if config.order == "score" else 0), config
         assert not _barriers_under_thread_branches(source), config
-        # Score order sorts in registers: lane shuffles for the strides below a warp.
-        assert ("__shfl_xor_sync" in source) == (config.order == "score"), config
+        # Score order sorts in registers: lane shuffles for the strides below a warp (the window
+        # reduces its maximum and counts with them too).
+        assert ("__shfl_xor_sync" in source) == (config.order == "score" or config.top_window), config
 
 
 def test_barrier_check_sees_a_thread_dependent_branch():
@@ -111,8 +145,8 @@ def test_a_config_compiles_to_cubin():
 
 
 def test_config_choice_and_limits():
-    assert select_config(torch.float32, 512, "score") == SelectConfig("float32", 512, "score")
-    assert select_config(torch.bfloat16, 100, "index") == SelectConfig("bfloat16", 128, "index")
+    assert select_config(torch.float32, 512, "score") == SelectConfig("float32", 512, "score", False)
+    assert select_config(torch.bfloat16, 100, "index") == SelectConfig("bfloat16", 128, "index", TOP_WINDOW["bfloat16"])
     assert [sort_slots(c) for c in (1, 100, 128, 129, 2048, 2049)] == [128, 128, 128, 256, 2048, 4096]
     assert {c.slots for c in dispatched_configs() if c.order == "score"} == {128, 256, 512, 1024, 2048, 4096, 8192}
     assert select_config(torch.bfloat16, 2048, "index").slots == 128  # no sort: one build for every T
@@ -149,9 +183,11 @@ def test_tuning_knobs_lower_and_are_checked():
     # to the same structure: one pass per digit, no barrier in a key loop or a thread branch.
     for kwargs in (dict(digit_bits=(11, 5)), dict(digit_bits=(12, 12, 8)), dict(cached_steps=2, min_blocks=3)):
         dtype = "float32" if sum(kwargs.get("digit_bits", (16,))) == 32 else "bfloat16"
-        _, source, _ = _lower(SelectConfig(dtype, 128, "index"), **kwargs)
-        *passes, counting, writing = _barriers_per_step_loop(source)
+        config = SelectConfig(dtype, 128, "index", TOP_WINDOW[dtype])
+        _, source, _ = _lower(config, **kwargs)
+        window, passes, counting, writing = _step_loops(config, source)
         assert len(passes) == len(kwargs.get("digit_bits", DIGIT_BITS[dtype])), kwargs
+        assert not any(window), kwargs
         assert not any(passes) and counting == 0 and writing == 0, kwargs
         assert not _barriers_under_thread_branches(source), kwargs
     with pytest.raises(ValueError, match="digit_bits"):
@@ -160,4 +196,17 @@ def test_tuning_knobs_lower_and_are_checked():
         radix_select_kernel("float32", 128, "index", digit_bits=(16, 16))
     with pytest.raises(ValueError, match="cached_steps"):
         radix_select_kernel("float32", 128, "index", cached_steps=0)
+    with pytest.raises(ValueError, match="top_window"):
+        radix_select_kernel("float32", 128, "index", top_window=True)
+    with pytest.raises(ValueError, match="block_size"):
+        radix_select_kernel("bfloat16", 128, "index", block_size=-1)
+
+
+def test_block_mask_limits_and_arguments():
+    assert fits_block_mask(MASK_BLOCKS * 8, 8) and not fits_block_mask(MASK_BLOCKS * 8 + 1, 8)
+    window = TOP_WINDOW["bfloat16"]
+    assert select_config(torch.bfloat16, 512, "index", block_size=8) == SelectConfig("bfloat16", 128, "index", window, 8)
+    scores = torch.randn(4, 16)
+    with pytest.raises(ValueError, match="blocks and block_size"):
+        select_rows_tilelang(scores, 4, "index", block_size=8)
 

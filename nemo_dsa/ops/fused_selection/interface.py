@@ -25,12 +25,18 @@ from nemo_dsa.ops.dispatch import resolve_backend
 from nemo_dsa.ops.fused_selection.plan import DEFAULT_CHUNK_BYTES, planned_chunks, v4_row_bytes, v41_row_bytes
 from nemo_dsa.ops.fused_selection.window import select_chunks
 from nemo_dsa.ops.topk.candidates import blocks_to_mask, candidate_blocks as find_blocks
-from nemo_dsa.ops.topk.kernels import MAX_COUNT
+from nemo_dsa.ops.topk.kernels import MAX_COUNT, fits_block_mask
 from nemo_dsa.ops.v4_indexer.kernels import v4_logits_tilelang
 from nemo_dsa.ops.v4_indexer.naive import v4_logits
 from nemo_dsa.ops.v41_indexer.kernels import v41_scores_tilelang
 from nemo_dsa.ops.v41_indexer.naive import v41_scores
 from nemo_dsa.visibility import check_ks_ke
+
+
+# Reindex layers on the GPU: the radix select applies the kept candidate blocks itself instead
+# of a torch [rows, W] mask over the chunk's scores. Opt-in until it has run on the GPU (lowered
+# and compiled here; tests/test_fused_selection_gpu.py and test_topk_kernels_gpu.py check it).
+SELECT_APPLIES_BLOCKS = False
 
 
 def v4_chunk_logits(backend, q, k, w, ks, ke, buffer, chunk_bytes):
@@ -129,7 +135,7 @@ def v4_select_topk_validated(q, k, w, ks, ke, topk: int, backend: str, chunk_byt
             backend, q[:, chunk.rows], k[:, chunk.key_start : chunk.key_end], w[:, chunk.rows],
             local_ks, local_ke, out, chunk_bytes,
         )
-        return logits, local_ks, local_ke
+        return logits, local_ks, local_ke, None
 
     def emit(chunk, index, value):
         if index is None:
@@ -207,7 +213,14 @@ def v41_select_topk(
         num_blocks = min(candidate_topk_blocks, -(-num_keys // candidate_block_size))
         blocks_out = torch.full((batch, queries, num_blocks), -2, dtype=torch.int32, device=q.device)
     on_gpu = _selects_on_gpu(backend, count)
-    row_key = ("v41", heads, dim, count, source or reindex, candidate_block_size or 1, on_gpu, batch > 1)
+    # Reindex on the GPU: the radix select applies the kept blocks itself, so a chunk holds only
+    # its scores (and, with B > 1, a copy of its rows' block lists).
+    mask_in_select = (
+        SELECT_APPLIES_BLOCKS and reindex and on_gpu and fits_block_mask(num_keys, candidate_block_size)
+    )
+    kept_width = candidate_blocks.shape[-1] if mask_in_select else 0
+    row_key = ("v41", heads, dim, count, source or (reindex and not mask_in_select), candidate_block_size or 1,
+               on_gpu, batch > 1, kept_width)  # fmt: skip
     row_bytes = v41_row_bytes(*row_key[1:])
 
     def score_chunk(chunk, first_pass):
@@ -222,12 +235,16 @@ def v41_select_topk(
             blocks_out[:, chunk.rows] = -1
             blocks_out[:, chunk.rows, : found.shape[-1]] = found  # a narrow window has fewer blocks: pad
         elif reindex:
-            # A block past the window's last block holds no key the row sees: drop it (-1).
             kept = candidate_blocks[:, chunk.rows]
+            if mask_in_select:
+                # The radix select reads the kept blocks itself: keys of other blocks are -inf to
+                # it, so no [rows, W] mask is built and the scores are not rewritten.
+                return scores, local_ks, local_ke, kept
+            # A block past the window's last block holds no key the row sees: drop it (-1).
             kept = torch.where(kept < -(-chunk.width // candidate_block_size), kept, -1)
             keep = blocks_to_mask(kept, local_ks, local_ke, candidate_block_size, chunk.width, budget_bytes=chunk_bytes)
             scores.masked_fill_(~keep, float("-inf"))
-        return scores, local_ks, local_ke
+        return scores, local_ks, local_ke, None
 
     def emit(chunk, index, value):
         if index is None:
@@ -242,5 +259,8 @@ def v41_select_topk(
         return indices[0, chunk.rows], picked
 
     plan = planned_chunks(ks, ke, row_key, row_bytes, chunk_bytes)
-    select_chunks(plan.chunks, score_chunk, emit, count, "index", chunk_bytes, on_gpu, targets if batch == 1 else None)
+    select_chunks(
+        plan.chunks, score_chunk, emit, count, "index", chunk_bytes, on_gpu, targets if batch == 1 else None,
+        block_size=candidate_block_size or 0,
+    )  # fmt: skip
     return (indices, blocks_out) if source else indices

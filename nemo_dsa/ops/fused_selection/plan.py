@@ -175,11 +175,14 @@ def v41_row_bytes(
     block_size: int = 1,
     on_gpu: bool = False,
     batched: bool = True,
+    kept_width: int = 0,
 ) -> Callable[[np.ndarray], np.ndarray]:
-    """Transient bytes per query row of :func:`v41_select_topk` for window widths ``width``."""
+    """Transient bytes per query row of :func:`v41_select_topk` for window widths ``width``
+    (``kept_width``: kept blocks per row the select reads itself, copied when ``batched``)."""
     path = _selection_path(on_gpu)
     margin = 0 if on_gpu else TIE_MARGIN
     per_row = _query_copy_bytes(heads, dim, batched) + heads * 2 + SELECTED_BYTES[path] * (count + margin) + 64
+    per_row += 4 * kept_width if batched else 0
     per_key = V41_BYTES_PER_KEY[path]
 
     def row_bytes(width: np.ndarray) -> np.ndarray:

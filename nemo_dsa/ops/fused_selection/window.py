@@ -56,7 +56,8 @@ def _globalise(scores, chosen, key_start: int, count: int) -> tuple[torch.Tensor
 
 
 def select_chunks(
-    chunks, score_chunk, emit, count: int, order: str, chunk_bytes: int, on_gpu: bool, targets=None
+    chunks, score_chunk, emit, count: int, order: str, chunk_bytes: int, on_gpu: bool, targets=None,
+    *, block_size: int = 0,
 ) -> None:
     """Score and select every chunk, ``emit(chunk, index, values)`` its global results.
 
@@ -64,8 +65,10 @@ def select_chunks(
     returns [rows, count] (index, values) tensors the TileLang select writes into directly,
     saving the copy through ``emit``.
 
-    ``score_chunk(chunk, first_pass)`` returns the chunk's scores [B, rows, W] and its queries'
-    window-local ks/ke [B, rows]. On the GPU (``on_gpu``) the TileLang radix select decides
+    ``score_chunk(chunk, first_pass)`` returns the chunk's scores [B, rows, W], its queries'
+    window-local ks/ke [B, rows] and, on the GPU only, None or kept candidate blocks [B, rows, NBk]
+    of ``block_size`` keys that the select applies itself (keys outside them count as -inf).
+    On the GPU (``on_gpu``) the TileLang radix select decides
     every row exactly, reading only [ks, ke). Otherwise the loop runs select_rows and never waits
     for the device: rows it flags (ties beyond its candidates, NaN/+inf) are collected, and after
     the loop (one host sync) only the chunks holding any are scored again (same tiles, so the
@@ -76,14 +79,16 @@ def select_chunks(
         if chunk.width == 0:
             emit(chunk, None, None)
             continue
-        scores, local_ks, local_ke = score_chunk(chunk, True)
+        scores, local_ks, local_ke, blocks = score_chunk(chunk, True)
         scores = scores.reshape(-1, chunk.width)
         if on_gpu:
             take = min(count, chunk.width)
             out = targets(chunk) if targets is not None and take == count else None
+            masking = {} if blocks is None else {"blocks": blocks.reshape(scores.shape[0], -1), "block_size": block_size}
             index, values = select_rows_tilelang(
-                scores, take, order, local_ks.reshape(-1), local_ke.reshape(-1), offset=chunk.key_start, out=out
-            )
+                scores, take, order, local_ks.reshape(-1), local_ke.reshape(-1), offset=chunk.key_start, out=out,
+                **masking,
+            )  # fmt: skip
             if out is None:
                 emit(chunk, *_pad_columns(index, values, count))
             continue

@@ -20,6 +20,16 @@ counts of the warps before it, and the second walk ranks each key among the take
 order. Index order writes it there (no sort); score order places (image, reversed index) keys
 in shared memory and sorts them with a bitonic network held in registers.
 
+bf16 rows (V4.1) first try a shortcut: a bf16 image has 16 bits, so the WINDOW_BINS images below
+the row's largest one (two binades) are WINDOW_BINS histogram bins of one image each. One walk
+finds the maximum, one counts the keys within the window per warp (only those touch shared
+atomics), and a scan over the bins gives the T-th image exactly, so the cut is decided without
+the two generic passes and each warp's counts for the gather come from its histogram (no counting
+walk). A row whose T-th key lies further below its maximum (or that has fewer than T finite keys)
+falls back to the generic passes. Candidate blocks (V4.1 reindex layers): with ``block_size`` the
+row's kept blocks go into a byte map in static shared memory and keys of other blocks get image 0,
+so the select applies the mask while it reads the scores (no [rows, W] mask, no rewrite).
+
 Cost at S = 32768, K = 8192 causal (4096 visible keys a row on average), T = 512: one read of the
 row (256 MiB bf16 / 512 MiB fp32 for the whole matrix, ~0.1 ms of HBM), 2 histogram passes for
 bf16 and 3-4 for fp32 and the two gather walks from registers, and for score order the sort (45
@@ -58,6 +68,16 @@ MIN_BLOCKS_PER_SM = 4
 SCORE_BITS = {"float32": 32, "bfloat16": 16}
 # The sort holds the selected keys in shared memory: 8 bytes per slot.
 MAX_COUNT = 8192
+# bf16 rows: find the cut in one histogram of the images' distances below the row's largest image
+# (one bin per image: WINDOW_BINS images, two binades), per warp, so that only keys near the top
+# touch shared atomics and the per-warp counts of the gather come from the histograms, not from a
+# counting walk; a row whose T-th key lies further down takes the generic passes. Opt-in
+# (``TOP_WINDOW["bfloat16"] = True``) until it has run on the GPU: it lowers and compiles here,
+# tests/test_topk_kernels_gpu.py checks it against the reference, nothing has measured it yet.
+WINDOW_BINS = THREADS
+TOP_WINDOW = {"float32": False, "bfloat16": False}
+# Candidate-block masks (V4.1 reindex layers): one byte per block of the row in shared memory.
+MASK_BLOCKS = 16384
 
 
 # The sort widths a kernel is built for: T is a runtime size, so one build serves every T up to
@@ -73,11 +93,16 @@ class SelectConfig:
     score_dtype: str  # "float32" | "bfloat16"
     slots: int  # sort width, a power of two >= T (score order; MIN_SLOTS for index order)
     order: str  # "score" | "index"
+    top_window: bool = False  # bf16: the cut from one histogram below the row's maximum
+    block_size: int = 0  # > 0: keys outside the row's kept candidate blocks are never selected
 
     def shared_memory_bytes(self) -> int:
-        """The buffers live together during the gather: the per-warp counts and, for score
-        order, the sort's 8-byte keys (the histogram passes may reuse these bytes earlier)."""
-        return 4 * 2 * WARPS + (8 * max(self.slots, THREADS) if self.order == "score" else 0)
+        """Dynamic shared memory: the buffers live together during the gather: the per-warp
+        counts, the window histograms and, for score order, the sort's 8-byte keys (the histogram
+        passes may reuse these bytes earlier). The block map (MASK_BLOCKS bytes with
+        ``block_size``) is static shared memory."""
+        window = 4 * WARPS * WINDOW_BINS if self.top_window else 0
+        return 4 * 2 * WARPS + window + (8 * max(self.slots, THREADS) if self.order == "score" else 0)
 
 
 def sort_slots(count: int) -> int:
@@ -85,8 +110,9 @@ def sort_slots(count: int) -> int:
     return max(MIN_SLOTS, 1 << (count - 1).bit_length())
 
 
-def select_config(score_dtype: torch.dtype, count: int, order: str) -> SelectConfig:
-    """The selector for scores of ``score_dtype`` keeping ``count`` per row in ``order``."""
+def select_config(score_dtype: torch.dtype, count: int, order: str, block_size: int = 0) -> SelectConfig:
+    """The selector for scores of ``score_dtype`` keeping ``count`` per row in ``order``
+    (``block_size`` > 0: masked by candidate blocks of that many keys)."""
     name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(score_dtype)
     if name is None:
         raise TypeError(f"scores must be float32 or bfloat16 for the TileLang selector, got {score_dtype}")
@@ -94,14 +120,18 @@ def select_config(score_dtype: torch.dtype, count: int, order: str) -> SelectCon
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     if not 1 <= count <= MAX_COUNT:
         raise ValueError(f"count must be in [1, {MAX_COUNT}] for the TileLang selector, got {count}")
+    check_positive_int("block_size", block_size, minimum=0)
     slots = sort_slots(count) if order == "score" else MIN_SLOTS
-    return SelectConfig(name, slots, order)
+    return SelectConfig(name, slots, order, TOP_WINDOW[name], block_size)
 
 
 def dispatched_configs() -> list[SelectConfig]:
     """Every configuration the wrapper can build: dtypes, orders and sort widths."""
     widths = {"score": [MIN_SLOTS << i for i in range((MAX_COUNT // MIN_SLOTS).bit_length())], "index": [MIN_SLOTS]}
-    return [SelectConfig(dtype, slots, order) for dtype in SCORE_BITS for order in ORDERS for slots in widths[order]]
+    return [
+        SelectConfig(dtype, slots, order, TOP_WINDOW[dtype])
+        for dtype in SCORE_BITS for order in ORDERS for slots in widths[order]
+    ]  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
@@ -113,6 +143,8 @@ def radix_select_kernel(
     score_dtype: str,
     slots: int,
     order: str,
+    top_window: bool | None = None,
+    block_size: int = 0,
     *,
     cached_steps: int = CACHED_STEPS,
     min_blocks: int | None = None,
@@ -123,7 +155,12 @@ def radix_select_kernel(
 
     Scores [rows, width] (row-major), ks/ke int32 [rows] (clamped to [0, width]), Index int32
     [rows, count] (window-local key numbers + ``offset``, -1 padding), Picked [rows, count] (the
-    scores at Index, -inf at -1), offset: added to every selected index (a window's first key).
+    scores at Index, -inf at -1), offset: added to every selected index (a window's first key),
+    Blocks int32 [rows, NBk] (read only with ``block_size`` > 0): the row's kept candidate blocks,
+    numbered from ks in blocks of ``block_size`` keys, -1 padded; keys of other blocks are never
+    selected (as if -inf). ``top_window`` (bf16 only; None = ``TOP_WINDOW``): the cut from one
+    per-warp histogram of the images' distances below the row's largest image when the T-th key
+    lies within WINDOW_BINS images of it, else the generic passes.
     ``cached_steps``, ``min_blocks`` (blocks an SM must hold: caps the registers) and
     ``digit_bits`` (the passes' digit widths) are tuning knobs; the defaults are the measured
     best (docs/performance.md v7).
@@ -140,6 +177,11 @@ def radix_select_kernel(
         raise ValueError(f"digit_bits must add up to {score_bits} bits, each in [1, {MAX_DIGIT_BITS}], got {digit_bits}")
     if cached_steps < 1:
         raise ValueError(f"cached_steps must be >= 1, got {cached_steps}")
+    top_window = TOP_WINDOW[score_dtype] if top_window is None else bool(top_window)
+    if top_window and score_dtype != "bfloat16":
+        raise ValueError("top_window needs bfloat16 scores (one histogram bin per image)")
+    check_positive_int("block_size", block_size, minimum=0)
+    masked = block_size > 0
     # (shift, bits) of each pass's digit of the image, most significant first
     passes = [(score_bits - sum(digit_bits[: i + 1]), bits) for i, bits in enumerate(digit_bits)]
     log_slots = slots.bit_length() - 1
@@ -150,6 +192,7 @@ def radix_select_kernel(
     if min_blocks is None:  # sorts of more than 2048 keys hold 32+ registers of keys a thread
         min_blocks = MIN_BLOCKS_PER_SM if per_thread <= 8 else 1
     rows, width, count = T.dynamic("rows"), T.dynamic("width"), T.dynamic("count")
+    block_rows, kept_width = T.dynamic("block_rows"), T.dynamic("kept_width")
 
     def image_of(x):
         """Order-preserving unsigned image of a score; 0 for NaN/+-inf. Branch-free: negatives
@@ -166,8 +209,16 @@ def radix_select_kernel(
             j = first_key + (step * UNROLL + u) * WARP
             raw[base + u] = T.if_then_else(j < segment_end, Scores[row, T.min(j, width - 1)], -T.infinity(dtype))
 
+    def kept_image(x, j, start, kept):
+        """The image of score ``x`` of key ``j``, 0 when its candidate block is not kept (the
+        block map holds 0/1; keys past the row's end are -inf, image 0, whatever the map says)."""
+        if not masked:
+            return image_of(x)
+        block = T.min(T.cast((j - start) // block_size, i32), MASK_BLOCKS - 1)
+        return image_of(x) * T.cast(kept[block], u32)
+
     @T.macro
-    def fetch_step(Scores, row, first_key, segment_end, step, raw, cached, images):
+    def fetch_step(Scores, row, first_key, segment_end, step, raw, cached, images, start, kept):
         """images[u] for the keys of ``step``: from the registers for the first ``cached_steps``
         steps, loaded again for later ones (all loads issued before the first image)."""
         if step < cached_steps:
@@ -178,7 +229,7 @@ def radix_select_kernel(
         else:
             load_step(Scores, row, first_key, segment_end, step, raw, 0)
             for u in T.unroll(UNROLL):
-                images[u] = image_of(raw[u])
+                images[u] = kept_image(raw[u], first_key + (step * UNROLL + u) * WARP, start, kept)
 
     @T.prim_func
     def radix_select(
@@ -188,6 +239,7 @@ def radix_select_kernel(
         Index: T.Tensor([rows, count], i32),
         Picked: T.Tensor([rows, count], dtype),
         offset: i32,
+        Blocks: T.Tensor([block_rows, kept_width], i32),
     ):
         with T.Kernel(rows, threads=THREADS) as row:
             T.annotate_min_blocks_per_sm(min_blocks)
@@ -208,6 +260,13 @@ def radix_select_kernel(
             need = T.alloc_shared([1], i32)
             done = T.alloc_shared([1], i32)
             keys = T.alloc_shared([held_keys], u64)
+            # Static shared memory, apart from the merged dynamic allocation: read next to the
+            # histogram atomics, a block map inside that allocation made TileLang put barriers in
+            # every key loop.
+            kept = T.alloc_shared([MASK_BLOCKS if masked else 1], T.uint8, scope="shared")  # the row's kept blocks (0/1)
+            whist = T.alloc_shared([WARPS * WINDOW_BINS if top_window else 1], i32)  # per-warp window counts
+            warp_best = T.alloc_shared([WARPS], u32)
+            window_hit = T.alloc_shared([1], i32)  # the window decided the cut
             cached = T.alloc_local([cached_steps * UNROLL], u32)
             images = T.alloc_local([UNROLL], u32)
             raw = T.alloc_local([cached_steps * UNROLL], dtype)  # scores as loaded, before their images
@@ -235,6 +294,7 @@ def radix_select_kernel(
             seen_equal = T.alloc_var(i32)  # keys before this slot with image == equal_cut
             first = T.alloc_var(u64)  # the two keys a bitonic step compares
             second = T.alloc_var(u64)
+            top = T.alloc_var(u32)  # the row's largest image (window)
 
             start = T.min(T.max(KS[row], 0), width)
             end = T.max(T.min(KE[row], width), start)
@@ -250,6 +310,19 @@ def radix_select_kernel(
                 equal[0] = 0
                 need[0] = count
                 done[0] = 0
+                window_hit[0] = 0
+            if masked:
+                # The map of the row's blocks from ks: cleared, then the kept ones set (-1 and
+                # blocks past the row skipped); the wrapper keeps a row within MASK_BLOCKS blocks.
+                for i in T.serial(T.ceildiv(T.ceildiv(end - start, block_size), THREADS)):
+                    if i * THREADS + tx < T.ceildiv(end - start, block_size):
+                        kept[i * THREADS + tx] = T.uint8(0)
+                T.sync_threads()
+                for i in T.serial(T.ceildiv(kept_width, THREADS)):
+                    if i * THREADS + tx < kept_width:
+                        block = Blocks[row, i * THREADS + tx]
+                        if block >= 0 and block < T.ceildiv(end - start, block_size):
+                            kept[block] = T.uint8(1)
             if order == "score":
                 for r in T.serial(per_thread):
                     keys[r * THREADS + tx] = T.uint64(0)  # 0 sorts last: the -1 padding
@@ -257,8 +330,62 @@ def radix_select_kernel(
             for s in T.unroll(cached_steps):
                 load_step(Scores, row, first_key, segment_end, s, raw, s * UNROLL)
             for i in T.unroll(cached_steps * UNROLL):
-                cached[i] = image_of(raw[i])
+                cached[i] = kept_image(raw[i], first_key + i * WARP, start, kept)
             T.sync_threads()
+
+            if top_window:
+                # The row's largest image (the cached images, then the steps past them; warp
+                # shuffles, the warps' maxima), then one histogram per warp of the distances below
+                # it, for the keys within WINDOW_BINS.
+                top = T.uint32(0)
+                for i in T.unroll(cached_steps * UNROLL):
+                    top = T.max(top, cached[i])
+                for s in T.serial(cached_steps, T.max(steps, cached_steps)):
+                    fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, kept)
+                    for u in T.unroll(UNROLL):
+                        top = T.max(top, images[u])
+                for d in (16, 8, 4, 2, 1):
+                    top = T.max(top, T.shfl_xor(top, d))
+                if lane == 0:
+                    warp_best[warp] = top
+                for w in range(WARPS):
+                    whist[w * WINDOW_BINS + tx] = 0
+                T.sync_threads()
+                for w in range(WARPS):
+                    top = T.max(top, warp_best[w])
+                for s in T.serial(steps):
+                    fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, kept)
+                    for u in T.unroll(UNROLL):
+                        if (images[u] != 0) & (top - images[u] < WINDOW_BINS):
+                            T.atomic_add(whist[warp * WINDOW_BINS + T.cast(top - images[u], i32)], 1)
+                T.sync_threads()
+                # Thread tx owns distance tx (image top - tx); its inclusive scan counts the keys
+                # with images >= top - tx. The thread where it reaches T holds the cut.
+                wanted = need[0]
+                count_here = sum(whist[w * WINDOW_BINS + tx] for w in range(WARPS))
+                running = count_here
+                for d in (1, 2, 4, 8, 16):
+                    other = T.shfl_up(running, d)
+                    if lane >= d:
+                        running = running + other
+                if lane == WARP - 1:
+                    warp_sums[warp] = running
+                T.sync_threads()
+                for w in range(WARPS - 1):
+                    if w < warp:
+                        running = running + warp_sums[w]
+                if running >= wanted and running - count_here < wanted:
+                    cut_left = wanted - (running - count_here)
+                    if count_here == cut_left:  # the whole bin: every key from its image up
+                        above[0] = top - T.cast(tx, u32)
+                        need[0] = 0
+                    else:  # the T-th image: ``cut_left`` of its keys, the first in index order
+                        above[0] = top - T.cast(tx, u32) + 1
+                        equal[0] = top - T.cast(tx, u32)
+                        need[0] = cut_left
+                    done[0] = 1
+                    window_hit[0] = 1
+                T.sync_threads()
 
             for p, (shift, bits) in enumerate(passes):
                 bins = 1 << bits
@@ -272,7 +399,7 @@ def radix_select_kernel(
                     T.sync_threads()
                     prefix = decided[0]
                     for s in T.serial(steps):
-                        fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images)
+                        fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, kept)
                         for u in T.unroll(UNROLL):
                             hit = images[u] != 0
                             if p > 0:
@@ -338,13 +465,25 @@ def radix_select_kernel(
             take_equal = need[0]
             taken_above = 0
             seen_equal = 0
-            for s in T.serial(steps):
-                fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images)
-                for u in T.unroll(UNROLL):
-                    above_mask = T.cast(T.ballot_sync((images[u] >= above_cut) & (images[u] != 0)), u32)
-                    equal_mask = T.cast(T.ballot_sync((images[u] == equal_cut) & (images[u] != 0)), u32)
-                    taken_above = taken_above + T.cast(T.popcount(above_mask), i32)
-                    seen_equal = seen_equal + T.cast(T.popcount(equal_mask), i32)
+            if top_window and window_hit[0] == 1:
+                # The warp's counts from its window histogram (every taken key lies in the window):
+                # each lane sums WINDOW_BINS / WARP distances, then the warp adds them up.
+                for i in T.unroll(WINDOW_BINS // WARP):
+                    count_here = whist[warp * WINDOW_BINS + lane * (WINDOW_BINS // WARP) + i]
+                    prefix = top - T.cast(lane * (WINDOW_BINS // WARP) + i, u32)
+                    taken_above = taken_above + T.if_then_else(prefix >= above_cut, count_here, 0)
+                    seen_equal = seen_equal + T.if_then_else(prefix == equal_cut, count_here, 0)
+                for d in (16, 8, 4, 2, 1):
+                    taken_above = taken_above + T.shfl_xor(taken_above, d)
+                    seen_equal = seen_equal + T.shfl_xor(seen_equal, d)
+            else:
+                for s in T.serial(steps):
+                    fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, kept)
+                    for u in T.unroll(UNROLL):
+                        above_mask = T.cast(T.ballot_sync((images[u] >= above_cut) & (images[u] != 0)), u32)
+                        equal_mask = T.cast(T.ballot_sync((images[u] == equal_cut) & (images[u] != 0)), u32)
+                        taken_above = taken_above + T.cast(T.popcount(above_mask), i32)
+                        seen_equal = seen_equal + T.cast(T.popcount(equal_mask), i32)
             if lane == 0:
                 warp_taken[warp] = taken_above
                 warp_taken[WARPS + warp] = seen_equal
@@ -352,7 +491,7 @@ def radix_select_kernel(
             taken_above = sum(T.if_then_else(w < warp, warp_taken[w], 0) for w in range(WARPS))
             seen_equal = sum(T.if_then_else(w < warp, warp_taken[WARPS + w], 0) for w in range(WARPS))
             for s in T.serial(steps):
-                fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images)
+                fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, kept)
                 for u in T.unroll(UNROLL):
                     j = first_key + (s * UNROLL + u) * WARP
                     above_mask = T.cast(T.ballot_sync((images[u] >= above_cut) & (images[u] != 0)), u32)
@@ -451,14 +590,22 @@ def select_rows_tilelang(
     *,
     offset: int = 0,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    blocks: torch.Tensor | None = None,
+    block_size: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact top-``count`` of every row of ``scores [N, W]`` on the GPU (count <= W).
 
     Returns (indices int32 [N, count] + ``offset``, -1 padded; the scores at them, -inf padded).
     Only keys in ``[ks, ke)`` (int32 [N], default the whole row) are read; the caller guarantees
     that every finite score of a row lies there. ``out`` may hold the two result tensors.
+    ``blocks`` int32 [N, NBk] with ``block_size`` C: the row's kept candidate blocks (numbered
+    from ks, -1 padded; blocks past the row are ignored); keys of other blocks are treated as -inf
+    (docs/semantics.md, candidate blocks). Needs ``ceil(W / C) <= MASK_BLOCKS``
+    (:func:`fits_block_mask`).
     """
     check_tensor("scores", scores, ndim=2, dtypes=(torch.float32, torch.bfloat16))
+    if (blocks is None) != (block_size == 0):
+        raise ValueError("blocks and block_size > 0 go together (candidate-block masking)")
     if not scores.is_cuda:
         raise ValueError(f"scores must be a CUDA tensor for the TileLang selector, got {scores.device}")
     rows, width = scores.shape
@@ -470,6 +617,13 @@ def select_rows_tilelang(
         ke = torch.full((rows,), width, dtype=torch.int32, device=scores.device)
     for name, value in (("ks", ks), ("ke", ke)):
         check_tensor(name, value, ndim=1, dtypes=(torch.int32,), shape=(rows,), device=scores.device)
+    if blocks is not None:
+        check_positive_int("block_size", block_size)
+        check_tensor("blocks", blocks, ndim=2, dtypes=(torch.int32,), shape=(rows, None), device=scores.device)
+        if not fits_block_mask(width, block_size):
+            raise ValueError(f"blocks: rows of {width} keys have more than {MASK_BLOCKS} blocks of {block_size}")
+    else:
+        blocks = torch.empty((1, 1), dtype=torch.int32, device=scores.device)  # not read
     if out is None:
         out = (
             torch.empty((rows, count), dtype=torch.int32, device=scores.device),
@@ -479,7 +633,12 @@ def select_rows_tilelang(
     check_tensor("out[0]", index, dtypes=(torch.int32,), shape=(rows, count), device=scores.device)
     check_tensor("out[1]", picked, dtypes=(scores.dtype,), shape=(rows, count), device=scores.device)
     if rows:
-        config = select_config(scores.dtype, count, order)
+        config = select_config(scores.dtype, count, order, block_size)
         kernel = compile_cached(radix_select_kernel, **asdict(config))
-        kernel(scores.contiguous(), ks.contiguous(), ke.contiguous(), index, picked, offset)
+        kernel(scores.contiguous(), ks.contiguous(), ke.contiguous(), index, picked, offset, blocks.contiguous())
     return index, picked
+
+
+def fits_block_mask(width: int, block_size: int) -> bool:
+    """Whether rows of ``width`` keys fit the selector's candidate-block map."""
+    return -(-width // block_size) <= MASK_BLOCKS
