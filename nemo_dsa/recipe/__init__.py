@@ -1,13 +1,16 @@
 """The training recipe, one concern per module (the layers contract in pyproject.toml orders them):
 
-- ``schema``: the ``recipe`` config schema (Hydra ConfigStore), composition, value rules, what a resume may change
+- ``schema``: the ``recipe``, ``data``, ``tokenizer`` and ``logger`` config schemas (Hydra ConfigStore),
+  composition, value rules, what a resume may change
 - ``optim``: AdamW and the warmup + cosine schedule
-- ``parallel``: context-parallel set-up and the stalled-collective message
+- ``parallel``: the data-parallel (FSDP2) x context-parallel set-up and the stalled-collective message
 - ``files``: atomic writes, durable appends, the run-directory lock
-- ``state``: train state and checksummed checkpoints
-- ``metrics``: ``metrics.jsonl``, ``summary.json``, ``loss.png``
+- ``state``: train state and checksummed checkpoints (full tensors, whatever the number of ranks)
+- ``metrics``: ``metrics.jsonl``, ``summary.json``, ``loss.png``, TensorBoard scalars
+- ``data_sources``: the embedded corpus, text / JSONL files, offline ``datasets``; byte or HF tokenizer
 - ``loop``: the step, evaluation, resume and the run
 - ``cli``: the ``nemo-dsa-train`` entry point
+- ``inference``, ``commands``: generation and evaluation from a run (``nemo-dsa-generate``, ``nemo-dsa-evaluate``)
 """
 
 from nemo_dsa.recipe.cli import main
