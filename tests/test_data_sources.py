@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from nemo_dsa.data import PackedBatches, pack_documents
+from nemo_dsa.data import ByteTokenizer, PackedBatches, pack_documents
 from nemo_dsa.recipe.data_sources import HFTokenizer, hf_documents, jsonl_documents, load_documents, text_documents
 from nemo_dsa.train import load_config, main, read_metrics, train
 
@@ -197,6 +197,6 @@ def test_the_default_data_is_the_embedded_corpus():
     cfg = load_config([])
     assert (cfg.data.source, cfg.tokenizer.kind, cfg.model.config.vocab_size) == ("stdlib", "byte", 259)
     assert load_documents(cfg.data)[0].title == "abc"
-    train_stream, val = pack_documents(load_documents(cfg.data)[:50], __import__("nemo_dsa.data").data.ByteTokenizer(),
-                                       seq_len=64, batch_size=2, val_percent=20, val_batches=1)
+    train_stream, val = pack_documents(load_documents(cfg.data)[:50], ByteTokenizer(), seq_len=64, batch_size=2,
+                                       val_percent=20, val_batches=1)
     assert next(train_stream)["input_ids"].shape == (2, 64) and len(val) == 1
