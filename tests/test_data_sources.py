@@ -40,6 +40,7 @@ def corpus_files(tmp_path):
 
 def _tokenizer_dir(tmp_path, texts) -> str:
     """A tiny word-level tokenizer built locally with the tokenizers library (nothing downloaded)."""
+    pytest.importorskip("tokenizers", reason="tokenizer=hf needs the tokenizers package (pip install tokenizers)")
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
