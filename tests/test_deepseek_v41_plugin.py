@@ -235,6 +235,19 @@ def test_registered_and_named():
         NemoDsaDeepseekV41ForCausalLM(DeepseekV4Config(), backend=backend())
 
 
+def test_backend_options_select_indexer_and_attention_kernels():
+    default = NemoDsaDeepseekV41ForCausalLM(config(), backend=backend())
+    # backend.attn "eager" names neither: both stay on auto (the attention follows the indexer's).
+    assert (default.dsa_config.backend, default.dsa_config.attention_backend) == ("auto", None)
+    # The built-in V4.1 accepts backend.attn eager / sdpa / tilelang: tilelang selects both kernels.
+    both = NemoDsaDeepseekV41ForCausalLM(config(), backend=dataclasses.replace(backend(), attn="tilelang"))
+    assert (both.dsa_config.backend, both.dsa_config.attention_backend) == ("tilelang", "tilelang")
+    split = NemoDsaDeepseekV41ForCausalLM(config(), backend=backend(), indexer_backend="torch", attention_backend="tilelang")
+    assert (split.dsa_config.backend, split.dsa_config.attention_backend) == ("torch", "tilelang")
+    with pytest.raises(ValueError, match="attention_backend"):
+        NemoDsaDeepseekV41ForCausalLM(config(), backend=backend(), attention_backend="cuda")
+
+
 def quantize_fp8_32(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """e4m3 weight and power-of-two e8m0 scale per 32x32 block (the released V4.1 FP8 layout)."""
     rows, cols = weight.shape

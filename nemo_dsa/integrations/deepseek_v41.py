@@ -11,8 +11,9 @@ names, configured by ``DSAModelConfig.from_hf_config`` from the V4.1 text config
 
 Registered through the ``nemo_automodel.architectures`` entry point; a config selects it with
 ``architectures: [NemoDsaDeepseekV41ForCausalLM]``, and the model sets that name on its config.
-Options (constructor keywords or config attributes): ``indexer_backend`` (``auto`` | ``tilelang``
-| ``torch``; ``backend.attn`` of ``tilelang`` also selects it) and ``fused_topk``. Context
+Options (constructor keywords or config attributes): ``indexer_backend`` and ``attention_backend``
+(``auto`` | ``tilelang`` | ``torch``; ``backend.attn`` of ``tilelang`` selects both unless they
+are given) and ``fused_topk``. Context
 parallelism runs through the built-in's own CP sharder and forward (``cp_group`` reaches every
 attention; see ``deepseek_v41_attention``).
 """
@@ -33,14 +34,14 @@ from nemo_dsa.models.dsa_lm.configuration import DSAModelConfig
 __all__ = ["ARCHITECTURE", "NemoDsaDeepseekV41ForCausalLM", "dsa_config_from_deepseek_v41"]
 
 ARCHITECTURE = "NemoDsaDeepseekV41ForCausalLM"
-_OPTIONS = ("indexer_backend", "fused_topk")
+_OPTIONS = ("indexer_backend", "attention_backend", "fused_topk")
 _ATTN_TO_INDEXER_BACKEND = {"tilelang": "tilelang", "torch": "torch"}
 
 
 def dsa_config_from_deepseek_v41(config: DeepseekV41Config, **options: Any) -> DSAModelConfig:
     """nemo_dsa's module config for every attention layer of ``config`` (its ``text_config``).
 
-    ``options`` are ``DSAModelConfig`` fields (``backend``, ``fused_topk``); None leaves the default."""
+    ``options`` are ``DSAModelConfig`` fields (``backend``, ``attention_backend``, ``fused_topk``); None leaves the default."""
     overrides = {k: v for k, v in options.items() if v is not None}
     return DSAModelConfig.from_hf_config(config, **overrides)
 
@@ -60,7 +61,9 @@ class NemoDsaDeepseekV41ForCausalLM(DeepseekV41ForCausalLM):
         options = {name: value if value is not None else getattr(config, name, None) for name, value in options.items()}
         super().__init__(config, moe_config, backend, **kwargs)
         attn = getattr(self.backend, "attn", None)
+        # backend.attn tilelang selects both the indexer's and the attention's kernels unless given.
         indexer_backend = options.pop("indexer_backend") or _ATTN_TO_INDEXER_BACKEND.get(attn)
+        options["attention_backend"] = options["attention_backend"] or _ATTN_TO_INDEXER_BACKEND.get(attn)
         self.dsa_config = dsa_config_from_deepseek_v41(config, backend=indexer_backend, **options)
         self.config.architectures = [ARCHITECTURE]
         for name, block in self.model.layers.items():

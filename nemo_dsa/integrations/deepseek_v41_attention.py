@@ -38,7 +38,7 @@ from nemo_dsa.integrations.deepseek_v4_attention import CoreAttention
 from nemo_dsa.layers.context import LocalContext
 from nemo_dsa.layers.norm import RMSNorm
 from nemo_dsa.layers.shared_state import SharedLayerState
-from nemo_dsa.metadata import build_attention_metadata
+from nemo_dsa.metadata import build_attention_metadata_for_ratios
 
 __all__ = ["V41_BUILTIN_TO_NEMO_MODULES", "V41_BUILTIN_TO_NEMO_TENSORS", "NemoDsaDeepseekV41Attention"]
 
@@ -87,10 +87,10 @@ def forward_metadata(
         layout = {"position_ids": position_ids}
         if attention_mask is not None:
             layout["attention_mask"] = attention_mask.long()
-    return {
-        r: build_attention_metadata(compress_ratio=r, cp_rank=cp_rank, cp_size=cp_size, **layout)
-        for r in sorted({max(int(r), 1) for r in ratios})
-    }
+    # Every ratio from one layout check: one host read per forward.
+    return build_attention_metadata_for_ratios(
+        compress_ratios={max(int(r), 1) for r in ratios}, cp_rank=cp_rank, cp_size=cp_size, **layout
+    )
 
 
 def active_cp_group(cp_group):
