@@ -64,8 +64,9 @@ def build(kind: str, config, state_dict=None):
     return model.train()
 
 
-def time_steps(model, seq: int, vocab: int, steps: int, warmup: int) -> dict:
-    gen = torch.Generator(device="cuda").manual_seed(0)
+def training_step(model, seq: int, vocab: int, seed: int):
+    """One unpacked row of ``seq`` random tokens and a fused AdamW: (step() -> loss, optimizer)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
     tokens = torch.randint(0, vocab, (1, seq + 1), device="cuda", generator=gen)
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     position_ids = torch.arange(seq, device="cuda").unsqueeze(0)
@@ -79,6 +80,11 @@ def time_steps(model, seq: int, vocab: int, steps: int, warmup: int) -> dict:
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
+    return step, optimizer
+
+
+def time_steps(model, seq: int, vocab: int, steps: int, warmup: int) -> dict:
+    step, optimizer = training_step(model, seq, vocab, seed=0)
     losses = [step() for _ in range(warmup)]
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -136,19 +142,7 @@ def profile_steps(model, seq: int, vocab: int, steps: int, rows: int = 45) -> st
     time, and the layer-part ranges by total CUDA time, as text tables."""
     from torch.profiler import ProfilerActivity, profile
 
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    tokens = torch.randint(0, vocab, (1, seq + 1), device="cuda", generator=gen)
-    inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    position_ids = torch.arange(seq, device="cuda").unsqueeze(0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-
-    def step():
-        logits = model(inputs, position_ids=position_ids).logits
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
+    step, optimizer = training_step(model, seq, vocab, seed=1)
     handles = mark_layer_parts(model)
     try:
         step()
