@@ -31,6 +31,7 @@ from nemo_dsa.recipe.parallel import (
     all_reduce_sum,
     dp_slice,
     drop_unreached_gradients,
+    finish_parallel,
     is_collective_timeout,
     launch_rank,
     setup_parallel,
@@ -388,6 +389,7 @@ def _run(cfg, recipe, device: torch.device, run_dir: Path) -> TrainResult:
     if par.is_main:
         _finish(run_dir, metrics.path, result, recipe, n_params, title)
     metrics.close()
+    finish_parallel(par)
     return result
 
 

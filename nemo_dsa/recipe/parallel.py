@@ -26,6 +26,7 @@ class Parallel:
     dp_rank: int = 0
     dp_size: int = 1
     fsdp_mesh: Any = None
+    owns_process_group: bool = False  # this run initialised it (and destroys it at the end)
 
     @property
     def is_main(self) -> bool:
@@ -67,8 +68,10 @@ def setup_parallel(cp_size: int, timeout_s: float, dp_size: int = 1, device_type
     world = int(os.environ["WORLD_SIZE"])
     if world != world_needed:
         raise ValueError(f"{shape} = {world_needed} ranks must equal the torchrun world size {world}")
-    env = init_from_env(cp_size, timeout_s=timeout_s)  # CP groups of contiguous ranks
     import torch.distributed as dist
+
+    owns = not dist.is_initialized()
+    env = init_from_env(cp_size, timeout_s=timeout_s)  # CP groups of contiguous ranks
 
     rank = dist.get_rank()
     mesh = None
@@ -77,7 +80,21 @@ def setup_parallel(cp_size: int, timeout_s: float, dp_size: int = 1, device_type
 
         mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("fsdp",))
     return Parallel(rank=rank, size=world, group=env.cp_group, timeout_s=timeout_s, cp_size=cp_size,
-                    dp_rank=rank // cp_size, dp_size=dp_size, fsdp_mesh=mesh)
+                    dp_rank=rank // cp_size, dp_size=dp_size, fsdp_mesh=mesh, owns_process_group=owns)
+
+
+def finish_parallel(par: Parallel) -> None:
+    """End a finished multi-rank run together: a barrier (rank 0's last save is done before any
+    rank leaves), then the process group this run initialised destroyed, so no rank exits with
+    gloo's threads running (which can abort it with ``terminate called without an active exception``)."""
+    if par.size == 1 or not par.owns_process_group:
+        return
+    import torch.distributed as dist
+
+    from nemo_dsa.distributed import shutdown
+
+    dist.barrier()
+    shutdown()
 
 
 def shard_model(model: torch.nn.Module, par: Parallel) -> torch.nn.Module:
