@@ -323,7 +323,10 @@ def corpus_fingerprint(documents: Sequence[Sequence[int]]) -> str:
     digest = hashlib.sha256()
     for doc in documents:
         digest.update(len(doc).to_bytes(8, "little"))
-        digest.update(array("H", doc).tobytes())
+        if max(doc, default=0) < 2**16:
+            digest.update(array("H", doc).tobytes())  # byte-tokenizer runs keep their old digests
+        else:  # ids of large vocabularies (Llama 3, DeepSeek, Qwen): 32 bits, marked as such
+            digest.update(b"L" + array("L", doc).tobytes())
     return digest.hexdigest()
 
 

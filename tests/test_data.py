@@ -172,3 +172,20 @@ def test_corpus_fingerprint_names_the_exact_documents():
     assert corpus_fingerprint(changed) != corpus_fingerprint(docs)
     # document boundaries count: the same tokens split differently are a different corpus
     assert corpus_fingerprint([docs[0] + docs[1]]) != corpus_fingerprint(docs[:2])
+
+
+def test_corpus_fingerprint_takes_ids_of_large_vocabularies():
+    from array import array
+    import hashlib
+
+    from nemo_dsa.data import corpus_fingerprint
+
+    byte_docs = [[256, 72, 105, 257], [256, 33, 257]]
+    expected = hashlib.sha256()
+    for doc in byte_docs:  # the 16-bit form byte-tokenizer checkpoints were saved with
+        expected.update(len(doc).to_bytes(8, "little"))
+        expected.update(array("H", doc).tobytes())
+    assert corpus_fingerprint(byte_docs) == expected.hexdigest()
+    large = [[128_000, 5, 151_642], [3]]  # ids of Llama 3 / Qwen-sized vocabularies
+    assert corpus_fingerprint(large) != corpus_fingerprint([[128_000 % 65_536, 5, 151_642 % 65_536], [3]])
+    assert corpus_fingerprint(large) == corpus_fingerprint([list(d) for d in large])

@@ -4,6 +4,7 @@ dataset, a local Hugging Face tokenizer; packing keeps the document boundaries t
 from __future__ import annotations
 
 import json
+import os
 import random
 
 import pytest
@@ -92,6 +93,25 @@ def test_hf_dataset_from_disk_offline(tmp_path):
         hf_documents(str(tmp_path / "ds"), "test", "body")
     with pytest.raises(ValueError, match=r"data.text_key='text': .* has columns \['body', 'n'\]"):
         hf_documents(str(tmp_path / "ds"), "train", "text")
+
+
+def test_hf_loading_leaves_the_process_online_settings_as_they_were(tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict({"text": _texts(1, 3)}).save_to_disk(str(tmp_path / "ds"))
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", False)
+    assert len(hf_documents(str(tmp_path / "ds"), "train", "text")) == 3
+    assert "HF_HUB_OFFLINE" not in os.environ and "HF_DATASETS_OFFLINE" not in os.environ
+    assert datasets.config.HF_HUB_OFFLINE is False and datasets.config.HF_DATASETS_OFFLINE is False
+
+
+def test_a_jsonl_directory_reads_jsonl_files_only(tmp_path):
+    (tmp_path / "corpus.jsonl").write_text(json.dumps({"text": "one document"}) + "\n")
+    (tmp_path / "dataset_info.json").write_text('{\n  "pretty": "printed"\n}\n')  # not JSON lines
+    assert [d.text for d in jsonl_documents([str(tmp_path)])] == ["one document"]
+    assert len(jsonl_documents([str(tmp_path / "corpus.jsonl")])) == 1  # a named file is read whatever its suffix
 
 
 def test_hf_dataset_not_on_disk_or_in_the_cache_is_named_without_a_download(tmp_path, monkeypatch):

@@ -108,6 +108,19 @@ def test_evaluate_reproduces_the_runs_validation_loss(run_dir, capsys):
     assert float(fields["perplexity"]) == pytest.approx(math.exp(val), rel=1e-3)
 
 
+def test_a_prompt_past_the_models_positions_and_a_run_without_validation_are_named(run_dir, tmp_path, capsys):
+    limit = load_run(run_dir).model.config.max_position_embeddings
+    assert generate_main([f"run_dir={run_dir}", f"prompt={'a' * limit}", "max_new_tokens=2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()  # the checkpoint it read, then the error
+    assert err[-1].startswith("nemo-dsa-generate: error: prompt: ") and f"max_position_embeddings={limit}" in err[-1], err
+    no_val = tmp_path / "no-val"
+    train(load_config([*SHORT, "recipe.val_batches=0", f"run_dir={no_val}"]))
+    assert evaluate_main([f"run_dir={no_val}"]) == 2  # not a loss of 0 over no batches
+    assert "recipe.val_batches=0; pass batches=N" in capsys.readouterr().err
+    assert evaluate_main([f"run_dir={no_val}", "batches=1"]) == 0
+    assert 0 < float(dict(kv.split("=", 1) for kv in capsys.readouterr().out.split())["loss"]) < 10
+
+
 def test_evaluate_on_another_data_config(run_dir, tmp_path, capsys):
     texts = ["def f(x):\n    return x + 1\n", "The sparse attention indexer selects the top-k keys.", "a" * 300]
     (tmp_path / "eval.jsonl").write_text("".join(json.dumps({"body": t}) + "\n" for t in texts))

@@ -24,11 +24,17 @@ from nemo_dsa.ops.topk.kernels import select_rows_tilelang
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(params=[False, True], ids=["generic", "window"])
-def bf16_window(request, monkeypatch):
-    """Both bf16 selectors: the generic passes and the opt-in window below the row maximum."""
-    monkeypatch.setitem(topk_kernels.TOP_WINDOW, "bfloat16", request.param)
-    return request.param
+# The selectors to test per dtype: bf16 has the generic passes and the opt-in window below the
+# row maximum; fp32 only the generic passes (only valid pairs: no case skips itself).
+SELECTORS = [
+    pytest.param(torch.float32, False, id="float32-generic"),
+    pytest.param(torch.bfloat16, False, id="bfloat16-generic"),
+    pytest.param(torch.bfloat16, True, id="bfloat16-window"),
+]
+
+
+def use_bf16_window(monkeypatch, window: bool) -> None:
+    monkeypatch.setitem(topk_kernels.TOP_WINDOW, "bfloat16", window)
 
 
 def _rows(kind: str, rows: int, width: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -77,14 +83,13 @@ def _poisoned(rows, count, dtype):
     )
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,window", SELECTORS)
 @pytest.mark.parametrize("order", ["score", "index"])
 @pytest.mark.parametrize("kind", ["continuous", "quantised", "special"])
 # Widths past 8192 keys reach the steps that are read again in every pass (not cached in registers).
 @pytest.mark.parametrize("count,width", [(64, 300), (100, 1001), (512, 4097), (1024, 3000), (2048, 8191), (512, 20_001)])
-def test_kernel_equals_reference_on_ranges(dtype, order, kind, count, width, bf16_window):
-    if dtype == torch.float32 and bf16_window:
-        pytest.skip("the window is a bf16 selector")
+def test_kernel_equals_reference_on_ranges(dtype, window, order, kind, count, width, monkeypatch):
+    use_bf16_window(monkeypatch, window)
     rows = 67
     seed = zlib.crc32(f"{dtype}{order}{kind}{count}".encode()) % 1000
     ks, ke = _ranges(rows, width, seed)
@@ -135,14 +140,17 @@ def _random_blocks(rows: int, width: int, block_size: int, seed: int) -> torch.T
     return blocks.int().cuda()
 
 
-# The masked selectors V4.1 builds (bf16, index order) and the score-order path on fp32.
-@pytest.mark.parametrize("dtype,order", [(torch.bfloat16, "index"), (torch.float32, "score")])
+# The masked selectors V4.1 builds (bf16, index order; generic and window) and the score-order path on fp32.
+@pytest.mark.parametrize("dtype,order,window", [
+    pytest.param(torch.bfloat16, "index", False, id="bfloat16-index-generic"),
+    pytest.param(torch.bfloat16, "index", True, id="bfloat16-index-window"),
+    pytest.param(torch.float32, "score", False, id="float32-score-generic"),
+])
 @pytest.mark.parametrize("kind", ["continuous", "quantised", "special"])
 @pytest.mark.parametrize("count,width,block_size", [(64, 1001, 4), (512, 20_001, 8), (100, 3000, 3)])
-def test_block_masked_kernel_equals_reference(dtype, order, kind, count, width, block_size, bf16_window):
+def test_block_masked_kernel_equals_reference(dtype, order, window, kind, count, width, block_size, monkeypatch):
     """Candidate-block masks applied inside the select equal masking the scores first."""
-    if dtype == torch.float32 and bf16_window:
-        pytest.skip("the window is a bf16 selector")
+    use_bf16_window(monkeypatch, window)
     from nemo_dsa.ops.topk import blocks_to_mask
 
     rows = 67

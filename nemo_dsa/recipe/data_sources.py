@@ -20,6 +20,7 @@ one), its BOS/EOS/PAD tokens named in the config or in the directory's ``tokeniz
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import json
@@ -71,7 +72,9 @@ def text_documents(paths: Sequence[str], separator: str | None = None) -> list[D
 def jsonl_documents(paths: Sequence[str], text_key: str = "text") -> list[Document]:
     """One document per JSON line of each file: the string under ``text_key``."""
     docs = []
-    for path in _files(paths, (".jsonl", ".json")):
+    # Directories contribute *.jsonl only (a config or dataset_info.json is not a corpus); a .json
+    # file named explicitly is read as JSON lines.
+    for path in _files(paths, (".jsonl",)):
         with open(path, encoding="utf-8") as f:
             for n, line in enumerate(f, start=1):
                 if not line.strip():
@@ -96,14 +99,40 @@ def hf_documents(dataset: str | None, split: str = "train", text_key: str = "tex
     if not dataset:
         raise ValueError("data.dataset must name a directory written by save_to_disk or a dataset in the local "
                          "Hugging Face cache, e.g. data.dataset=/data/my_corpus")
+    with _offline() as datasets:
+        return _load_hf_documents(datasets, dataset, split, text_key, dataset_config)
+
+
+@contextlib.contextmanager
+def _offline():
+    """``datasets`` with every download switched off for the duration of one load, and the
+    process's own settings (environment and ``datasets.config``) restored after it."""
+    names = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
+    saved_env = {name: os.environ.get(name) for name in names}
     try:
-        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        import datasets
-    except ImportError:
-        raise ValueError("data.source=hf needs the 'datasets' package: pip install datasets") from None
-    datasets.config.HF_HUB_OFFLINE = True  # also when datasets was imported before (no network either way)
-    datasets.config.HF_DATASETS_OFFLINE = True
+        for name in names:
+            os.environ.setdefault(name, "1")  # read by datasets / huggingface_hub when first imported
+        try:
+            import datasets
+        except ImportError:
+            raise ValueError("data.source=hf needs the 'datasets' package: pip install datasets") from None
+        saved_config = {name: getattr(datasets.config, name, None) for name in names}
+        try:
+            for name in names:  # also when datasets was imported before this load
+                setattr(datasets.config, name, True)
+            yield datasets
+        finally:
+            for name, value in saved_config.items():
+                setattr(datasets.config, name, value)
+    finally:
+        for name, value in saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _load_hf_documents(datasets, dataset: str, split: str, text_key: str, dataset_config: str | None) -> list[Document]:
     path = Path(os.path.expanduser(dataset))
     if path.is_dir():
         loaded = datasets.load_from_disk(str(path))

@@ -102,6 +102,9 @@ def generate(model, tokenizer, prompt: str, *, max_new_tokens: int = 128, temper
     bos = [] if getattr(tokenizer, "bos_id", None) is None else [tokenizer.bos_id]
     ids = bos + tokenizer.encode(prompt, add_special=False)
     limit = model.config.max_position_embeddings
+    if len(ids) >= limit:
+        raise ValueError(f"prompt: {len(ids)} tokens, but the model holds at most max_position_embeddings={limit}"
+                         " (prompt and generated tokens together)")
     generator = torch.Generator(device="cpu").manual_seed(int(seed))
     new: list[int] = []
     for _ in range(max_new_tokens):
@@ -153,6 +156,8 @@ def evaluation_batches(run: LoadedRun, data, *, split: str = "validation", batch
                            min_piece=recipe.min_piece, pad_id=run.tokenizer.pad_id)
     if batches is None and split == "validation":
         batches = recipe.val_batches
+        if batches == 0:
+            raise ValueError("batches: the run was trained with recipe.val_batches=0; pass batches=N (N >= 1)")
     if batches is not None:
         return fixed_batches(stream, batches)
     out = []

@@ -37,6 +37,7 @@ from nemo_dsa.recipe.parallel import (
     setup_parallel,
     shard_model,
     stalled_collective,
+    wait_for_all,
 )
 from nemo_dsa.recipe.schema import check_recipe, recipe_changes
 from nemo_dsa.recipe.state import (
@@ -296,6 +297,7 @@ def _run(cfg, recipe, device: torch.device, run_dir: Path) -> TrainResult:
         for path in restored:
             note(f"restored {path} from the copy a killed re-save had set aside")
         shutil.rmtree(run_dir / TIMEOUT_DIR, ignore_errors=True)  # markers of an earlier run
+    wait_for_all(par)  # every rank lists the checkpoints after rank 0's repairs, so all resume the same step
     tokenizer = build_tokenizer(cfg.tokenizer)
     resolve_vocab_size(cfg, tokenizer)
     documents = load_documents(cfg.data)

@@ -71,7 +71,8 @@ def setup_parallel(cp_size: int, timeout_s: float, dp_size: int = 1, device_type
     import torch.distributed as dist
 
     owns = not dist.is_initialized()
-    env = init_from_env(cp_size, timeout_s=timeout_s)  # CP groups of contiguous ranks
+    backend = "nccl" if device_type == "cuda" else "gloo"  # device=cpu on a GPU host stays on gloo
+    env = init_from_env(cp_size, backend=backend, timeout_s=timeout_s)  # CP groups of contiguous ranks
 
     rank = dist.get_rank()
     mesh = None
@@ -83,17 +84,23 @@ def setup_parallel(cp_size: int, timeout_s: float, dp_size: int = 1, device_type
                     dp_rank=rank // cp_size, dp_size=dp_size, fsdp_mesh=mesh, owns_process_group=owns)
 
 
+def wait_for_all(par: Parallel) -> None:
+    """A barrier over every rank of the job (nothing in a single process)."""
+    if par.size > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
 def finish_parallel(par: Parallel) -> None:
     """End a finished multi-rank run together: a barrier (rank 0's last save is done before any
     rank leaves), then the process group this run initialised destroyed, so no rank exits with
     gloo's threads running (which can abort it with ``terminate called without an active exception``)."""
     if par.size == 1 or not par.owns_process_group:
         return
-    import torch.distributed as dist
-
     from nemo_dsa.distributed import shutdown
 
-    dist.barrier()
+    wait_for_all(par)
     shutdown()
 
 
@@ -131,7 +138,10 @@ def drop_unreached_gradients(model: torch.nn.Module, par: Parallel) -> None:
 
     params = [p for p in model.parameters() if p.grad is not None]
     local = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params]
-    reached = torch.tensor([float(bool(g.ne(0).any())) for g in local])
+    if not local:
+        return
+    # On the gradients' device (NCCL has no CPU tensors), one host read for all of them.
+    reached = torch.stack([g.ne(0).any() for g in local]).to(torch.float32)
     dist.all_reduce(reached)
     for p, hit in zip(params, reached.tolist()):
         if hit == 0:
