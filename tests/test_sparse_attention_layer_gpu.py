@@ -4,6 +4,11 @@ The same bf16 layer and inputs run with ``backend="tilelang"`` (indexer and atte
 and ``backend="torch"`` (the references); forward outputs and every gradient must agree within
 bf16 tolerance, on packed rows whose documents start anywhere, for every layer type: window
 only, ratio-4 indexer selection (``indices``) and ratio-8 all visible groups (``ks, ke``).
+
+"Within bf16 tolerance" is measured against an fp32 copy of the reference layer: the kernels'
+error may be at most twice the bf16 reference path's own error (plus a small floor), so a
+gradient that bf16 rounding already makes noisy (``compressor.ape`` sums over every group) is
+judged by the noise it really has, not by a fixed bound that summation order can cross.
 """
 
 import pytest
@@ -45,20 +50,23 @@ def test_layer_kernels_match_reference(layer_idx, docs):
     meta = build_attention_metadata(compress_ratio=max(1, reference.ratio), packed_seq_ids=ids)
     x = torch.randn(len(docs), seq, reference.config.hidden_size, device="cuda", dtype=torch.bfloat16)
     grad = torch.randn_like(x)
+    truth_layer = _layer(layer_idx, "torch").float()
+    truth_layer.load_state_dict({k: v.float() for k, v in reference.state_dict().items()})
     results = []
-    for layer in (reference, fast):
-        xi = x.clone().requires_grad_(True)
+    for layer, dtype in ((truth_layer, torch.float32), (reference, torch.bfloat16), (fast, torch.bfloat16)):
+        xi = x.to(dtype).clone().requires_grad_(True)
         out, _ = layer(xi, meta)
-        out.backward(grad)
-        results.append((out.float(), xi.grad.float(), {n: p.grad.float() for n, p in layer.named_parameters() if p.grad is not None}))
-    (ref_out, ref_dx, ref_grads), (out, dx, grads) = results
-    assert torch.isfinite(out).all()
+        out.backward(grad.to(dtype))
+        grads = {n: p.grad.float() for n, p in layer.named_parameters() if p.grad is not None}
+        results.append({"out": out.float(), "dx": xi.grad.float(), **grads})
+    truth, ref, ours = results
+    assert torch.isfinite(ours["out"]).all()
+    assert ours.keys() == ref.keys() == truth.keys()
 
     def rel(a, b):
         return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
-    assert rel(out, ref_out) < 2e-2
-    assert rel(dx, ref_dx) < 3e-2
-    assert grads.keys() == ref_grads.keys()
-    for name in ref_grads:
-        assert rel(grads[name], ref_grads[name]) < 3e-2, name
+    for name in truth:
+        ours_error, ref_error = rel(ours[name], truth[name]), rel(ref[name], truth[name])
+        assert ours_error <= 2 * ref_error + 4e-3, f"{name}: kernels {ours_error:.2e}, bf16 reference {ref_error:.2e}"
+        assert ours_error < 1e-1, f"{name}: kernels {ours_error:.2e} from fp32"
