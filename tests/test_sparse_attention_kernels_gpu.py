@@ -271,7 +271,7 @@ def test_minus_one_tails_are_skipped_exactly():
         assert row["rel_norm"] <= 1e-2, f"{row['name']}: {row}"
 
 
-_BALANCED_CHECK = """
+_SCHEDULE_CHECK = """
 import json, sys, torch
 sys.path.insert(0, {tests!r})
 import test_sparse_attention_kernels_gpu as t
@@ -282,7 +282,7 @@ for case in t.CASES:
     q, raw, ws, window, comp, kw, scale = t._case_inputs(case, gen)
     sink = kw.pop("sink")
     inputs = kernels.KernelInputs(q, raw, ws, window, comp, kw.get("indices"), kw.get("ks"), kw.get("ke"), sink, scale)
-    assert kernels.forward_config(inputs.kdim, inputs.mode).schedule == "balanced"
+    assert kernels.forward_config(inputs.kdim, inputs.mode).schedule == {schedule!r}
     out_p = torch.full_like(inputs.q, float("nan"))
     lse_p = torch.full(inputs.q.shape[:3], float("nan"), device=q.device)
     out_k, lse_k = kernels.sparse_window_forward(inputs, out=out_p, lse=lse_p)
@@ -299,20 +299,21 @@ print("RESULT " + json.dumps(rows))
 """
 
 
-def test_balanced_forward_matches_reference():
-    """The balanced forward schedule (NEMO_DSA_ATTN_FWD=balanced) on every case, run in a child
-    process with a time limit: a warp-specialised kernel that deadlocks fails this test instead of
-    hanging the suite. Same criteria as the split-PV forward."""
+@pytest.mark.parametrize("schedule", [s for s in kernels.FWD_SCHEDULES if s != kernels.DEFAULT_FWD_SCHEDULE])
+def test_other_forward_schedule_matches_reference(schedule):
+    """The forward schedule that is not the default (NEMO_DSA_ATTN_FWD) on every case, run in a
+    child process with a time limit: a warp-specialised kernel that deadlocks fails this test
+    instead of hanging the suite. Same criteria as the default forward's tests above."""
     import subprocess
     import sys
 
     tests = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, NEMO_DSA_ATTN_FWD="balanced")
+    env = dict(os.environ, NEMO_DSA_ATTN_FWD=schedule)
     try:
-        proc = subprocess.run([sys.executable, "-c", _BALANCED_CHECK.format(tests=tests)], env=env,
+        proc = subprocess.run([sys.executable, "-c", _SCHEDULE_CHECK.format(tests=tests, schedule=schedule)], env=env,
                               capture_output=True, text=True, timeout=600)  # fmt: skip
     except subprocess.TimeoutExpired:
-        pytest.fail("the balanced forward did not finish in 600 s (deadlock?)")
+        pytest.fail(f"the {schedule} forward did not finish in 600 s (deadlock?)")
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     for row in json.loads(lines[-1][len("RESULT "):]):

@@ -62,9 +62,11 @@ BWD_PASS_CONFIGS = {"tl.disable_warp_specialized": True, "tl.disable_tma_lower":
 
 # Forward schedules: "split-pv" (consumer 0 scores and does half of PV, consumer 1 the other
 # half) or "balanced" (each consumer scores half the keys and does half of PV, FlashMLA's split).
+# Balanced is the default: 6-7 % faster forward at V4-Flash shapes on the H200 (9.94 against
+# 10.61 ms at S=32768, 19.26 against 20.68 ms at S=65536; docs/performance.md v12).
 # NEMO_DSA_ATTN_FWD overrides the default (for A/B measurements).
 FWD_SCHEDULES = ("split-pv", "balanced")
-DEFAULT_FWD_SCHEDULE = "split-pv"
+DEFAULT_FWD_SCHEDULE = "balanced"
 # setmaxnreg (consumer 0, consumer 1, producer) per schedule. The warpgroups trade registers
 # inside the block's launch allocation (168 a thread at 384 threads: 504 per thread-triple), so
 # the three must sum to <= 504: a setmaxnreg.inc beyond it waits forever (the first balanced
