@@ -12,7 +12,7 @@ writes JSON (``--json``).
 
 ``--variants split-pv/atomic balanced/key-major`` times nemo_dsa once per kernel variant
 (forward schedule / how the window keys' dkv is summed, see ``ops/sparse_attention/kernels.py``);
-the first is the table's, the others are printed after it. ``--parts`` also times the backward's
+the first is the table's, the others are printed after it; without it, the defaults run. ``--parts`` also times the backward's
 pieces alone (the kernels asked for only some gradients), to show where its time goes.
 """
 
@@ -121,7 +121,7 @@ def backward_parts(q, raw, comp, sink, indices, window_start, grad, iters: int) 
     }
     result = {}
     for name, (window_dkv, (dq, d_raw, d_comp)) in parts.items():
-        with variant(f"split-pv/{window_dkv}"):
+        with variant(f"{kernels.DEFAULT_FWD_SCHEDULE}/{window_dkv}"):
             result[name] = median_ms(
                 lambda: kernels.sparse_window_backward(inputs, out, lse, grad, need_dq=dq, need_d_raw=d_raw, need_d_comp=d_comp),
                 iters,
@@ -129,9 +129,16 @@ def backward_parts(q, raw, comp, sink, indices, window_start, grad, iters: int) 
     return result
 
 
-def run(seq: int, iters: int, ours_only: bool = False, variants: tuple = ("split-pv/atomic",), parts: bool = False) -> dict:
+def default_variant() -> str:
+    from nemo_dsa.ops.sparse_attention import kernels
+
+    return f"{kernels.DEFAULT_FWD_SCHEDULE}/{kernels.DEFAULT_WINDOW_DKV}"
+
+
+def run(seq: int, iters: int, ours_only: bool = False, variants: tuple | None = None, parts: bool = False) -> dict:
     from nemo_automodel.components.models.deepseek_v4.kernels.sparse_attention import sparse_attn_tilelang
 
+    variants = variants or (default_variant(),)
     q, raw, comp, sink, indices, window_start = make_inputs(seq)
     scale = DIM**-0.5
     kv_cat = torch.cat((raw, comp), dim=1).contiguous()
@@ -205,10 +212,11 @@ def main():
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--json", default=None)
     parser.add_argument("--ours-only", action="store_true", help="skip the built-in (and its compile)")
-    parser.add_argument("--variants", nargs="+", default=["split-pv/atomic"],
+    parser.add_argument("--variants", nargs="+", default=None,
                         help="<forward schedule>/<window dkv>: split-pv|balanced / atomic|key-major")
     parser.add_argument("--parts", action="store_true", help="also time the backward's pieces")
     args = parser.parse_args()
+    args.variants = args.variants or [default_variant()]
     for name in args.variants:
         schedule, _, window_dkv = name.partition("/")
         if schedule not in ("split-pv", "balanced") or window_dkv not in ("atomic", "key-major"):
