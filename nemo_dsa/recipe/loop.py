@@ -8,6 +8,8 @@ import re
 import shutil
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,8 @@ from nemo_dsa.recipe.metrics import (
 from nemo_dsa.recipe.optim import apply_recipe, build_optimizer
 from nemo_dsa.recipe.parallel import (
     Parallel,
+    PeerFailed,
+    StalledCollective,
     all_reduce_sum,
     dp_slice,
     drop_unreached_gradients,
@@ -36,6 +40,7 @@ from nemo_dsa.recipe.parallel import (
     launch_rank,
     setup_parallel,
     shard_model,
+    share_failure,
     stalled_collective,
     wait_for_all,
 )
@@ -297,7 +302,8 @@ def _run(cfg, recipe, device: torch.device, run_dir: Path) -> TrainResult:
         for path in restored:
             note(f"restored {path} from the copy a killed re-save had set aside")
         shutil.rmtree(run_dir / TIMEOUT_DIR, ignore_errors=True)  # markers of an earlier run
-    wait_for_all(par)  # every rank lists the checkpoints after rank 0's repairs, so all resume the same step
+    with _stall_reported(par, run_dir / TIMEOUT_DIR, None, "waiting for rank 0 to tidy run_dir before training"):
+        wait_for_all(par)  # every rank lists the checkpoints after rank 0's repairs, so all resume the same step
     tokenizer = build_tokenizer(cfg.tokenizer)
     resolve_vocab_size(cfg, tokenizer)
     documents = load_documents(cfg.data)
@@ -346,7 +352,7 @@ def _run(cfg, recipe, device: torch.device, run_dir: Path) -> TrainResult:
     for step in range(start + 1, stop + 1):
         tic = time.perf_counter()
         val_loss = None
-        try:
+        with _stall_reported(par, markers, step):
             stats = train_step(model, optimizer, schedule, next(stream), recipe=recipe, device=device, par=par,
                                pad_id=tokenizer.pad_id)
             if device.type == "cuda":
@@ -354,10 +360,6 @@ def _run(cfg, recipe, device: torch.device, run_dir: Path) -> TrainResult:
             window_time += time.perf_counter() - tic  # step time only: not eval, checkpoints, plots
             if val_batches and (step % recipe.val_every == 0 or step == stop):
                 val_loss = evaluate(model, val_batches, recipe=recipe, device=device, par=par, pad_id=tokenizer.pad_id)
-        except RuntimeError as e:
-            if par.size > 1 and is_collective_timeout(e):
-                raise stalled_collective(e, par, step, _report_timeout(markers, par)) from e
-            raise
         bar.update(1)
         if stats["skipped"]:
             _skip(step, stats, result, recipe, metrics, par)
@@ -377,22 +379,70 @@ def _run(cfg, recipe, device: torch.device, run_dir: Path) -> TrainResult:
             if par.is_main and recipe.progress_bar:
                 bar.write(f"step {step}: validation loss {val_loss:.4f}")
         if step % recipe.ckpt_every == 0 or step == stop:
-            gathered = gather_full_state(model, optimizer) if par.sharded else None  # every rank takes part
-        if par.is_main and (step % recipe.ckpt_every == 0 or step == stop):
-            state = {"model_config": model_config, "recipe": recipe_now, "skipped_steps": result.skipped_steps,
-                     "elapsed_s": metrics.elapsed(),
-                     "log_window": {"losses": window_losses, "tokens": window_tokens, "time": window_time}}
-            save_checkpoint(run_dir, step, model, optimizer, schedule, stream, state, recipe.keep_checkpoints,
-                            gathered=gathered)
-            if recipe.plot:
-                plot_losses(metrics.path, run_dir / "loss.png", title)
+            def save() -> None:  # rank 0's part
+                state = {"model_config": model_config, "recipe": recipe_now, "skipped_steps": result.skipped_steps,
+                         "elapsed_s": metrics.elapsed(),
+                         "log_window": {"losses": window_losses, "tokens": window_tokens, "time": window_time}}
+                save_checkpoint(run_dir, step, model, optimizer, schedule, stream, state, recipe.keep_checkpoints,
+                                gathered=gathered)
+                if recipe.plot:
+                    plot_losses(metrics.path, run_dir / "loss.png", title)
+
+            saving = f"saving the checkpoint of step {step}"
+            with _stall_reported(par, markers, step, saving):
+                gathered = gather_full_state(model, optimizer) if par.sharded else None  # every rank takes part
+                error = _on_main(par, save)
+                failure = share_failure(par, error)  # every rank learns whether rank 0's save worked
+            _stop_if_failed(par, markers, error, failure, saving)
         result.step = step
     bar.close()
-    if par.is_main:
-        _finish(run_dir, metrics.path, result, recipe, n_params, title)
+    summing_up = f"writing the run's summary after step {result.step}"
+    with _stall_reported(par, markers, result.step, summing_up):
+        error = _on_main(par, lambda: _finish(run_dir, metrics.path, result, recipe, n_params, title))
+        failure = share_failure(par, error)
     metrics.close()
-    finish_parallel(par)
+    _stop_if_failed(par, markers, error, failure, summing_up)
+    with _stall_reported(par, markers, result.step, f"ending the run after step {result.step}"):
+        finish_parallel(par)  # a barrier: no rank leaves before the others
     return result
+
+
+@contextmanager
+def _stall_reported(par: Parallel, markers: Path, step: int | None, during: str | None = None) -> Iterator[None]:
+    """A collective inside that times out (multi-rank runs) becomes ``stalled_collective``'s one
+    paragraph naming the step (or ``during``: what the ranks were doing) and ``recipe.dist_timeout_s``."""
+    try:
+        yield
+    except StalledCollective:
+        raise
+    except RuntimeError as e:
+        if par.size > 1 and is_collective_timeout(e):
+            raise stalled_collective(e, par, step, _report_timeout(markers, par), during) from e
+        raise
+
+
+def _on_main(par: Parallel, work: Callable[[], None]) -> Exception | None:
+    """Run rank 0's own ``work`` (on rank 0 only); its error is returned, for ``share_failure``."""
+    if not par.is_main:
+        return None
+    try:
+        work()
+    except Exception as e:  # noqa: BLE001 - re-raised by _stop_if_failed once every rank knows
+        return e
+    return None
+
+
+def _stop_if_failed(par: Parallel, markers: Path, error: Exception | None, failure: str | None, during: str) -> None:
+    """Stop every rank together after rank 0's work failed: rank 0 raises its own ``error``, the
+    others a ``PeerFailed`` naming it; first the job ends together (as a finished one does)."""
+    if error is None and failure is None:
+        return
+    with _stall_reported(par, markers, None, f"stopping together (rank 0 failed while {during})"):
+        finish_parallel(par)
+    if error is not None:
+        raise error
+    raise PeerFailed(f"rank {par.rank}: rank 0 failed while {during} ({failure}); every rank stops. Any "
+                     "checkpoint saved before is intact: fix the cause and run again to resume from the newest")
 
 
 def _open_metrics(cfg, run_dir: Path, par: Parallel, saved: dict, path: Path | None, applied: dict,

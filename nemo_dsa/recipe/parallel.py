@@ -1,4 +1,5 @@
-"""Data- and context-parallel set-up for the recipe, and the message a stalled collective turns into."""
+"""Data- and context-parallel set-up for the recipe, the message a stalled collective turns into, and
+rank 0's failure shared with every rank (so all stop together)."""
 
 from __future__ import annotations
 
@@ -176,17 +177,59 @@ class StalledCollective(RuntimeError):
     """A collective ran past ``recipe.dist_timeout_s`` (the message names the silent ranks)."""
 
 
-def stalled_collective(error: BaseException, par: Parallel, step: int, timed_out: set[int]) -> StalledCollective:
+class PeerFailed(StalledCollective):
+    """Rank 0's own work (a checkpoint save) failed: the other ranks stop with this instead of
+    waiting for it at their next collective. A ``StalledCollective``, so the command line prints it
+    as the same one paragraph (exit 1)."""
+
+
+def stalled_collective(error: BaseException, par: Parallel, step: int | None, timed_out: set[int],
+                       during: str | None = None) -> StalledCollective:
     """A one-paragraph error for a collective that ran past ``recipe.dist_timeout_s``.
 
     ``timed_out``: the ranks that reported a timeout of their own (see ``loop``); a live rank
     waiting on the same collective times out too, so the ranks missing from it are the stalled ones.
+    ``during``: what the ranks were doing outside a training step (``saving the checkpoint of step 4``).
     """
     silent = sorted(set(range(par.size)) - timed_out - {par.rank})
     who = (f"rank(s) {silent} reported no timeout of their own: they are stopped, hung or dead" if silent
-           else "every rank timed out waiting (a slow step rather than a stalled rank?)")
-    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+           else "every rank timed out waiting (slow work rather than a stalled rank?)")
+    where = f"in step {step}" if during is None else f"while {during}"
     return StalledCollective(
-        f"rank {par.rank}: a collective in step {step} did not complete within recipe.dist_timeout_s={par.timeout_s}s; "
-        f"{who}. Raise recipe.dist_timeout_s if steps are simply slow. ({type(error).__name__}: {first})"
+        f"rank {par.rank}: a collective {where} did not complete within recipe.dist_timeout_s={par.timeout_s}s; "
+        f"{who}. Raise recipe.dist_timeout_s if steps or saves are simply slow. ({type(error).__name__}: "
+        f"{_first_line(error)})"
     )
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else ""
+
+
+FAILURE_BYTES = 512  # byte 0: rank 0 failed; then its error as UTF-8 (one fixed-size broadcast)
+
+
+def share_failure(par: Parallel, error: BaseException | None) -> str | None:
+    """Rank 0's ``error`` (None: its work succeeded) on every rank, as one line ``Type: message``.
+
+    One broadcast of a small byte tensor from rank 0 over the whole job, which every rank must
+    call at the same point; nothing in a single process (None: the caller holds its own error).
+    """
+    if par.size == 1:
+        return None
+    import torch.distributed as dist
+
+    buffer = torch.zeros(FAILURE_BYTES, dtype=torch.uint8)
+    if par.is_main and error is not None:
+        text = f"{type(error).__name__}: {_first_line(error)}".encode()[: FAILURE_BYTES - 1]
+        buffer[0] = 1
+        buffer[1 : 1 + len(text)] = torch.tensor(list(text), dtype=torch.uint8)
+    # NCCL carries device tensors only (a device=cpu run on a GPU host is on gloo).
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    shared = buffer if device is None else buffer.to(device)
+    dist.broadcast(shared, src=0)
+    received = shared.cpu()
+    if int(received[0]) == 0:
+        return None
+    return bytes(received[1:].tolist()).rstrip(b"\0").decode(errors="ignore")  # a cut character is dropped

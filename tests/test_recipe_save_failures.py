@@ -1,0 +1,202 @@
+"""Multi-rank saves that fail: every rank stops together with one readable error, none hangs.
+
+Two ranks on gloo (FSDP2, ``recipe.dp_size=2``), launched as torchrun would (its environment,
+one process per rank) so each rank's exit code and stderr are its own and no launcher kills the
+survivor for it: a rank that stops here stops by itself. Every child has a deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from test_recipe_faults import ROOT, SHORT
+
+CHILD_DEADLINE_S = 120  # far past any expected exit: a hung rank fails the test instead of blocking it
+ERROR = "nemo-dsa-train: error: "
+
+# Runs the recipe's command line in one rank; ``STALL_RANK`` / ``STALL_IN`` (a name in
+# nemo_dsa.recipe.loop) make that rank announce its pid in ``PID_FILE`` and pause 3 s before the
+# call, in which the test stops it with a real SIGSTOP.
+CHILD = textwrap.dedent("""
+    import os, sys, time
+    import nemo_dsa.recipe.loop as loop
+    from nemo_dsa.train import main
+
+    if os.environ.get("STALL_RANK") == os.environ["RANK"]:
+        name, pid_file = os.environ["STALL_IN"], os.environ["PID_FILE"]
+        real = getattr(loop, name)
+        def stall_first_call(*args, **kwargs):
+            if not os.path.exists(pid_file):
+                with open(pid_file + ".tmp", "w") as f:
+                    f.write(str(os.getpid()))
+                os.rename(pid_file + ".tmp", pid_file)
+                time.sleep(3)  # the test sends SIGSTOP meanwhile
+            return real(*args, **kwargs)
+        setattr(loop, name, stall_first_call)
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(tmp_path: Path, *extra: str, env_extra: dict[str, str] | None = None) -> list[subprocess.Popen]:
+    """Both ranks of ``recipe.dp_size=2``, stderr in ``rank<r>.err``, each in its own session."""
+    script = tmp_path / "rank.py"
+    script.write_text(CHILD)
+    base = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", **(env_extra or {})}
+    cmd = [sys.executable, str(script), *SHORT, "recipe.dp_size=2", f"run_dir={tmp_path / 'run'}", *extra]
+    procs = []
+    for rank in range(2):
+        with open(tmp_path / f"rank{rank}.err", "w") as err:
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                                          stdout=subprocess.DEVNULL, stderr=err, start_new_session=True))
+    return procs
+
+
+def _reap(procs: list[subprocess.Popen]) -> None:
+    """Kill (their whole sessions) the ranks still running; a stopped one is continued first."""
+    for proc in procs:
+        if proc.poll() is None:
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    pass
+        proc.wait()
+
+
+def _stderr(tmp_path: Path, rank: int) -> str:
+    return (tmp_path / f"rank{rank}.err").read_text()
+
+
+def _error_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith(ERROR)]
+
+
+@pytest.fixture
+def unwritable_checkpoints(request, tmp_path) -> Iterator[str]:
+    """``run/checkpoints`` such that rank 0's save fails with a real OSError (only rank 0 writes it)."""
+    root = tmp_path / "run" / "checkpoints"
+    root.parent.mkdir()
+    if request.param == "read-only":
+        if os.geteuid() == 0:
+            pytest.skip("root writes into a read-only directory; the not-a-directory case covers root")
+        root.mkdir()
+        root.chmod(0o555)
+        yield "PermissionError: [Errno 13] Permission denied"
+        root.chmod(0o755)
+    else:  # a file where the directory belongs: mkdir beneath it fails, for root too
+        root.write_text("not a directory\n")
+        yield "NotADirectoryError: [Errno 20] Not a directory"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("unwritable_checkpoints", ["read-only", "not-a-directory"], indirect=True)
+def test_a_failed_save_on_rank_0_stops_every_rank_naming_it(tmp_path, unwritable_checkpoints):
+    """Rank 0 raises its own error; rank 1 stops at once (not at its next collective, not after
+    recipe.dist_timeout_s=120) with one line naming rank 0's failure."""
+    cause = unwritable_checkpoints
+    procs = _launch(tmp_path, "recipe.dist_timeout_s=120")
+    try:
+        deadline = time.monotonic() + CHILD_DEADLINE_S
+        while all(p.poll() is None for p in procs):
+            assert time.monotonic() < deadline, _stderr(tmp_path, 0)[-3000:]
+            time.sleep(0.05)
+        first_exit = time.monotonic()
+        while any(p.poll() is None for p in procs):
+            assert time.monotonic() - first_exit < 10, "one rank went on after the other stopped"
+            time.sleep(0.05)
+    finally:
+        _reap(procs)
+    rank0, rank1 = _stderr(tmp_path, 0), _stderr(tmp_path, 1)
+    assert procs[0].returncode == 1 and cause in rank0, rank0[-3000:]  # its own error (a traceback: an OSError)
+    assert procs[1].returncode == 1, rank1[-3000:]
+    assert "Traceback" not in rank1, rank1[-3000:]
+    (line,) = _error_lines(rank1)
+    assert line.startswith(f"{ERROR}rank 1: rank 0 failed while saving the checkpoint of step 2 ({cause}"), line
+    assert "every rank stops" in line
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stopped,stall_in,waiting_in", [
+    (1, "gather_full_state", "the FSDP2 gather"),  # rank 0 times out gathering the full state
+    (0, "save_checkpoint", "the outcome broadcast"),  # rank 1 times out waiting for rank 0's save
+])
+def test_a_rank_stopped_while_saving_is_named_in_one_paragraph(tmp_path, stopped, stall_in, waiting_in):
+    """A real SIGSTOP at step 2's save: the live rank stops after recipe.dist_timeout_s=6 with the
+    one-paragraph stalled-collective error naming the save, the step and the stopped rank."""
+    live = 1 - stopped
+    pid_file = tmp_path / "stopped.pid"
+    procs = _launch(tmp_path, "recipe.dist_timeout_s=6",
+                    env_extra={"STALL_RANK": str(stopped), "STALL_IN": stall_in, "PID_FILE": str(pid_file)})
+    message = (f"{ERROR}rank {live}: a collective while saving the checkpoint of step 2 did not complete within "
+               f"recipe.dist_timeout_s=6.0s; rank(s) [{stopped}] reported no timeout of their own")
+    try:
+        deadline = time.monotonic() + CHILD_DEADLINE_S
+        while not pid_file.exists():
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, _stderr(tmp_path, live)[-3000:]
+            time.sleep(0.05)
+        pid = int(pid_file.read_text())
+        assert pid == procs[stopped].pid
+        os.kill(pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] not in ("T", "t"):
+            assert time.monotonic() - stopped_at < 2, "the rank did not stop"  # delivery is asynchronous
+            time.sleep(0.01)
+        try:
+            procs[live].wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"rank {live} still waits in {waiting_in} 60 s after rank {stopped} stopped: "
+                        + _stderr(tmp_path, live)[-3000:])
+        waited = time.monotonic() - stopped_at
+    finally:
+        _reap(procs)
+    text = _stderr(tmp_path, live)
+    assert procs[live].returncode == 1, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    (line,) = _error_lines(text)
+    assert line.startswith(message), line
+    assert 6 - 3 <= waited < 6 + 30, waited  # the timeout, then up to 5 s for other ranks' reports
+
+
+def _shared(rank: int, world_size: int, message: str | None) -> list:
+    from nemo_dsa.recipe.parallel import Parallel, share_failure
+
+    par = Parallel(rank=rank, size=world_size)
+    error = OSError(28, message) if message is not None and rank == 0 else None
+    # Rank 1's own error is not rank 0's: only rank 0's counts.
+    ignored = RuntimeError("rank 1's own") if rank == 1 else None
+    return [share_failure(par, error or ignored), share_failure(par, None)]
+
+
+def test_share_failure_gives_every_rank_rank_0s_error_as_one_line():
+    from _cp_spawn import run_on_ranks
+
+    from nemo_dsa.recipe.parallel import FAILURE_BYTES, Parallel, share_failure
+
+    long = "é" * FAILURE_BYTES + "\nsecond line"  # cut inside a 2-byte character, more than one line
+    (ok0, none0), (ok1, none1) = run_on_ranks(_shared, 2, None)
+    assert ok0 is ok1 is none0 is none1 is None
+    (got0, none0), (got1, none1) = run_on_ranks(_shared, 2, "No space left on device")
+    assert got0 == got1 == "OSError: [Errno 28] No space left on device" and none0 is none1 is None
+    (cut0, _), (cut1, _) = run_on_ranks(_shared, 2, long)
+    assert cut0 == cut1 and cut1.startswith("OSError: [Errno 28] éé") and "second" not in cut1
+    assert len(cut1.encode()) <= FAILURE_BYTES - 1 and set(cut1[len("OSError: [Errno 28] "):]) == {"é"}
+    # One process: no collective (no process group exists here) and nothing to share.
+    assert share_failure(Parallel(), OSError("disk full")) is None
