@@ -53,13 +53,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(tmp_path: Path, *extra: str, env_extra: dict[str, str] | None = None) -> list[subprocess.Popen]:
-    """Both ranks of ``recipe.dp_size=2``, stderr in ``rank<r>.err``, each in its own session."""
+def _launch(tmp_path: Path, *extra: str, env_extra: dict[str, str] | None = None,
+            layout: str = "recipe.dp_size=2") -> list[subprocess.Popen]:
+    """Both ranks of ``layout``, stderr in ``rank<r>.err``, each in its own session."""
     script = tmp_path / "rank.py"
     script.write_text(CHILD)
     base = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", **(env_extra or {})}
-    cmd = [sys.executable, str(script), *SHORT, "recipe.dp_size=2", f"run_dir={tmp_path / 'run'}", *extra]
+    cmd = [sys.executable, str(script), *SHORT, layout, f"run_dir={tmp_path / 'run'}", *extra]
     procs = []
     for rank in range(2):
         with open(tmp_path / f"rank{rank}.err", "w") as err:
@@ -106,12 +107,13 @@ def unwritable_checkpoints(request, tmp_path) -> Iterator[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("layout", ["recipe.dp_size=2", "recipe.cp_size=2"])  # FSDP2 gathers first; CP does not
 @pytest.mark.parametrize("unwritable_checkpoints", ["read-only", "not-a-directory"], indirect=True)
-def test_a_failed_save_on_rank_0_stops_every_rank_naming_it(tmp_path, unwritable_checkpoints):
+def test_a_failed_save_on_rank_0_stops_every_rank_naming_it(tmp_path, unwritable_checkpoints, layout):
     """Rank 0 raises its own error; rank 1 stops at once (not at its next collective, not after
     recipe.dist_timeout_s=120) with one line naming rank 0's failure."""
     cause = unwritable_checkpoints
-    procs = _launch(tmp_path, "recipe.dist_timeout_s=120")
+    procs = _launch(tmp_path, "recipe.dist_timeout_s=120", layout=layout)
     try:
         deadline = time.monotonic() + CHILD_DEADLINE_S
         while all(p.poll() is None for p in procs):
@@ -134,18 +136,24 @@ def test_a_failed_save_on_rank_0_stops_every_rank_naming_it(tmp_path, unwritable
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stopped,stall_in,waiting_in", [
-    (1, "gather_full_state", "the FSDP2 gather"),  # rank 0 times out gathering the full state
-    (0, "save_checkpoint", "the outcome broadcast"),  # rank 1 times out waiting for rank 0's save
-])
-def test_a_rank_stopped_while_saving_is_named_in_one_paragraph(tmp_path, stopped, stall_in, waiting_in):
-    """A real SIGSTOP at step 2's save: the live rank stops after recipe.dist_timeout_s=6 with the
-    one-paragraph stalled-collective error naming the save, the step and the stopped rank."""
+@pytest.mark.parametrize("stopped,stall_in,during", [
+    # rank 0 times out in the FSDP2 gather of the full state
+    (1, "gather_full_state", "saving the checkpoint of step 2"),
+    # rank 1 times out waiting for rank 0's save (the outcome broadcast)
+    (0, "save_checkpoint", "saving the checkpoint of step 2"),
+    # rank 1 times out at the barrier after rank 0's repairs of run_dir, and after its summary
+    (0, "clean_failed_saves", "waiting for rank 0 to tidy run_dir before training"),
+    (0, "_finish", "writing the run's summary after step 4"),
+], ids=["gather", "save", "start", "summary"])
+def test_a_rank_stopped_around_a_save_is_named_in_one_paragraph(tmp_path, stopped, stall_in, during):
+    """A real SIGSTOP of one rank just before ``stall_in``: the live rank stops after
+    recipe.dist_timeout_s=6 with the one-paragraph stalled-collective error naming what the ranks
+    were doing (the save and its step) and the stopped rank."""
     live = 1 - stopped
     pid_file = tmp_path / "stopped.pid"
     procs = _launch(tmp_path, "recipe.dist_timeout_s=6",
                     env_extra={"STALL_RANK": str(stopped), "STALL_IN": stall_in, "PID_FILE": str(pid_file)})
-    message = (f"{ERROR}rank {live}: a collective while saving the checkpoint of step 2 did not complete within "
+    message = (f"{ERROR}rank {live}: a collective while {during} did not complete within "
                f"recipe.dist_timeout_s=6.0s; rank(s) [{stopped}] reported no timeout of their own")
     try:
         deadline = time.monotonic() + CHILD_DEADLINE_S
@@ -162,7 +170,7 @@ def test_a_rank_stopped_while_saving_is_named_in_one_paragraph(tmp_path, stopped
         try:
             procs[live].wait(timeout=60)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"rank {live} still waits in {waiting_in} 60 s after rank {stopped} stopped: "
+            pytest.fail(f"rank {live} still waits 60 s after rank {stopped} stopped: "
                         + _stderr(tmp_path, live)[-3000:])
         waited = time.monotonic() - stopped_at
     finally:
