@@ -15,6 +15,7 @@ its causality leak and that the plugin has none.
 
 from __future__ import annotations
 
+import copy
 import importlib.metadata
 
 import pytest
@@ -507,3 +508,34 @@ def test_indexer_kl_loss_reaches_only_the_indexer(models, loss_reads):
     grads = {n: p.grad for n, p in kl.named_parameters()}
     assert any(g is not None and g.any() for n, g in grads.items() if "compressor.indexer." in n)
     assert all(g is None or not g.any() for n, g in grads.items() if "compressor.indexer." not in n)
+
+
+def test_mtp_loss_runs_in_a_bf16_model_with_the_fp32_lm_head(models):
+    """nemo-automodel keeps DeepSeek's lm_head in fp32 (``_keep_in_fp32_modules_strict``) and its
+    MTP loss applies that head to ``mtp_per_depth_h`` directly: the plugin hands the MTP states
+    over in the head's dtype, so a bf16 model trains with MTP; 0.7.0's built-in stops with a
+    dtype mismatch there (shown, so the difference is deliberate)."""
+    from nemo_automodel.components.loss.masked_ce import MaskedCrossEntropy
+    from nemo_automodel.components.loss.mtp import calculate_mtp_loss
+
+    builtin_fp32, plugin_fp32 = models
+    batch, _ = thd_batch([60, 44], [64, 48], seed=11)
+    labels = torch.roll(batch["input_ids"], shifts=-1, dims=-1)
+    for model, fails in ((plugin_fp32, False), (builtin_fp32, True)):
+        model = copy.deepcopy(model).to(torch.bfloat16)
+        with torch.no_grad():  # bf16 except what nemo-automodel keeps in fp32, as its loader does
+            for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+                if any(kept in name for kept in model._keep_in_fp32_modules_strict):
+                    tensor.data = tensor.data.float()
+        model.train()
+        out = model(**batch)
+        if fails:
+            with pytest.raises(RuntimeError, match="same dtype"):
+                calculate_mtp_loss(MaskedCrossEntropy(), mtp_per_depth_h=out.mtp_per_depth_h, labels=labels, model=model)
+            continue
+        assert all(h.dtype == torch.float32 for h in out.mtp_per_depth_h)
+        loss = calculate_mtp_loss(MaskedCrossEntropy(), mtp_per_depth_h=out.mtp_per_depth_h, labels=labels, model=model)
+        loss.backward()
+        assert torch.isfinite(loss) and loss > 0
+        assert model.lm_head.weight.grad is not None and torch.isfinite(model.lm_head.weight.grad).all()
+        assert model.mtp.layers[0].self_attn.core.wq_b.weight.grad.abs().sum() > 0

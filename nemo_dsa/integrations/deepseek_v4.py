@@ -299,6 +299,11 @@ class NemoDsaDeepseekV4ForCausalLM(DeepseekV4ForCausalLM):
                 position_ids=position_ids, attention_mask=None, padding_mask=moe_padding,
                 nemo_dsa_forward=mtp_state,
             )  # fmt: skip
+            # nemo-automodel keeps DeepSeek's LM head in fp32, and its MTP loss applies lm_head to
+            # these states as they are: in a bf16 model they must arrive in the head's dtype
+            # (0.7.0's built-in stops there: "expected mat1 and mat2 to have the same dtype").
+            head_dtype = self.lm_head.weight.dtype
+            mtp_hidden = [h.to(head_dtype) for h in mtp_hidden]
 
         aux = None
         if state.aux_losses:
