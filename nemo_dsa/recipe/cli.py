@@ -202,7 +202,7 @@ def _is_user_error(error: BaseException) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point (``nemo-dsa-train`` / ``python -m nemo_dsa.train``)."""
-    from nemo_dsa.recipe.parallel import StalledCollective
+    from nemo_dsa.recipe.parallel import RanksStopped
 
     args = list(sys.argv[1:] if argv is None else argv)
     verbose = "--verbose" in args or os.environ.get("HYDRA_FULL_ERROR") == "1"
@@ -214,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except (FloatingPointError, StalledCollective) as e:  # the non-finite step limit, a stalled rank
+    except (FloatingPointError, RanksStopped) as e:  # the non-finite step limit, a stalled or failed rank
         if verbose:
             raise
         print(f"{PROG}: error: {e}", file=sys.stderr)

@@ -31,7 +31,7 @@ from nemo_dsa.recipe.optim import apply_recipe, build_optimizer
 from nemo_dsa.recipe.parallel import (
     Parallel,
     PeerFailed,
-    StalledCollective,
+    RanksStopped,
     all_reduce_sum,
     dp_slice,
     drop_unreached_gradients,
@@ -413,7 +413,7 @@ def _stall_reported(par: Parallel, markers: Path, step: int | None, during: str 
     paragraph naming the step (or ``during``: what the ranks were doing) and ``recipe.dist_timeout_s``."""
     try:
         yield
-    except StalledCollective:
+    except RanksStopped:
         raise
     except RuntimeError as e:
         if par.size > 1 and is_collective_timeout(e):

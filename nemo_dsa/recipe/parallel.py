@@ -173,14 +173,18 @@ def is_collective_timeout(error: BaseException) -> bool:
     return "timed out" in text or "timeout" in text
 
 
-class StalledCollective(RuntimeError):
+class RanksStopped(RuntimeError):
+    """Every rank of a multi-rank run stopped together, for the reason the message gives (the
+    command line prints it as one paragraph, exit 1)."""
+
+
+class StalledCollective(RanksStopped):
     """A collective ran past ``recipe.dist_timeout_s`` (the message names the silent ranks)."""
 
 
-class PeerFailed(StalledCollective):
+class PeerFailed(RanksStopped):
     """Rank 0's own work (a checkpoint save) failed: the other ranks stop with this instead of
-    waiting for it at their next collective. A ``StalledCollective``, so the command line prints it
-    as the same one paragraph (exit 1)."""
+    waiting for it at their next collective."""
 
 
 def stalled_collective(error: BaseException, par: Parallel, step: int | None, timed_out: set[int],
