@@ -154,11 +154,28 @@ def build(kind: str, config, state_dict=None, *, device="cuda", dtype=torch.bflo
     with device:
         model = cls(config, backend=backend)
     model.initialize_weights(buffer_device=device, dtype=dtype)
+    if family == "v41":
+        hc_sinkhorn_on_torch_without_tile_kernels(model)
     if state_dict is not None:
         missing, unexpected = model.load_state_dict(state_dict, strict=False)
         if missing or unexpected:
             raise ValueError(f"{kind}: state dict mismatch, missing {missing[:5]}, unexpected {unexpected[:5]}")
     return model.train()
+
+
+def hc_sinkhorn_on_torch_without_tile_kernels(model) -> None:
+    """V4.1 asks for DeepSeek's TileKernels Sinkhorn in its hyper-connections whenever
+    ``backend.attn`` is tilelang, and stops if the ``tile_kernels`` package is missing (seen on the
+    H200). The hyper-connections are the built-in's on both sides, so without that package both
+    sides run their Sinkhorn in torch: the comparison stays like for like."""
+    from nemo_automodel.components.models.deepseek_v4.optimized_kernels import is_dsv4_kernel_available
+    from nemo_automodel.components.models.deepseek_v41.layers import DeepseekV41HyperConnection
+
+    if is_dsv4_kernel_available("sinkhorn"):
+        return
+    for module in model.modules():
+        if isinstance(module, DeepseekV41HyperConnection):
+            module.sinkhorn_backend = "torch"
 
 
 def copy_weights(model) -> dict:

@@ -158,3 +158,18 @@ def test_v41_schedule_from_ratios():
         bench.model_config("v5", [0], VOCAB, 4)
     with pytest.raises(ValueError, match="kind"):
         bench.build("other", bench.model_config("v41", [0, 1], VOCAB, 2, **TINY["v41"]), device="cpu")
+
+
+def test_v41_hyper_connections_fall_back_to_torch_sinkhorn_on_both_sides():
+    """Without DeepSeek's ``tile_kernels`` package a V4.1 model built with ``backend.attn:
+    tilelang`` would stop in its first hyper-connection; the benchmark gives both sides the torch
+    Sinkhorn instead (the check looks at what the built-in itself would ask for)."""
+    from nemo_automodel.components.models.deepseek_v4.optimized_kernels import is_dsv4_kernel_available
+    from nemo_automodel.components.models.deepseek_v41.layers import DeepseekV41HyperConnection
+
+    bench = load_script()
+    config = bench.model_config("v41", [0, 2, 1], VOCAB, 2, **TINY["v41"])
+    for kind in ("builtin", "plugin"):
+        model = bench.build(kind, config, device="cpu", dtype=torch.float32, attn="tilelang")
+        backends = {m.sinkhorn_backend for m in model.modules() if isinstance(m, DeepseekV41HyperConnection)}
+        assert backends == ({"tilelang"} if is_dsv4_kernel_available("sinkhorn") else {"torch"}), kind
