@@ -539,3 +539,15 @@ def test_mtp_loss_runs_in_a_bf16_model_with_the_fp32_lm_head(models):
         assert torch.isfinite(loss) and loss > 0
         assert model.lm_head.weight.grad is not None and torch.isfinite(model.lm_head.weight.grad).all()
         assert model.mtp.layers[0].self_attn.core.wq_b.weight.grad.abs().sum() > 0
+
+
+def test_tilelang_attention_in_a_fp32_model_is_one_clear_error(models):
+    """backend.attn tilelang on an fp32 model: the error names the layer and the config fix
+    (model.dtype: bfloat16 or attention_backend auto), raised before any compute; found running
+    nemo-automodel's train_ft on the H200, where the op's own message named only q's dtype."""
+    builtin, _ = models
+    plugin = build_plugin(tiny_config(), attention_backend="tilelang", indexer_backend="torch")
+    plugin.load_state_dict(builtin.state_dict(), strict=True)
+    batch, _ = thd_batch([40, 24], [40, 24], seed=5)
+    with pytest.raises(TypeError, match=r"layer 0: attention_backend 'tilelang'.*model\.dtype: bfloat16.*auto"):
+        plugin.eval()(**batch)

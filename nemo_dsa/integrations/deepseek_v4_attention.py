@@ -161,6 +161,16 @@ class CoreAttention(nn.Module):
     def call_core(self, hidden_states: torch.Tensor, meta, ctx, shared):
         """``core(hidden_states, meta, ctx, shared)`` with the held tensors of this module."""
         core = self._core
+        requested = core.config.backend if core.config.attention_backend is None else core.config.attention_backend
+        if requested == "tilelang" and hidden_states.dtype != torch.bfloat16:
+            # Said here, in the model's terms: the op's own check names q's dtype, not the fix.
+            dtype = str(hidden_states.dtype).replace("torch.", "")
+            raise TypeError(
+                f"layer {self.layer_idx}: attention_backend 'tilelang' (backend.attn: tilelang) runs nemo_dsa's "
+                f"TileLang kernels, which take bf16 activations, but this model computes in {dtype}: load it in "
+                "bf16 (model.dtype: bfloat16), or choose attention_backend: auto (the reference attention "
+                "for non-bf16 layers)"
+            )
         if core.training != self.training:
             core.train(self.training)
         held = {nemo_name: _submodule(self, builtin_name)(hidden_states) for builtin_name, nemo_name in self._held}
