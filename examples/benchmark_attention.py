@@ -258,7 +258,7 @@ def print_table(rows: list[dict]) -> None:
             print(f"| {seq} | {name} | {v['fwd_ms']:.2f} ms | {v['fwd_tflops']:.0f} | {v['fwd_bwd_ms']:.1f} ms | {v['fwd_bwd_tflops']:.0f} |")
     for r in rows:
         if "backward_parts_ms" in r:
-            print(f"\nbackward alone, S = {r['seq']} (split-pv forward saved once):")
+            print(f"\nbackward alone, S = {r['seq']} ({kernels.forward_schedule()} forward saved once):")
             for name, ms in r["backward_parts_ms"].items():
                 print(f"  {name}: {ms:.2f} ms")
 

@@ -23,8 +23,9 @@ MoE is small (``--experts`` routed of 2304 + 1 shared, 2 per token).
 
 A step is forward, the next-token loss, backward and a fused AdamW update, on one packed-free row
 of S tokens; both sides hold the same weights (the first side's, loaded into the second).
-``--ratios`` gives the layers' compression ratios (one layer each): V4 0 / 4 / 128, V4.1 0 / 1 / 2
-(V4.1 roles follow from them, see ``v41_layer_roles``). Reports the median step time over CUDA
+``--ratios`` gives the layers' compression ratios (one layer each; defaults V4 0 4 128, V4.1
+0 2 2 1 1): V4 any of 0 / 4 / 128, V4.1 each of 0 / 1 / 2 with ratio 2 before 1 (V4.1 roles
+follow from them, see ``v41_layer_roles``). Reports the median step time over CUDA
 events, tokens/s, peak memory and the ratio, as a table and as JSON (``--out``). Needs a CUDA GPU,
 TileLang and nemo-automodel. S: a multiple of 128 (V4's ratio 128 and the kernels' tiles).
 

@@ -94,6 +94,7 @@ def losses(model, family: str, steps: int = 2) -> list[torch.Tensor]:
     return [step() for _ in range(steps)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["v41", "v4"])
 def test_both_sides_take_the_same_step(family):
     from nemo_dsa.integrations.deepseek_v4_attention import CoreAttention
@@ -167,7 +168,6 @@ def test_v41_hyper_connections_fall_back_to_torch_sinkhorn_on_both_sides():
     from nemo_automodel.components.models.deepseek_v4.optimized_kernels import is_dsv4_kernel_available
     from nemo_automodel.components.models.deepseek_v41.layers import DeepseekV41HyperConnection
 
-    bench = load_script()
     config = bench.model_config("v41", [0, 2, 1], VOCAB, 2, **TINY["v41"])
     for kind in ("builtin", "plugin"):
         model = bench.build(kind, config, device="cpu", dtype=torch.float32, attn="tilelang")

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from nemo_dsa.recipe.files import RunDirLock, RunDirLocked
+from nemo_dsa.recipe.parallel import RanksStopped
 from nemo_dsa.recipe.state import CorruptCheckpoint
 from nemo_dsa.train import load_config, read_metrics, train, warmup_cosine
 
@@ -291,8 +292,9 @@ def test_a_failed_save_leaves_nothing_behind_and_the_rerun_continues(tmp_path, r
         return real(obj, path)
 
     monkeypatch.setattr(state.torch, "save", full_disk)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(RanksStopped, match="saving the checkpoint of step 4 failed .OSError: .Errno 28. No space left") as err:
         _run(tmp_path)
+    assert isinstance(err.value.__cause__, OSError)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_0000002"]
     monkeypatch.setattr(state.torch, "save", real)
     assert _run(tmp_path).resumed_from == 2

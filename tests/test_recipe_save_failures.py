@@ -126,7 +126,9 @@ def test_a_failed_save_on_rank_0_stops_every_rank_naming_it(tmp_path, unwritable
     finally:
         _reap(procs)
     rank0, rank1 = _stderr(tmp_path, 0), _stderr(tmp_path, 1)
-    assert procs[0].returncode == 1 and cause in rank0, rank0[-3000:]  # its own error (a traceback: an OSError)
+    assert procs[0].returncode == 1 and "Traceback" not in rank0, rank0[-3000:]
+    (line,) = _error_lines(rank0)  # its own error, as one line
+    assert line.startswith(f"{ERROR}rank 0: saving the checkpoint of step 2 failed ({cause}"), line
     assert procs[1].returncode == 1, rank1[-3000:]
     assert "Traceback" not in rank1, rank1[-3000:]
     (line,) = _error_lines(rank1)
@@ -193,6 +195,7 @@ def _shared(rank: int, world_size: int, message: str | None) -> list:
     return [share_failure(par, error or ignored), share_failure(par, None)]
 
 
+@pytest.mark.slow
 def test_share_failure_gives_every_rank_rank_0s_error_as_one_line():
     from _cp_spawn import run_on_ranks
 
@@ -208,3 +211,17 @@ def test_share_failure_gives_every_rank_rank_0s_error_as_one_line():
     assert len(cut1.encode()) <= FAILURE_BYTES - 1 and set(cut1[len("OSError: [Errno 28] "):]) == {"é"}
     # One process: no collective (no process group exists here) and nothing to share.
     assert share_failure(Parallel(), OSError("disk full")) is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("unwritable_checkpoints", ["not-a-directory"], indirect=True)
+def test_a_failed_save_in_one_process_is_one_line(tmp_path, unwritable_checkpoints):
+    """A single-process run whose save fails (disk, path) prints one line naming the step and the
+    cause and exits 1, no traceback."""
+    cmd = [sys.executable, "-m", "nemo_dsa.train", *SHORT, f"run_dir={tmp_path / 'run'}"]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=CHILD_DEADLINE_S)  # fmt: skip
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    (line,) = _error_lines(proc.stderr)
+    assert line.startswith(f"{ERROR}rank 0: saving the checkpoint of step 2 failed ({unwritable_checkpoints}"), line
+    assert line.endswith("run again to resume from the newest"), line

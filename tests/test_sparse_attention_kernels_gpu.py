@@ -299,9 +299,9 @@ print("RESULT " + json.dumps(rows))
 """
 
 
-@pytest.mark.parametrize("schedule", [s for s in kernels.FWD_SCHEDULES if s != kernels.DEFAULT_FWD_SCHEDULE])
-def test_other_forward_schedule_matches_reference(schedule):
-    """The forward schedule that is not the default (NEMO_DSA_ATTN_FWD) on every case, run in a
+@pytest.mark.parametrize("schedule", kernels.FWD_SCHEDULES)
+def test_each_forward_schedule_matches_reference(schedule):
+    """Each forward schedule (NEMO_DSA_ATTN_FWD), the default included, on every case, run in a
     child process with a time limit: a warp-specialised kernel that deadlocks fails this test
     instead of hanging the suite. Same criteria as the default forward's tests above."""
     import subprocess

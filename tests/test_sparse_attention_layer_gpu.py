@@ -70,3 +70,6 @@ def test_layer_kernels_match_reference(layer_idx, docs):
         ours_error, ref_error = rel(ours[name], truth[name]), rel(ref[name], truth[name])
         assert ours_error <= 2 * ref_error + 4e-3, f"{name}: kernels {ours_error:.2e}, bf16 reference {ref_error:.2e}"
         assert ours_error < 1e-1, f"{name}: kernels {ours_error:.2e} from fp32"
+    # The outputs themselves stay within the fixed bf16 bounds of the bf16 reference (they never
+    # sat near them); only the summed parameter gradients are judged by the fp32 noise above.
+    assert rel(ours["out"], ref["out"]) < 2e-2 and rel(ours["dx"], ref["dx"]) < 3e-2

@@ -34,6 +34,7 @@ from nemo_dsa.recipe.parallel import (
     RanksStopped,
     all_reduce_sum,
     dp_slice,
+    abandon_parallel,
     drop_unreached_gradients,
     finish_parallel,
     is_collective_timeout,
@@ -284,15 +285,23 @@ def train(cfg) -> TrainResult:
 
 
 def _run(cfg, recipe, device: torch.device, run_dir: Path) -> TrainResult:
+    if recipe.num_threads:
+        torch.set_num_threads(int(recipe.num_threads))
+    par = setup_parallel(recipe.cp_size, recipe.dist_timeout_s, recipe.dp_size, device.type)
+    try:
+        return _run_parallel(cfg, recipe, device, run_dir, par)
+    except BaseException:
+        abandon_parallel(par)  # no barrier: the other ranks may be gone or stopped
+        raise
+
+
+def _run_parallel(cfg, recipe, device: torch.device, run_dir: Path, par: Parallel) -> TrainResult:
     from omegaconf import OmegaConf
     from tqdm.auto import tqdm
 
     from nemo_dsa.data import corpus_fingerprint, pack_documents
     from nemo_dsa.recipe.data_sources import build_tokenizer, load_documents
 
-    if recipe.num_threads:
-        torch.set_num_threads(int(recipe.num_threads))
-    par = setup_parallel(recipe.cp_size, recipe.dist_timeout_s, recipe.dp_size, device.type)
     if device.type == "cuda" and par.size > 1:
         device = torch.device("cuda", torch.cuda.current_device())  # init_from_env chose LOCAL_RANK
     if par.is_main:
@@ -392,13 +401,14 @@ def _run(cfg, recipe, device: torch.device, run_dir: Path) -> TrainResult:
             with _stall_reported(par, markers, step, saving):
                 gathered = gather_full_state(model, optimizer) if par.sharded else None  # every rank takes part
                 error = _on_main(par, save)
+            with _stall_reported(par, markers, step, _and_failed(saving, error)):
                 failure = share_failure(par, error)  # every rank learns whether rank 0's save worked
             _stop_if_failed(par, markers, error, failure, saving)
         result.step = step
     bar.close()
     summing_up = f"writing the run's summary after step {result.step}"
-    with _stall_reported(par, markers, result.step, summing_up):
-        error = _on_main(par, lambda: _finish(run_dir, metrics.path, result, recipe, n_params, title))
+    error = _on_main(par, lambda: _finish(run_dir, metrics.path, result, recipe, n_params, title))
+    with _stall_reported(par, markers, result.step, _and_failed(summing_up, error)):
         failure = share_failure(par, error)
     metrics.close()
     _stop_if_failed(par, markers, error, failure, summing_up)
@@ -432,17 +442,31 @@ def _on_main(par: Parallel, work: Callable[[], None]) -> Exception | None:
     return None
 
 
+def _first_line(error: BaseException) -> str:
+    text = str(error)
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _and_failed(during: str, error: BaseException | None) -> str:
+    """``during``, naming rank 0's own ``error`` if it had one (so a timeout after it still says why)."""
+    return during if error is None else f"{during}, which failed on rank 0 ({_first_line(error)})"
+
+
+_INTACT = "Any checkpoint saved before is intact: fix the cause and run again to resume from the newest"
+
+
 def _stop_if_failed(par: Parallel, markers: Path, error: Exception | None, failure: str | None, during: str) -> None:
     """Stop every rank together after rank 0's work failed: rank 0 raises its own ``error``, the
     others a ``PeerFailed`` naming it; first the job ends together (as a finished one does)."""
     if error is None and failure is None:
         return
-    with _stall_reported(par, markers, None, f"stopping together (rank 0 failed while {during})"):
+    with _stall_reported(par, markers, None, f"stopping together (rank 0 failed while {during}: {failure or _first_line(error)})"):
         finish_parallel(par)
+    if isinstance(error, OSError):  # the disk or the path, not the code: one line, as on the other ranks
+        raise RanksStopped(f"rank {par.rank}: {during} failed ({_first_line(error)}). {_INTACT}") from error
     if error is not None:
         raise error
-    raise PeerFailed(f"rank {par.rank}: rank 0 failed while {during} ({failure}); every rank stops. Any "
-                     "checkpoint saved before is intact: fix the cause and run again to resume from the newest")
+    raise PeerFailed(f"rank {par.rank}: rank 0 failed while {during} ({failure}); every rank stops. {_INTACT}")
 
 
 def _open_metrics(cfg, run_dir: Path, par: Parallel, saved: dict, path: Path | None, applied: dict,

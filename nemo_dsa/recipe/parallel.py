@@ -105,6 +105,19 @@ def finish_parallel(par: Parallel) -> None:
     shutdown()
 
 
+def abandon_parallel(par: Parallel) -> None:
+    """A failed multi-rank run: the process group it initialised destroyed without a barrier (the
+    other ranks may be stopped or gone), for the same reason as ``finish_parallel``."""
+    if par.size == 1 or not par.owns_process_group:
+        return
+    from nemo_dsa.distributed import shutdown
+
+    try:
+        shutdown()
+    except Exception:  # noqa: BLE001 - the run's own error is the one to report
+        pass
+
+
 def shard_model(model: torch.nn.Module, par: Parallel) -> torch.nn.Module:
     """FSDP2 (``fully_shard``) over every rank: each decoder layer, then the rest.
 
@@ -174,8 +187,8 @@ def is_collective_timeout(error: BaseException) -> bool:
 
 
 class RanksStopped(RuntimeError):
-    """Every rank of a multi-rank run stopped together, for the reason the message gives (the
-    command line prints it as one paragraph, exit 1)."""
+    """The run stopped, every rank of it together, for the reason the message gives (a stalled
+    collective, a failed save); the command line prints it as one paragraph, exit 1."""
 
 
 class StalledCollective(RanksStopped):
