@@ -26,7 +26,8 @@ ERROR = "nemo-dsa-train: error: "
 
 # Runs the recipe's command line in one rank; ``STALL_RANK`` / ``STALL_IN`` (a name in
 # nemo_dsa.recipe.loop) make that rank announce its pid in ``PID_FILE`` and pause 3 s before the
-# call, in which the test stops it with a real SIGSTOP.
+# call, in which the test stops it with a real SIGSTOP; ``FAIL_RANK`` / ``FAIL_IN`` make that
+# rank's call raise an OSError instead.
 CHILD = textwrap.dedent("""
     import os, sys, time
     import nemo_dsa.recipe.loop as loop
@@ -43,6 +44,11 @@ CHILD = textwrap.dedent("""
                 time.sleep(3)  # the test sends SIGSTOP meanwhile
             return real(*args, **kwargs)
         setattr(loop, name, stall_first_call)
+    if os.environ.get("FAIL_RANK") == os.environ["RANK"]:  # FAIL_IN raises a real OSError on that rank
+        import errno
+        def fail(*args, **kwargs):
+            raise OSError(errno.EIO, "Input/output error (injected)")
+        setattr(loop, os.environ["FAIL_IN"], fail)
     sys.exit(main(sys.argv[1:]))
 """)
 
@@ -225,3 +231,26 @@ def test_a_failed_save_in_one_process_is_one_line(tmp_path, unwritable_checkpoin
     (line,) = _error_lines(proc.stderr)
     assert line.startswith(f"{ERROR}rank 0: saving the checkpoint of step 2 failed ({unwritable_checkpoints}"), line
     assert line.endswith("run again to resume from the newest"), line
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fail_in,during", [
+    ("clean_failed_saves", "tidying run_dir before training"),
+    ("_finish", "writing the run's summary after step 4"),
+], ids=["tidy", "summary"])
+def test_rank_0s_other_work_failing_stops_every_rank_naming_it(tmp_path, fail_in, during):
+    """Rank 0's own work outside the saves (tidying run_dir first, the summary last) failing: both
+    ranks stop at once with one line each, rank 1's naming rank 0's error."""
+    procs = _launch(tmp_path, "recipe.dist_timeout_s=120", env_extra={"FAIL_RANK": "0", "FAIL_IN": fail_in})
+    try:
+        for proc in procs:
+            proc.wait(timeout=CHILD_DEADLINE_S)
+    finally:
+        _reap(procs)
+    rank0, rank1 = _stderr(tmp_path, 0), _stderr(tmp_path, 1)
+    cause = "OSError: [Errno 5] Input/output error (injected)"
+    assert [p.returncode for p in procs] == [1, 1] and "Traceback" not in rank0 + rank1, rank0[-2000:] + rank1[-2000:]
+    assert _error_lines(rank0) == [f"{ERROR}rank 0: {during} failed ({cause}). Any checkpoint saved before is "
+                                   "intact: fix the cause and run again to resume from the newest"]
+    (line,) = _error_lines(rank1)
+    assert line.startswith(f"{ERROR}rank 1: rank 0 failed while {during} ({cause}); every rank stops."), line

@@ -43,7 +43,6 @@ from nemo_dsa.recipe.parallel import (
     shard_model,
     share_failure,
     stalled_collective,
-    wait_for_all,
 )
 from nemo_dsa.recipe.schema import check_recipe, recipe_changes
 from nemo_dsa.recipe.state import (
@@ -304,15 +303,22 @@ def _run_parallel(cfg, recipe, device: torch.device, run_dir: Path, par: Paralle
 
     if device.type == "cuda" and par.size > 1:
         device = torch.device("cuda", torch.cuda.current_device())  # init_from_env chose LOCAL_RANK
-    if par.is_main:
+    def tidy() -> None:  # rank 0's part
         removed, restored = clean_failed_saves(run_dir)
         for leftover in [*removed, *remove_temporaries(run_dir)]:
             note(f"removed {leftover}, the leftover of a write that did not finish")
         for path in restored:
             note(f"restored {path} from the copy a killed re-save had set aside")
         shutil.rmtree(run_dir / TIMEOUT_DIR, ignore_errors=True)  # markers of an earlier run
-    with _stall_reported(par, run_dir / TIMEOUT_DIR, None, "waiting for rank 0 to tidy run_dir before training"):
-        wait_for_all(par)  # every rank lists the checkpoints after rank 0's repairs, so all resume the same step
+
+    tidying = "tidying run_dir before training"
+    error = _on_main(par, tidy)
+    waiting = _and_failed("waiting for rank 0 to tidy run_dir before training", error)
+    with _stall_reported(par, run_dir / TIMEOUT_DIR, None, waiting):
+        # Rank 0's broadcast leaves after its repairs, so every rank then lists the same checkpoints
+        # (and resumes the same step), or learns that the repairs failed.
+        failure = share_failure(par, error)
+    _stop_if_failed(par, run_dir / TIMEOUT_DIR, error, failure, tidying)
     tokenizer = build_tokenizer(cfg.tokenizer)
     resolve_vocab_size(cfg, tokenizer)
     documents = load_documents(cfg.data)
