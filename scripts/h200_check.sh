@@ -14,8 +14,15 @@ step precompile
 python3 scripts/precompile_kernels.py --workers 16 --heads 8 16 32 64 128 --dims 64 128 --counts 64 100 512 1024 2048 \
   >"$out/precompile.txt" 2>&1 || tail -5 "$out/precompile.txt"
 
-step "pytest -m gpu"
-python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$out/gpu_tests.txt" | tail -15
+step "pytest -m gpu (three groups at once: kernel compiles take the CPUs, the tests are short)"
+pytest_gpu=(python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --durations=5)
+indexers=(tests/test_v4_kernels_gpu.py tests/test_v41_kernels_gpu.py tests/test_v41_layer_gpu.py)
+"${pytest_gpu[@]}" tests/test_topk_kernels_gpu.py >"$out/gpu_topk.part" 2>&1 &
+"${pytest_gpu[@]}" "${indexers[@]}" >"$out/gpu_indexers.part" 2>&1 &
+"${pytest_gpu[@]}" tests --ignore=tests/test_topk_kernels_gpu.py "${indexers[@]/#/--ignore=}" >"$out/gpu_rest.part" 2>&1 &
+wait
+cat "$out"/gpu_*.part >"$out/gpu_tests.txt" && rm -f "$out"/gpu_*.part
+grep -E "passed|failed|FAILED|ERROR" "$out/gpu_tests.txt" | tail -15
 
 step "indexer benchmark"
 python3 examples/benchmark_indexer.py --out "$out/bench_indexer.json" 2>&1 | grep -v INFO | tail -40
