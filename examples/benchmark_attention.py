@@ -135,10 +135,9 @@ def default_variant() -> str:
     return f"{kernels.DEFAULT_FWD_SCHEDULE}/{kernels.DEFAULT_WINDOW_DKV}"
 
 
-def run(seq: int, iters: int, ours_only: bool = False, variants: tuple | None = None, parts: bool = False) -> dict:
+def run(seq: int, iters: int, variants: tuple[str, ...], ours_only: bool = False, parts: bool = False) -> dict:
     from nemo_automodel.components.models.deepseek_v4.kernels.sparse_attention import sparse_attn_tilelang
 
-    variants = variants or (default_variant(),)
     q, raw, comp, sink, indices, window_start = make_inputs(seq)
     scale = DIM**-0.5
     kv_cat = torch.cat((raw, comp), dim=1).contiguous()
@@ -223,7 +222,7 @@ def main():
             parser.error(f"--variants: {name!r} is not <split-pv|balanced>/<atomic|key-major>")
     rows = []
     for seq in args.seq:
-        rows.append(run(seq, args.iters, args.ours_only, tuple(args.variants), args.parts))
+        rows.append(run(seq, args.iters, tuple(args.variants), args.ours_only, args.parts))
         print(json.dumps(rows[-1]), flush=True)
         torch.cuda.empty_cache()
     if args.json:
@@ -258,6 +257,8 @@ def print_table(rows: list[dict]) -> None:
             print(f"| {seq} | {name} | {v['fwd_ms']:.2f} ms | {v['fwd_tflops']:.0f} | {v['fwd_bwd_ms']:.1f} ms | {v['fwd_bwd_tflops']:.0f} |")
     for r in rows:
         if "backward_parts_ms" in r:
+            from nemo_dsa.ops.sparse_attention import kernels
+
             print(f"\nbackward alone, S = {r['seq']} ({kernels.forward_schedule()} forward saved once):")
             for name, ms in r["backward_parts_ms"].items():
                 print(f"  {name}: {ms:.2f} ms")

@@ -34,6 +34,7 @@ from nemo_dsa.recipe.parallel import (
     RanksStopped,
     abandon_parallel,
     all_reduce_sum,
+    describe_error,
     dp_slice,
     drop_unreached_gradients,
     finish_parallel,
@@ -448,14 +449,9 @@ def _on_main(par: Parallel, work: Callable[[], None]) -> Exception | None:
     return None
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error)
-    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
-
-
 def _and_failed(during: str, error: BaseException | None) -> str:
     """``during``, naming rank 0's own ``error`` if it had one (so a timeout after it still says why)."""
-    return during if error is None else f"{during}, which failed on rank 0 ({_first_line(error)})"
+    return during if error is None else f"{during}, which failed on rank 0 ({describe_error(error)})"
 
 
 _INTACT = "Any checkpoint saved before is intact: fix the cause and run again to resume from the newest"
@@ -466,10 +462,10 @@ def _stop_if_failed(par: Parallel, markers: Path, error: Exception | None, failu
     others a ``PeerFailed`` naming it; first the job ends together (as a finished one does)."""
     if error is None and failure is None:
         return
-    with _stall_reported(par, markers, None, f"stopping together (rank 0 failed while {during}: {failure or _first_line(error)})"):
+    with _stall_reported(par, markers, None, f"stopping together (rank 0 failed while {during}: {failure or describe_error(error)})"):
         finish_parallel(par)
     if isinstance(error, OSError):  # the disk or the path, not the code: one line, as on the other ranks
-        raise RanksStopped(f"rank {par.rank}: {during} failed ({_first_line(error)}). {_INTACT}") from error
+        raise RanksStopped(f"rank {par.rank}: {during} failed ({describe_error(error)}). {_INTACT}") from error
     if error is not None:
         raise error
     raise PeerFailed(f"rank {par.rank}: rank 0 failed while {during} ({failure}); every rank stops. {_INTACT}")

@@ -214,14 +214,18 @@ def stalled_collective(error: BaseException, par: Parallel, step: int | None, ti
     where = f"in step {step}" if during is None else f"while {during}"
     return StalledCollective(
         f"rank {par.rank}: a collective {where} did not complete within recipe.dist_timeout_s={par.timeout_s}s; "
-        f"{who}. Raise recipe.dist_timeout_s if steps or saves are simply slow. ({type(error).__name__}: "
-        f"{_first_line(error)})"
+        f"{who}. Raise recipe.dist_timeout_s if steps or saves are simply slow. ({describe_error(error)})"
     )
 
 
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else ""
+
+
+def describe_error(error: BaseException) -> str:
+    """``Type: first line of the message``: how one rank's error is named to the others."""
+    return f"{type(error).__name__}: {_first_line(error)}"
 
 
 FAILURE_BYTES = 512  # byte 0: rank 0 failed; then its error as UTF-8 (one fixed-size broadcast)
@@ -239,7 +243,7 @@ def share_failure(par: Parallel, error: BaseException | None) -> str | None:
 
     buffer = torch.zeros(FAILURE_BYTES, dtype=torch.uint8)
     if par.is_main and error is not None:
-        text = f"{type(error).__name__}: {_first_line(error)}".encode()[: FAILURE_BYTES - 1]
+        text = describe_error(error).encode()[: FAILURE_BYTES - 1]
         buffer[0] = 1
         buffer[1 : 1 + len(text)] = torch.tensor(list(text), dtype=torch.uint8)
     # NCCL carries device tensors only (a device=cpu run on a GPU host is on gloo).
