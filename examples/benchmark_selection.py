@@ -16,10 +16,10 @@ Shapes: H=64 index heads, D=128, R=4, T=512, causal, B=1, K = S/4. Rows per S:
   logits / ``indexer_scores`` with a dense allowed mask, then ``torch.topk`` (no tie rule).
 ``--shapes v41``: the released DeepSeek-V4.1 indexer, H=32 index heads of D=128 (MXFP4-rounded q
 and k), T=512, causal, B=1, each ratio of ``--v41-ratios`` (1: K = S, 2: K = S/2), candidate
-blocks of 8, 2048 kept. Rows: the scores alone; streamed (the default selector, and the opt-in
-one with the window below the row maximum); streamed reindex layers masked by candidate blocks
-(the default torch block mask, the opt-in blocks applied inside the select, with and without
-the window); the streamed
+blocks of 8, 2048 kept. Rows: the scores alone; streamed (the default selector, with the window
+below the row maximum, and the generic passes); streamed reindex layers masked by candidate
+blocks (the default: blocks applied inside the window select; then the generic passes; then the
+torch block mask over the scores); the streamed
 candidate-source layer (S <= 65,536); materialised; built-in ``indexer_scores`` + torch.topk
 (S <= ``--builtin-max-seq``).
 Times are medians of CUDA-event timings after one warm-up call (compiles): "ms" synchronises
@@ -82,22 +82,22 @@ def _v41_rows(chunk_bytes: int):
         q, _, k, w, _, ks, ke = inputs
         return v41_select_topk(q, k, w, ks, ke, TOPK, backend="tilelang", chunk_bytes=budget)
 
-    def stream_window(inputs, blocks, allowed):
-        with mock.patch.dict(topk_kernels.TOP_WINDOW, {"bfloat16": True}):
+    def stream_generic(inputs, blocks, allowed):
+        with mock.patch.dict(topk_kernels.TOP_WINDOW, {"bfloat16": False}):
             return stream(inputs, blocks, allowed)
 
-    def reindex_torch_mask(inputs, blocks, allowed):
+    def reindex(inputs, blocks, allowed):
         _, q2, k, _, w2, ks, ke = inputs
         return v41_select_topk(q2, k, w2, ks, ke, TOPK, candidate_block_size=V41_BLOCK_SIZE,
                                candidate_blocks=blocks, backend="tilelang", chunk_bytes=chunk_bytes)  # fmt: skip
 
-    def reindex(inputs, blocks, allowed):
-        with mock.patch.object(fused, "SELECT_APPLIES_BLOCKS", True):
-            return reindex_torch_mask(inputs, blocks, allowed)
-
-    def reindex_window(inputs, blocks, allowed):
-        with mock.patch.dict(topk_kernels.TOP_WINDOW, {"bfloat16": True}):
+    def reindex_generic(inputs, blocks, allowed):
+        with mock.patch.dict(topk_kernels.TOP_WINDOW, {"bfloat16": False}):
             return reindex(inputs, blocks, allowed)
+
+    def reindex_torch_mask(inputs, blocks, allowed):
+        with mock.patch.object(fused, "SELECT_APPLIES_BLOCKS", False):
+            return reindex_generic(inputs, blocks, allowed)
 
     def source(inputs, blocks, allowed):
         q, _, k, w, _, ks, ke = inputs
@@ -123,10 +123,10 @@ def _v41_rows(chunk_bytes: int):
         "nemo_dsa scores only v41": (scores, False, None),
         "nemo_dsa stream v41": (stream, False, None),
         "nemo_dsa stream v41, 1 GiB chunks": (lambda *a: stream(*a, budget=2**30), False, None),
-        "nemo_dsa stream v41, window select": (stream_window, False, None),
+        "nemo_dsa stream v41, generic select": (stream_generic, False, None),
+        "nemo_dsa stream v41 reindex": (reindex, False, None),
+        "nemo_dsa stream v41 reindex, generic select": (reindex_generic, False, None),
         "nemo_dsa stream v41 reindex, torch block mask": (reindex_torch_mask, False, 32768),
-        "nemo_dsa stream v41 reindex (blocks in the select)": (reindex, False, None),
-        "nemo_dsa stream v41 reindex (blocks in the window select)": (reindex_window, False, None),
         "nemo_dsa stream v41 candidate source": (source, False, 65536),
         "nemo_dsa materialise v41": (full, False, 65536),
         "built-in v41 + torch.topk": (builtin, True, None),
@@ -170,23 +170,28 @@ def _run_v41(args, results: list) -> None:
 
 def _v41_check(rows, inputs, blocks, seq: int, ratio: int) -> dict:
     """Streamed == materialised == the torch reference selection on the kernel's scores; the
-    opt-in window selector and blocks applied in the select choose the same."""
-    from nemo_dsa.ops.topk import blocks_to_mask, select_topk_reference
+    generic passes, the torch block mask and the candidate-source layer's blocks agree too."""
+    from nemo_dsa.ops.topk import blocks_to_mask, candidate_blocks_reference, select_topk_reference
     from nemo_dsa.ops.v41_indexer.kernels import v41_scores_tilelang
 
     q, q2, k, w, w2, ks, ke = inputs
     stream = rows["nemo_dsa stream v41"][0](inputs, blocks, None)
     same = {
         "streaming_equals_materialising": torch.equal(stream, rows["nemo_dsa materialise v41"][0](inputs, blocks, None)),
-        "window_select_equal": torch.equal(stream, rows["nemo_dsa stream v41, window select"][0](inputs, blocks, None)),
+        "generic_select_equal": torch.equal(stream, rows["nemo_dsa stream v41, generic select"][0](inputs, blocks, None)),
         "kernel_equals_reference": torch.equal(stream, select_topk_reference(v41_scores_tilelang(q, k, w, ks, ke), TOPK, order="index")),
     }  # fmt: skip
-    reindex = rows["nemo_dsa stream v41 reindex (blocks in the select)"][0](inputs, blocks, None)
+    reindex = rows["nemo_dsa stream v41 reindex"][0](inputs, blocks, None)
     same["reindex_equals_torch_mask"] = torch.equal(reindex, rows["nemo_dsa stream v41 reindex, torch block mask"][0](inputs, blocks, None))
-    same["reindex_window_equal"] = torch.equal(reindex, rows["nemo_dsa stream v41 reindex (blocks in the window select)"][0](inputs, blocks, None))
+    same["reindex_generic_equal"] = torch.equal(reindex, rows["nemo_dsa stream v41 reindex, generic select"][0](inputs, blocks, None))
     keep = blocks_to_mask(blocks, ks, ke, V41_BLOCK_SIZE, k.shape[1])
     masked = v41_scores_tilelang(q2, k, w2, ks, ke).masked_fill(~keep, float("-inf"))
     same["reindex_equals_reference"] = torch.equal(reindex, select_topk_reference(masked, TOPK, order="index"))
+    if seq <= 65536:  # the candidate-source row's limit
+        _, source_blocks = rows["nemo_dsa stream v41 candidate source"][0](inputs, blocks, None)
+        scores = v41_scores_tilelang(q, k, w, ks, ke)
+        want = candidate_blocks_reference(scores, ks, ke, V41_BLOCK_SIZE, V41_TOPK_BLOCKS)
+        same["candidate_blocks_equal_reference"] = torch.equal(source_blocks, want)
     return {"shape": "v41", "S": seq, "ratio": ratio, "row": "check", **same}
 
 

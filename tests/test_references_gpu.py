@@ -7,7 +7,7 @@ import torch
 
 from helpers import dense_visibility, generator, indexer_inputs, random_ks_ke, random_topk_indices, v41_formula
 from nemo_dsa.ops.mxfp4 import mxfp4_quant_dequant
-from nemo_dsa.ops.topk import candidate_blocks, select_topk_reference
+from nemo_dsa.ops.topk import candidate_blocks_reference, select_topk_reference
 from nemo_dsa.ops.v41_indexer import v41_scores
 from nemo_dsa.ops.v4_indexer import v4_backward, v4_logits
 
@@ -40,7 +40,8 @@ def test_references_on_cuda_match_cpu():
     scores = torch.randint(-3, 4, (b, s, k), generator=g).float().masked_fill(~mask, float("-inf"))
     for order in ("score", "index"):
         assert torch.equal(select_topk_reference(scores.cuda(), 9, order).cpu(), select_topk_reference(scores, 9, order))
-    assert torch.equal(candidate_blocks(scores.cuda(), *cuda[3:], 4, 3).cpu(), candidate_blocks(scores, ks, ke, 4, 3))
+    want_blocks = candidate_blocks_reference(scores, ks, ke, 4, 3)
+    assert torch.equal(candidate_blocks_reference(scores.cuda(), *cuda[3:], 4, 3).cpu(), want_blocks)
     x = torch.randn(64, 128, generator=g) * 3
     assert torch.equal(mxfp4_quant_dequant(x.cuda()).cpu(), mxfp4_quant_dequant(x))
     idx = random_topk_indices(b, s, 6, k, g)

@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from helpers import dense_visibility, ERROR_SIZES, full_visibility, generator, random_ks_ke
-from nemo_dsa.ops.topk import blocks_to_mask, candidate_block_mask, candidate_blocks, pytorch_extract_topk_scores, select_topk_reference
+from nemo_dsa.ops.topk import (
+    blocks_to_mask,
+    candidate_block_mask,
+    candidate_blocks,
+    candidate_blocks_reference,
+    pytorch_extract_topk_scores,
+    select_topk_reference,
+)
 
 
 def _brute_topk(row: list[float], t: int, order: str) -> list[int]:
@@ -130,8 +137,44 @@ def test_candidate_blocks_brute_force(c, nb_keep):
     want_blocks, want_mask = _brute_candidates(scores, ks, ke, c, nb_keep)
     got = candidate_blocks(scores, ks, ke, c, nb_keep, budget_bytes=1000)
     assert torch.equal(got, want_blocks)
+    assert torch.equal(candidate_blocks_reference(scores, ks, ke, c, nb_keep, budget_bytes=1000), want_blocks)
     assert torch.equal(candidate_block_mask(scores, ks, ke, c, nb_keep), want_mask)
     assert torch.equal(blocks_to_mask(got, ks, ke, c, k, budget_bytes=1), want_mask)
+
+
+def candidate_scores(b, s, k, g, dtype):
+    """Scores for candidate-block tests: small integers (ties within and across blocks), NaN and
+    +/-inf sprinkled in, and finite values outside each row's [ks, ke) that must be ignored."""
+    scores = torch.randint(-6, 7, (b, s, k), generator=g).to(dtype)
+    specials = torch.rand(b, s, k, generator=g)
+    scores[specials < 0.03] = float("nan")
+    scores[(specials >= 0.03) & (specials < 0.05)] = float("inf")
+    scores[(specials >= 0.05) & (specials < 0.15)] = float("-inf")
+    return scores
+
+
+@pytest.mark.parametrize("c", [1, 3, 5, 8, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_candidate_blocks_fast_path_equals_reference(c, dtype):
+    """The block-maxima table + select_topk path against the scatter-reduce reference: ragged K,
+    several batches, non-power-of-two block sizes, budgets that split the rows, every keep count
+    from 1 to beyond the number of blocks, rows that see nothing, packed starts anywhere."""
+    g = generator(450 + c)
+    for b, s, k in [(1, 37, 61), (3, 19, 200), (2, 8, 7)]:
+        scores = candidate_scores(b, s, k, g, dtype)
+        ks, ke = random_ks_ke(b, s, k, g)
+        num_blocks = -(-k // c)
+        for keep in sorted({1, 2, 3, max(1, num_blocks // 2), num_blocks, num_blocks + 4}):
+            want = candidate_blocks_reference(scores, ks, ke, c, keep)
+            got = candidate_blocks(scores, ks, ke, c, keep, budget_bytes=2000)
+            assert torch.equal(got, want), (b, s, k, keep)
+    # A row's last block is kept even when its only visible scores are not finite.
+    scores = torch.randn(1, 2, 12, generator=g).to(dtype)
+    scores[0, :, 8:] = float("nan")
+    ks, ke = torch.tensor([[0, 2]], dtype=torch.int32), torch.tensor([[10, 12]], dtype=torch.int32)
+    got = candidate_blocks(scores, ks, ke, 4, 2)
+    assert torch.equal(got, candidate_blocks_reference(scores, ks, ke, 4, 2))
+    assert got[0, 0, -1] == (10 - 1) // 4 and got[0, 1, -1] == (12 - 1 - 2) // 4
 
 
 def test_extract_topk_scores_gathers_with_minus_one():

@@ -7,8 +7,9 @@ NaN/+-inf, signed zeros, rows with fewer finite scores than T and rows that see 
 past the kernel's register cache (8192 keys) and past 65536 keys; bf16 rows whose cut the window
 below the row's maximum decides and rows it cannot (the generic passes), each also through the
 window-less kernel; candidate-block masks applied inside the select (unordered, repeated, -1 and
-out-of-row blocks, block sizes 3 / 4 / 8) against masking the scores first. Outputs are poisoned
-before the kernel writes them.
+out-of-row blocks, block sizes 3 / 4 / 8) against masking the scores first; V4.1 candidate blocks
+(block maxima + the select over blocks) against their reference. Outputs are poisoned before the
+kernel writes them.
 """
 
 import zlib
@@ -16,7 +17,7 @@ import zlib
 import pytest
 import torch
 
-from nemo_dsa.ops.topk import select_topk_reference
+from nemo_dsa.ops.topk import candidate_blocks, candidate_blocks_reference, select_topk_reference
 from nemo_dsa.ops.topk.interface import select_topk
 from nemo_dsa.ops.topk import kernels as topk_kernels
 from nemo_dsa.ops.topk.kernels import select_rows_tilelang
@@ -191,3 +192,20 @@ def test_bf16_window_and_generic_passes_agree(spread):
         index2, picked2 = _poisoned(rows, count, torch.bfloat16)
         kernel(scores, ks, ke, index2, picked2, 0, torch.empty((1, 1), dtype=torch.int32, device="cuda"))
         assert torch.equal(index2, want_index) and torch.equal(picked2, want_picked), top_window
+
+
+@pytest.mark.parametrize("dtype,window", [pytest.param(*p.values, id=p.id) for p in SELECTORS])
+@pytest.mark.parametrize("kind", ["quantised", "special"])
+@pytest.mark.parametrize("width,block_size,keep", [(4096 + 37, 8, 2048), (1000, 3, 100), (16384, 8, 2048)])
+def test_candidate_blocks_on_the_gpu_equal_the_reference(dtype, window, kind, width, block_size, keep, monkeypatch):
+    """Candidate blocks on CUDA (block maxima table + the radix select over blocks) against the
+    scatter-reduce reference on the same scores: ties across blocks, NaN/inf, ragged ranges,
+    rows that see nothing, several sequences."""
+    use_bf16_window(monkeypatch, window)
+    seed = zlib.crc32(f"cand-{dtype}-{window}-{kind}-{width}-{block_size}".encode())
+    batch, queries = 3, 41
+    scores = _rows(kind, batch * queries, width, dtype, seed).view(batch, queries, width)
+    ks, ke = (x.view(batch, queries) for x in _ranges(batch * queries, width, seed))
+    want = candidate_blocks_reference(scores, ks, ke, block_size, keep)
+    assert int((want >= 0).sum(-1).max()) > 1  # rows keep more than their last block
+    assert torch.equal(candidate_blocks(scores, ks, ke, block_size, keep, backend="tilelang"), want)

@@ -34,9 +34,10 @@ from nemo_dsa.visibility import check_ks_ke
 
 
 # Reindex layers on the GPU: the radix select applies the kept candidate blocks itself instead
-# of a torch [rows, W] mask over the chunk's scores. Opt-in until it has run on the GPU (lowered
-# and compiled here; tests/test_fused_selection_gpu.py and test_topk_kernels_gpu.py check it).
-SELECT_APPLIES_BLOCKS = False
+# of a torch [rows, W] mask over the chunk's scores (measured 3.1x faster on the H200 and exact,
+# docs/performance.md v12). False restores the torch mask (tests/test_fused_selection_gpu.py
+# and test_topk_kernels_gpu.py run both).
+SELECT_APPLIES_BLOCKS = True
 
 
 def v4_chunk_logits(backend, q, k, w, ks, ke, buffer, chunk_bytes):
@@ -231,7 +232,8 @@ def v41_select_topk(
         )
         # Candidate blocks count from ks, so they are the same relative to the window.
         if source and first_pass:
-            found = find_blocks(scores, local_ks, local_ke, candidate_block_size, candidate_topk_blocks, budget_bytes=chunk_bytes)
+            found = find_blocks(scores, local_ks, local_ke, candidate_block_size, candidate_topk_blocks,
+                                budget_bytes=chunk_bytes, backend="torch" if backend == "torch" else "auto")
             blocks_out[:, chunk.rows] = -1
             blocks_out[:, chunk.rows, : found.shape[-1]] = found  # a narrow window has fewer blocks: pad
         elif reindex:

@@ -2,8 +2,8 @@
 
 Modules, imports one way: ``rows`` (row selection by unique keys) -> ``naive`` (the reference)
 -> ``kernels`` (the TileLang radix select) -> ``interface`` (validation and dispatch).
-``gather`` (scores at selected indices) and ``candidates`` (V4.1 candidate blocks) stand beside
-them. Public names load lazily (``nemo_dsa._lazy``).
+``gather`` (scores at selected indices) and ``candidates`` (V4.1 candidate blocks, selected
+through ``interface``; its reference is in ``naive``) stand beside them. Public names load lazily (``nemo_dsa._lazy``).
 """
 
 from nemo_dsa._lazy import lazy_exports
@@ -16,6 +16,7 @@ _EXPORTS = {
     "pytorch_extract_topk_scores": "nemo_dsa.ops.topk.gather",
     "gather_at_indices": "nemo_dsa.ops.topk.gather",
     "candidate_blocks": "nemo_dsa.ops.topk.candidates",
+    "candidate_blocks_reference": "nemo_dsa.ops.topk.naive",
     "candidate_block_mask": "nemo_dsa.ops.topk.candidates",
     "blocks_to_mask": "nemo_dsa.ops.topk.candidates",
     "ORDERS": "nemo_dsa.ops.topk.rows",

@@ -1,8 +1,11 @@
 """V4.1 candidate blocks: the blocks of compressed keys a candidate-source layer keeps for later layers.
 
 docs/semantics.md "Top-k selection" (candidate blocks). Block numbers count from each query's ``ks`` (they move with the
-document start); the block scores are reduced with the exact row selection of
-:mod:`nemo_dsa.ops.topk.rows`, so ties go to the smaller block.
+document start). :func:`candidate_blocks` is the fast path on every device: block maxima from a
+doubling table of running maxima (a few passes over the scores, no per-key index tensors), then
+the ordinary exact selection (:func:`nemo_dsa.ops.topk.select_topk`: the TileLang radix select on
+CUDA) over the blocks, so ties go to the smaller block. ``naive.candidate_blocks_reference`` is
+the readable reference it is tested against.
 """
 
 from __future__ import annotations
@@ -11,8 +14,33 @@ import torch
 
 from nemo_dsa._checks import check_positive_int, check_tensor
 from nemo_dsa.ops.chunking import DEFAULT_BUDGET_BYTES, query_chunk_size, query_chunks
-from nemo_dsa.ops.topk.rows import SCORE_DTYPES, select_rows_exact
+from nemo_dsa.ops.topk.interface import select_topk
+from nemo_dsa.ops.topk.rows import SCORE_DTYPES
 from nemo_dsa.visibility import check_ks_ke, visible_mask
+
+_NEG_INF = float("-inf")
+
+
+def _block_maxima(scores: torch.Tensor, ks: torch.Tensor, block_size: int, num_blocks: int) -> torch.Tensor:
+    """Max of the finite scores of blocks ``[ks + n*C, ks + (n+1)*C)``, n < NB, for rows ``[N, K]``.
+
+    Non-finite scores count as -inf, keys past K too. Keys at or past a row's ``ke`` are not
+    excluded: only the row's last block can hold them, and it is kept whatever its maximum.
+    """
+    rows, num_keys = scores.shape
+    padded = scores.new_full((rows, num_keys + block_size), _NEG_INF)
+    torch.nan_to_num(scores, nan=_NEG_INF, posinf=_NEG_INF, neginf=_NEG_INF, out=padded[:, :num_keys])
+    # table[:, i] = max(padded[:, i : i + width]); widths double up to the largest power of two <= C.
+    table, width = padded, 1
+    while 2 * width <= block_size:
+        table = torch.maximum(table[:, :-width], table[:, width:])
+        width *= 2
+    starts = ks.long().unsqueeze(-1) + block_size * torch.arange(num_blocks, device=scores.device)
+    starts = starts.clamp_(max=num_keys)  # a start past K covers padding only (-inf)
+    maxima = table.gather(1, starts)
+    if width < block_size:  # two overlapping windows of `width` cover the C keys
+        maxima = torch.maximum(maxima, table.gather(1, starts + (block_size - width)))
+    return maxima
 
 
 def candidate_blocks(
@@ -23,6 +51,7 @@ def candidate_blocks(
     topk_blocks: int,
     *,
     budget_bytes: int = DEFAULT_BUDGET_BYTES,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """V4.1 candidate blocks, compact form: kept block numbers, int32 ``[B, S, min(topk_blocks, NB)]``.
 
@@ -33,7 +62,8 @@ def candidate_blocks(
     kept and counts toward the budget (as in the released hierarchical selection); the remaining
     ``topk_blocks - 1`` slots go to the best other blocks with a finite score, ties to the smaller
     block. Output is in ascending block order, -1 padded; NB = ceil(K / C) is the most blocks any
-    query can have. Scores outside ``[ks, ke)`` are ignored.
+    query can have. Scores outside ``[ks, ke)`` are ignored. ``backend`` selects the block
+    selection (:func:`nemo_dsa.ops.topk.select_topk`); the block maxima are torch on every device.
     """
     check_tensor("scores", scores, ndim=3, dtypes=SCORE_DTYPES)
     batch, queries, num_keys = scores.shape
@@ -42,33 +72,26 @@ def candidate_blocks(
     check_positive_int("topk_blocks", topk_blocks)
     num_blocks = -(-num_keys // block_size)
     count = min(topk_blocks, num_blocks)
-    out = torch.full((batch, queries, count), -1, dtype=torch.int32, device=scores.device)
+    out = torch.full((batch * queries, count), -1, dtype=torch.int32, device=scores.device)
     if count == 0 or queries == 0:
-        return out
-    chunk = query_chunk_size(queries, 24 * num_keys + 40 * num_blocks, budget_bytes)
-    keys = torch.arange(num_keys, device=scores.device)
-    for b in range(batch):
-        for part in query_chunks(queries, chunk):
-            start, end = ks[b, part].long().unsqueeze(-1), ke[b, part].long().unsqueeze(-1)
-            visible = visible_mask(ks[b, part], ke[b, part], num_keys)
-            # Invisible keys go to a dump block (index num_blocks) that is dropped afterwards.
-            block = torch.where(visible, (keys - start) // block_size, num_blocks)
-            values = torch.where(visible, scores[b, part].float(), float("-inf"))
-            values = torch.where(torch.isfinite(values), values, float("-inf"))
-            block_scores = torch.full((values.shape[0], num_blocks + 1), float("-inf"), device=scores.device)
-            block_scores = block_scores.scatter_reduce(-1, block, values, reduce="amax")[:, :num_blocks]
-            sees_any = end > start
-            last = torch.where(sees_any, (end - 1 - start) // block_size, 0)
-            # Column num_blocks is a dump slot for the -1s of `best`, so they cannot clear a real block.
-            kept = torch.zeros((values.shape[0], num_blocks + 1), dtype=torch.bool, device=scores.device)
-            kept.scatter_(-1, last, sees_any)
-            if count > 1:
-                others = block_scores.scatter(-1, last, float("-inf"))
-                best = select_rows_exact(others, count - 1, "score")
-                kept.scatter_(-1, torch.where(best >= 0, best, num_blocks), True)
-            kept = kept[:, :num_blocks]
-            out[b, part] = select_rows_exact(torch.where(kept, 0.0, float("-inf")), count, "index").int()
-    return out
+        return out.view(batch, queries, count)
+    flat, flat_ks, flat_ke = scores.reshape(-1, num_keys), ks.reshape(-1), ke.reshape(-1)
+    # Per row: the padded copy and two tables of running maxima, plus the per-block gathers.
+    row_bytes = 3 * (num_keys + block_size) * scores.element_size() + 40 * num_blocks
+    for part in query_chunks(flat.shape[0], query_chunk_size(flat.shape[0], row_bytes, budget_bytes)):
+        start, end = flat_ks[part].long(), flat_ke[part].long()
+        maxima = _block_maxima(flat[part], start, block_size, num_blocks)
+        sees_any = end > start
+        last = torch.where(sees_any, (end - 1 - start) // block_size, 0)
+        rows = out[part]
+        if count > 1:
+            # The best count - 1 of the blocks before the last (whose keys all lie in [ks, ke)),
+            # in block order; the last block, always kept, goes after them.
+            before_last = torch.zeros_like(last, dtype=torch.int32)
+            rows[:, : count - 1] = select_topk(maxima, count - 1, "index", ks=before_last, ke=last.int(), backend=backend)
+        slot = (rows >= 0).sum(-1, keepdim=True)
+        rows.scatter_(1, slot, torch.where(sees_any, last, -1).int().unsqueeze(-1))
+    return out.view(batch, queries, count)
 
 
 def candidate_block_mask(
