@@ -9,8 +9,7 @@ Shapes: H=64 index heads, D=128, R=4, T=512, causal, B=1, K = S/4. Rows per S:
 - ``nemo_dsa scores only v4`` / ``v41``: the scoring kernel alone (the [S, K] matrix is its
   output), the yardstick of the "scores + top-k within 1.3x of scores only" target;
 - ``nemo_dsa stream v4`` / ``v41``: ``v4_select_topk`` / ``v41_select_topk`` (TileLang scorers,
-  chunked so that the selection transients fit ``--chunk-mib``; each chunk's select overlaps the
-  next chunk's scoring), and the same with the selects after the scoring on one stream;
+  chunked so that the selection transients fit ``--chunk-mib``);
 - ``nemo_dsa materialise v4`` / ``v41``: the full-matrix kernel, then ``select_topk`` (the
   TileLang radix select; ``--check`` also compares with the torch reference selection);
 - ``built-in v4`` / ``v41`` (nemo-automodel 0.7.0, imported here only): ``batched_indexer_fwd``
@@ -74,7 +73,7 @@ def _v41_rows(chunk_bytes: int):
     from unittest import mock
 
     from nemo_dsa.ops.fused_selection import interface as fused
-    from nemo_dsa.ops.fused_selection import v41_select_topk, window
+    from nemo_dsa.ops.fused_selection import v41_select_topk
     from nemo_dsa.ops.topk import kernels as topk_kernels
     from nemo_dsa.ops.topk import select_topk
     from nemo_dsa.ops.v41_indexer.kernels import v41_scores_tilelang
@@ -82,10 +81,6 @@ def _v41_rows(chunk_bytes: int):
     def stream(inputs, blocks, allowed, budget=chunk_bytes):
         q, _, k, w, _, ks, ke = inputs
         return v41_select_topk(q, k, w, ks, ke, TOPK, backend="tilelang", chunk_bytes=budget)
-
-    def stream_serial(inputs, blocks, allowed):
-        with mock.patch.object(window, "OVERLAP_SELECT", False):
-            return stream(inputs, blocks, allowed)
 
     def stream_generic(inputs, blocks, allowed):
         with mock.patch.dict(topk_kernels.TOP_WINDOW, {"bfloat16": False}):
@@ -128,7 +123,6 @@ def _v41_rows(chunk_bytes: int):
         "nemo_dsa scores only v41": (scores, False, None),
         "nemo_dsa stream v41": (stream, False, None),
         "nemo_dsa stream v41, 1 GiB chunks": (lambda *a: stream(*a, budget=2**30), False, None),
-        "nemo_dsa stream v41, selects not overlapped": (stream_serial, False, None),
         "nemo_dsa stream v41, generic select": (stream_generic, False, None),
         "nemo_dsa stream v41 reindex": (reindex, False, None),
         "nemo_dsa stream v41 reindex, generic select": (reindex_generic, False, None),
@@ -184,7 +178,6 @@ def _v41_check(rows, inputs, blocks, seq: int, ratio: int) -> dict:
     stream = rows["nemo_dsa stream v41"][0](inputs, blocks, None)
     same = {
         "streaming_equals_materialising": torch.equal(stream, rows["nemo_dsa materialise v41"][0](inputs, blocks, None)),
-        "not_overlapped_equal": torch.equal(stream, rows["nemo_dsa stream v41, selects not overlapped"][0](inputs, blocks, None)),
         "generic_select_equal": torch.equal(stream, rows["nemo_dsa stream v41, generic select"][0](inputs, blocks, None)),
         "kernel_equals_reference": torch.equal(stream, select_topk_reference(v41_scores_tilelang(q, k, w, ks, ke), TOPK, order="index")),
     }  # fmt: skip
@@ -204,9 +197,7 @@ def _v41_check(rows, inputs, blocks, seq: int, ratio: int) -> dict:
 
 def _rows(chunk_bytes: int):
     """name -> (w dtype, needs dense mask, fn(q, k, w, ks, ke, allowed) -> outputs)."""
-    from unittest import mock
-
-    from nemo_dsa.ops.fused_selection import v4_select_topk, v41_select_topk, window
+    from nemo_dsa.ops.fused_selection import v4_select_topk, v41_select_topk
     from nemo_dsa.ops.topk import pytorch_extract_topk_scores, select_topk
 
     def stream_v4(q, k, w, ks, ke, allowed):
@@ -214,13 +205,6 @@ def _rows(chunk_bytes: int):
 
     def stream_v41(q, k, w, ks, ke, allowed):
         return v41_select_topk(q, k, w, ks, ke, TOPK, backend="tilelang", chunk_bytes=chunk_bytes)
-
-    def serial(fn):  # each chunk's select after its scoring, on one stream
-        def run(*args):
-            with mock.patch.object(window, "OVERLAP_SELECT", False):
-                return fn(*args)
-
-        return run
 
     def scores_v4(q, k, w, ks, ke, allowed):
         from nemo_dsa.ops.v4_indexer.kernels import v4_logits_tilelang
@@ -260,9 +244,7 @@ def _rows(chunk_bytes: int):
         "nemo_dsa scores only v4": (torch.float32, False, scores_v4),
         "nemo_dsa scores only v41": (torch.bfloat16, False, scores_v41),
         "nemo_dsa stream v4": (torch.float32, False, stream_v4),
-        "nemo_dsa stream v4, selects not overlapped": (torch.float32, False, serial(stream_v4)),
         "nemo_dsa stream v41": (torch.bfloat16, False, stream_v41),
-        "nemo_dsa stream v41, selects not overlapped": (torch.bfloat16, False, serial(stream_v41)),
         "nemo_dsa materialise v4": (torch.float32, False, full_v4),
         "nemo_dsa materialise v41": (torch.bfloat16, False, full_v41),
         "built-in v4 + torch.topk": (torch.float32, False, builtin_v4),

@@ -5,9 +5,7 @@ are processed in chunks of Sc rows (``plan``); each chunk is scored with the ord
 (TileLang kernels on CUDA, the torch references otherwise) on the *key window* its queries can
 see, then selected exactly with the documented rule (``window``; docs/semantics.md "Top-k selection": best
 finite scores, ties to the smaller key index, -1 padding). Only [B, Sc, W] transients live at a
-time (W <= K the window width), with Sc chosen so that they fit ``chunk_bytes``; on the GPU a
-chunk's select overlaps the next chunk's scoring (``window.OVERLAP_SELECT``), and the chunks in
-flight share the budget. Selection is
+time (W <= K the window width), with Sc chosen so that they fit ``chunk_bytes``. Selection is
 independent of the chunking (every query's selection is a function of its own row only), so the
 result equals select_topk on the full matrix whenever the scorer's per-element arithmetic does
 not depend on the chunk: true of the TileLang kernels (chunks start on their tile boundaries);
@@ -20,14 +18,12 @@ The scorers are this module's only backend-specific code (:func:`v4_chunk_logits
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 
 from nemo_dsa._checks import check_index_range, check_positive_int, check_qkw, check_tensor
 from nemo_dsa.ops.dispatch import resolve_backend
 from nemo_dsa.ops.fused_selection.plan import DEFAULT_CHUNK_BYTES, planned_chunks, v4_row_bytes, v41_row_bytes
-from nemo_dsa.ops.fused_selection.window import IN_FLIGHT, overlaps, select_chunks
+from nemo_dsa.ops.fused_selection.window import select_chunks
 from nemo_dsa.ops.topk.candidates import blocks_to_mask, candidate_blocks as find_blocks
 from nemo_dsa.ops.topk.kernels import MAX_COUNT, fits_block_mask
 from nemo_dsa.ops.v4_indexer.kernels import v4_logits_tilelang
@@ -63,13 +59,12 @@ def _selects_on_gpu(backend: str, count: int) -> bool:
     return backend == "tilelang" and count <= MAX_COUNT
 
 
-def _window_buffers(chunks, batch, device, slots: int) -> list[torch.Tensor]:
-    """fp32 buffers for the kernels' chunk logits, one per chunk in flight (``slots``). Not
-    poisoned: the kernel writes every element of its window (-inf outside [ks, ke)), which its
-    own GPU tests check on poisoned outputs; a fill here would cost a pass over up to chunk_bytes
-    per call."""
+def _window_buffer(chunks, batch, device):
+    """One fp32 buffer for the kernels' chunk logits. Not poisoned: the kernel writes every
+    element of its window (-inf outside [ks, ke)), which its own GPU tests check on poisoned
+    outputs; a fill here would cost a pass over up to chunk_bytes per call."""
     largest = max((batch * (c.end - c.start) * c.width for c in chunks), default=0)
-    return list(torch.empty((slots, largest), dtype=torch.float32, device=device).unbind())
+    return torch.empty((largest,), dtype=torch.float32, device=device)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -107,8 +102,7 @@ def v4_select_topk(
         topk: keys per query; T = min(topk, K).
         backend: "auto" | "tilelang" | "torch": the TileLang scorer and radix select, or the
             torch reference scoring and selection.
-        chunk_bytes: budget of the selection transients alive at once (default 512 MiB; on the
-            GPU the chunks in flight, IN_FLIGHT of them, share it).
+        chunk_bytes: budget of the per-chunk selection transients (default 512 MiB).
 
     Returns:
         index_score fp32 [B, S, T] (the logits at the indices, -inf at -1) and topk_indices int32
@@ -130,18 +124,13 @@ def v4_select_topk_validated(q, k, w, ks, ke, topk: int, backend: str, chunk_byt
     scores = torch.full((batch, queries, count), float("nan"), dtype=torch.float32, device=q.device)
     on_gpu = _selects_on_gpu(backend, count)
     row_key = ("v4", heads, dim, count, on_gpu, batch > 1)
-    # With the selects overlapped, chunk j is scored while chunk j - 1 is selected: IN_FLIGHT
-    # chunks share the budget, each writing its own buffer (select_chunks waits before reuse).
-    slots = IN_FLIGHT if overlaps(on_gpu) else 1
-    plan = planned_chunks(ks, ke, row_key, v4_row_bytes(*row_key[1:]), chunk_bytes // slots)
+    plan = planned_chunks(ks, ke, row_key, v4_row_bytes(*row_key[1:]), chunk_bytes)
     chunks = plan.chunks
-    buffers = _window_buffers(chunks, batch, q.device, slots) if backend == "tilelang" else None
-    scored = itertools.count()
+    buffer = _window_buffer(chunks, batch, q.device) if backend == "tilelang" else None
 
     def score_chunk(chunk, first_pass):
         rows = chunk.end - chunk.start
         local_ks, local_ke = plan.ranges(chunk)
-        buffer = None if buffers is None else buffers[next(scored) % slots]
         out = None if buffer is None else buffer[: batch * rows * chunk.width].view(batch, rows, chunk.width)
         logits = v4_chunk_logits(
             backend, q[:, chunk.rows], k[:, chunk.key_start : chunk.key_end], w[:, chunk.rows],
@@ -206,7 +195,7 @@ def v41_select_topk(
         candidate_blocks: reindex layer: int32 [B, S, NBk] kept block numbers (relative to ks,
             -1 padded) from the source layer; scores outside them are -inf before top-k.
         backend: "auto" | "tilelang" | "torch".
-        chunk_bytes: budget of the transients alive at once (default 512 MiB, shared as above).
+        chunk_bytes: budget of the per-chunk transients (default 512 MiB).
 
     Returns:
         topk_indices int32 [B, S, T] in ascending index order, -1 padding; with
@@ -271,8 +260,7 @@ def v41_select_topk(
         picked = torch.empty((chunk.end - chunk.start, count), dtype=torch.bfloat16, device=q.device)
         return indices[0, chunk.rows], picked
 
-    # Overlapped selects keep IN_FLIGHT chunks' transients alive: they share the budget.
-    plan = planned_chunks(ks, ke, row_key, row_bytes, chunk_bytes // (IN_FLIGHT if overlaps(on_gpu) else 1))
+    plan = planned_chunks(ks, ke, row_key, row_bytes, chunk_bytes)
     select_chunks(
         plan.chunks, score_chunk, emit, count, "index", chunk_bytes, on_gpu, targets if batch == 1 else None,
         block_size=candidate_block_size or 0,

@@ -15,26 +15,6 @@ import torch
 from nemo_dsa.ops.topk.kernels import select_rows_tilelang
 from nemo_dsa.ops.topk.rows import redo_rows, select_rows
 
-# On the GPU, chunk i's select runs on a side stream while chunk i + 1 is scored on the caller's:
-# the scorers are tensor-core bound, the select latency bound, so the two can share the SMs. At
-# most IN_FLIGHT chunks are scored ahead of their select (the transients of that many chunks are
-# alive at once; the V4 scorer's output buffer has one slot per chunk in flight).
-OVERLAP_SELECT = True
-IN_FLIGHT = 2
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def overlaps(on_gpu: bool) -> bool:
-    """Whether select_chunks overlaps the selects with the scoring (GPU selects only)."""
-    return on_gpu and OVERLAP_SELECT
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SIDE_STREAMS:
-        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
-    return _SIDE_STREAMS[index]
-
 # ----------------------------------------------------------------------------------------------
 # Exact selection on a window of keys
 # ----------------------------------------------------------------------------------------------
@@ -95,38 +75,27 @@ def select_chunks(
     same scores) and those rows redone with full-row keys.
     """
     pending = []
-    overlap = overlaps(on_gpu) and any(c.width for c in chunks)
-    if overlap:
-        main = torch.cuda.current_stream()
-        side = _side_stream(main.device)
-        side.wait_stream(main)  # the outputs and inputs exist before any select reads them
-        selected = []  # an event per chunk selected on the side stream
     for chunk in chunks:
         if chunk.width == 0:
             emit(chunk, None, None)
             continue
-        if overlap and len(selected) >= IN_FLIGHT:
-            main.wait_event(selected[-IN_FLIGHT])  # that chunk's transients may be reused now
         scores, local_ks, local_ke, blocks = score_chunk(chunk, True)
         scores = scores.reshape(-1, chunk.width)
         if on_gpu:
-            if not overlap:
-                _select_on_gpu(chunk, scores, local_ks, local_ke, blocks, emit, count, order, targets, block_size)
-                continue
-            side.wait_stream(main)
-            for tensor in (scores, local_ks, local_ke, blocks):
-                if tensor is not None:  # allocated on the caller's stream, read on the side one
-                    tensor.record_stream(side)
-            with torch.cuda.stream(side):
-                _select_on_gpu(chunk, scores, local_ks, local_ke, blocks, emit, count, order, targets, block_size)
-                selected.append(side.record_event())
+            take = min(count, chunk.width)
+            out = targets(chunk) if targets is not None and take == count else None
+            masking = {} if blocks is None else {"blocks": blocks.reshape(scores.shape[0], -1), "block_size": block_size}
+            index, values = select_rows_tilelang(
+                scores, take, order, local_ks.reshape(-1), local_ke.reshape(-1), offset=chunk.key_start, out=out,
+                **masking,
+            )  # fmt: skip
+            if out is None:
+                emit(chunk, *_pad_columns(index, values, count))
             continue
         chosen, redo = _select(scores, count, order)
         emit(chunk, *_globalise(scores, chosen, chunk.key_start, count))
         pending.append((chunk, redo))
         del scores, chosen
-    if overlap:
-        main.wait_stream(side)  # the caller reads the outputs on its stream
     if not pending:
         return
     flagged = torch.stack([redo.any() for _, redo in pending]).tolist()
@@ -136,18 +105,6 @@ def select_chunks(
             chosen, _ = _select(scores, count, order)
             redo_rows(scores, chosen, redo, chosen.shape[-1], order, chunk_bytes // 4)
             emit(chunk, *_globalise(scores, chosen, chunk.key_start, count))
-
-
-def _select_on_gpu(chunk, scores, local_ks, local_ke, blocks, emit, count, order, targets, block_size) -> None:
-    """One chunk through the TileLang radix select, written to ``targets`` or through ``emit``."""
-    take = min(count, chunk.width)
-    out = targets(chunk) if targets is not None and take == count else None
-    masking = {} if blocks is None else {"blocks": blocks.reshape(scores.shape[0], -1), "block_size": block_size}
-    index, values = select_rows_tilelang(
-        scores, take, order, local_ks.reshape(-1), local_ke.reshape(-1), offset=chunk.key_start, out=out, **masking
-    )
-    if out is None:
-        emit(chunk, *_pad_columns(index, values, count))
 
 
 def _pad_columns(index: torch.Tensor, values: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
