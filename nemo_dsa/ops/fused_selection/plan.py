@@ -34,7 +34,7 @@ KEY_ALIGN = 128
 # groups of at most a quarter of the chunk at the key path's ~16 bytes per score.
 V4_BYTES_PER_KEY = {"kernel": 4, "torch": 4 + 4}  # fp32 logits
 V41_BYTES_PER_KEY = {"kernel": 2, "torch": 2 + 4}  # bf16 scores
-# Candidate blocks (nemo_dsa.ops.topk.candidates): the bf16 scores 2, their padded copy 2 and two
+# Candidate blocks (nemo_dsa.ops.topk.candidates): the bf16 scores 2, their cleared copy 2 and two
 # tables of running maxima 2 + 2 per key; per block, the starts, gathers and selection (40).
 V41_CANDIDATE_BYTES_PER_KEY = 8
 # Per selected slot: the kernel's indices and scores, and their padded copies; select_rows'

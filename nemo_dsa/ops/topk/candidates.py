@@ -2,9 +2,9 @@
 
 docs/semantics.md "Top-k selection" (candidate blocks). Block numbers count from each query's ``ks`` (they move with the
 document start). :func:`candidate_blocks` is the fast path on every device: block maxima from a
-doubling table of running maxima (a few passes over the scores, no per-key index tensors), then
-the ordinary exact selection (:func:`nemo_dsa.ops.topk.select_topk`: the TileLang radix select on
-CUDA) over the blocks, so ties go to the smaller block. ``naive.candidate_blocks_reference`` is
+doubling table of running maxima (a few contiguous passes over the scores, no per-key index
+tensors), then the ordinary exact selection (:func:`nemo_dsa.ops.topk.select_topk`: the TileLang
+radix select on CUDA) over the blocks, so ties go to the smaller block. ``naive.candidate_blocks_reference`` is
 the readable reference it is tested against.
 """
 
@@ -24,22 +24,26 @@ _NEG_INF = float("-inf")
 def _block_maxima(scores: torch.Tensor, ks: torch.Tensor, block_size: int, num_blocks: int) -> torch.Tensor:
     """Max of the finite scores of blocks ``[ks + n*C, ks + (n+1)*C)``, n < NB, for rows ``[N, K]``.
 
-    Non-finite scores count as -inf, keys past K too. Keys at or past a row's ``ke`` are not
-    excluded: only the row's last block can hold them, and it is kept whatever its maximum.
+    Exact for every block that ends at or before K; other entries are unspecified (they may
+    mix in the next row's scores). A row's blocks before its last visible one always end before
+    its ``ke`` <= K, and the last one is kept whatever its maximum, so only those are read.
+    The running maxima are taken over the flattened rows, so every pass is one contiguous,
+    vectorised elementwise kernel.
     """
     rows, num_keys = scores.shape
-    padded = scores.new_full((rows, num_keys + block_size), _NEG_INF)
-    torch.nan_to_num(scores, nan=_NEG_INF, posinf=_NEG_INF, neginf=_NEG_INF, out=padded[:, :num_keys])
-    # table[:, i] = max(padded[:, i : i + width]); widths double up to the largest power of two <= C.
-    table, width = padded, 1
+    table = torch.nan_to_num(scores, nan=_NEG_INF, posinf=_NEG_INF, neginf=_NEG_INF).contiguous().view(-1)
+    # table[p] = max(scores[p : p + width]) over the flat rows; widths double up to the largest
+    # power of two <= C.
+    width = 1
     while 2 * width <= block_size:
-        table = torch.maximum(table[:, :-width], table[:, width:])
+        table = torch.maximum(table[:-width], table[width:])
         width *= 2
     starts = ks.long().unsqueeze(-1) + block_size * torch.arange(num_blocks, device=scores.device)
-    starts = starts.clamp_(max=num_keys)  # a start past K covers padding only (-inf)
-    maxima = table.gather(1, starts)
+    starts += num_keys * torch.arange(rows, device=scores.device).unsqueeze(-1)
+    last_entry = table.shape[0] - 1
+    maxima = table[starts.clamp(max=last_entry)]
     if width < block_size:  # two overlapping windows of `width` cover the C keys
-        maxima = torch.maximum(maxima, table.gather(1, starts + (block_size - width)))
+        maxima = torch.maximum(maxima, table[(starts + (block_size - width)).clamp_(max=last_entry)])
     return maxima
 
 
@@ -76,8 +80,8 @@ def candidate_blocks(
     if count == 0 or queries == 0:
         return out.view(batch, queries, count)
     flat, flat_ks, flat_ke = scores.reshape(-1, num_keys), ks.reshape(-1), ke.reshape(-1)
-    # Per row: the padded copy and two tables of running maxima, plus the per-block gathers.
-    row_bytes = 3 * (num_keys + block_size) * scores.element_size() + 40 * num_blocks
+    # Per row: the cleared copy and two tables of running maxima, plus the per-block gathers.
+    row_bytes = 3 * num_keys * scores.element_size() + 40 * num_blocks
     for part in query_chunks(flat.shape[0], query_chunk_size(flat.shape[0], row_bytes, budget_bytes)):
         start, end = flat_ks[part].long(), flat_ke[part].long()
         maxima = _block_maxima(flat[part], start, block_size, num_blocks)
