@@ -25,7 +25,7 @@ from nemo_dsa.ops.topk.kernels import select_rows_tilelang
 pytestmark = pytest.mark.gpu
 
 
-# The selectors to test per dtype: bf16 has the generic passes and the opt-in window below the
+# The selectors to test per dtype: bf16 has the generic passes and the (default) window below the
 # row maximum; fp32 only the generic passes (only valid pairs: no case skips itself).
 SELECTORS = [
     pytest.param(torch.float32, False, id="float32-generic"),

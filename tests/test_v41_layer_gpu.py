@@ -6,8 +6,8 @@ ratio 1, fp8 window KV, NVFP4 compressed KV, latent index keys, the frozen MXFP4
 heads of 128) is built twice with the same weights: ``backend="tilelang"`` (the V4.1 scorer, the
 streamed selection with the radix select, the sparse-attention forward and backward kernels) and
 ``backend="torch"`` (the references: the torch score formula, the reference top-k and the
-reference attention); the TileLang stack runs with the default selector and with the opt-in
-ones (the window below the row maximum, candidate blocks applied inside the select). Every layer
+reference attention); the TileLang stack runs with the default selectors (the window below the
+row maximum, candidate blocks applied inside the select) and with the generic ones. Every layer
 runs on a fresh random input with its own backend's shared state, on packed rows of ragged
 lengths (B = 1 and B = 2, documents starting anywhere, padding).
 
@@ -155,14 +155,15 @@ def differing_queries_are_ties(mine, theirs, scores, real) -> tuple[int, int]:
     [([[300, 211]], 511), ([[97, 5, 400], [512]], 512), ([[61, 640]], 733)],
     ids=["b1-two-docs", "b2-ragged-padded", "b1-odd-padded"],
 )
-@pytest.mark.parametrize("opt_in", [False, True], ids=["default-select", "window-select-with-blocks"])
-def test_v41_layer_kernels_match_reference(docs, seq, opt_in, monkeypatch):
+@pytest.mark.parametrize("fast_select", [False, True], ids=["generic-select-torch-mask", "window-select-with-blocks"])
+def test_v41_layer_kernels_match_reference(docs, seq, fast_select, monkeypatch):
     from nemo_dsa.ops.fused_selection import interface as fused_selection
     from nemo_dsa.ops.topk import kernels as topk_kernels
 
-    # The opt-in selectors: the window below the row maximum, the blocks applied in the select.
-    monkeypatch.setitem(topk_kernels.TOP_WINDOW, "bfloat16", opt_in)
-    monkeypatch.setattr(fused_selection, "SELECT_APPLIES_BLOCKS", opt_in)
+    # The default selectors (the window below the row maximum, the blocks applied in the select)
+    # and the generic ones (the generic passes, the torch block mask).
+    monkeypatch.setitem(topk_kernels.TOP_WINDOW, "bfloat16", fast_select)
+    monkeypatch.setattr(fused_selection, "SELECT_APPLIES_BLOCKS", fast_select)
     records = []
     real_select = fused_selection.v41_select_topk
 

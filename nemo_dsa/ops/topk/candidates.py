@@ -4,8 +4,8 @@ docs/semantics.md "Top-k selection" (candidate blocks). Block numbers count from
 document start). :func:`candidate_blocks` is the fast path on every device: block maxima from a
 doubling table of running maxima (a few contiguous passes over the scores, no per-key index
 tensors), then the ordinary exact selection (:func:`nemo_dsa.ops.topk.select_topk`: the TileLang
-radix select on CUDA) over the blocks, so ties go to the smaller block. ``naive.candidate_blocks_reference`` is
-the readable reference it is tested against.
+radix select on CUDA) over the blocks, so ties go to the smaller block.
+``naive.candidate_blocks_reference`` is the readable reference it is tested against.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ def _block_maxima(scores: torch.Tensor, ks: torch.Tensor, block_size: int, num_b
     Exact for every block that ends at or before K; other entries are unspecified (they may
     mix in the next row's scores). A row's blocks before its last visible one always end before
     its ``ke`` <= K, and the last one is kept whatever its maximum, so only those are read.
-    The running maxima are taken over the flattened rows, so every pass is one contiguous,
-    vectorised elementwise kernel.
+    The running maxima are taken over the flattened rows, so every pass is one contiguous
+    elementwise kernel (no strided row views).
     """
     rows, num_keys = scores.shape
     table = torch.nan_to_num(scores, nan=_NEG_INF, posinf=_NEG_INF, neginf=_NEG_INF).contiguous().view(-1)

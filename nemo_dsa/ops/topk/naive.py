@@ -5,6 +5,8 @@ the smaller key index, -1 padding. Rows are selected by :mod:`nemo_dsa.ops.topk.
 TIE_MARGIN candidates ordered by unique keys, undecided rows redone with a key per score); this
 module only validates, chunks and reassembles. The TileLang radix select (``kernels``) must give
 the same indices bit for bit; :func:`nemo_dsa.ops.topk.select_topk` chooses between the two.
+:func:`candidate_blocks_reference` is the readable form of the V4.1 candidate blocks
+(``topk.candidates`` holds the fast path).
 """
 
 from __future__ import annotations
