@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from nemo_dsa._checks import check_positive_int, check_tensor
 from nemo_dsa.ops.chunking import DEFAULT_BUDGET_BYTES, query_chunk_size, query_chunks
 from nemo_dsa.ops.topk.interface import select_topk
-from nemo_dsa.ops.topk.rows import SCORE_DTYPES
-from nemo_dsa.visibility import check_ks_ke, visible_mask
+from nemo_dsa.ops.topk.naive import check_candidate_arguments
+from nemo_dsa.visibility import visible_mask
 
 _NEG_INF = float("-inf")
 
@@ -69,13 +68,7 @@ def candidate_blocks(
     query can have. Scores outside ``[ks, ke)`` are ignored. ``backend`` selects the block
     selection (:func:`nemo_dsa.ops.topk.select_topk`); the block maxima are torch on every device.
     """
-    check_tensor("scores", scores, ndim=3, dtypes=SCORE_DTYPES)
-    batch, queries, num_keys = scores.shape
-    check_ks_ke(ks, ke, batch=batch, queries=queries, num_keys=num_keys, device=scores.device)
-    check_positive_int("block_size", block_size)
-    check_positive_int("topk_blocks", topk_blocks)
-    num_blocks = -(-num_keys // block_size)
-    count = min(topk_blocks, num_blocks)
+    batch, queries, num_keys, num_blocks, count = check_candidate_arguments(scores, ks, ke, block_size, topk_blocks)
     out = torch.full((batch * queries, count), -1, dtype=torch.int32, device=scores.device)
     if count == 0 or queries == 0:
         return out.view(batch, queries, count)

@@ -52,6 +52,17 @@ def select_topk_reference(
     return out.reshape(*scores.shape[:-1], count)
 
 
+def check_candidate_arguments(scores, ks, ke, block_size: int, topk_blocks: int) -> tuple[int, int, int, int, int]:
+    """Validate candidate-block arguments; returns (B, S, K, NB = ceil(K / C), kept count)."""
+    check_tensor("scores", scores, ndim=3, dtypes=SCORE_DTYPES)
+    batch, queries, num_keys = scores.shape
+    check_ks_ke(ks, ke, batch=batch, queries=queries, num_keys=num_keys, device=scores.device)
+    check_positive_int("block_size", block_size)
+    check_positive_int("topk_blocks", topk_blocks)
+    num_blocks = -(-num_keys // block_size)
+    return batch, queries, num_keys, num_blocks, min(topk_blocks, num_blocks)
+
+
 def candidate_blocks_reference(
     scores: torch.Tensor,
     ks: torch.Tensor,
@@ -64,13 +75,7 @@ def candidate_blocks_reference(
     """Candidate blocks (docs/semantics.md, candidate blocks), the readable way: block maxima by
     a scatter-reduce over every key, then two exact row selections. Same contract and output as
     :func:`nemo_dsa.ops.topk.candidate_blocks`, the fast path it is tested against."""
-    check_tensor("scores", scores, ndim=3, dtypes=SCORE_DTYPES)
-    batch, queries, num_keys = scores.shape
-    check_ks_ke(ks, ke, batch=batch, queries=queries, num_keys=num_keys, device=scores.device)
-    check_positive_int("block_size", block_size)
-    check_positive_int("topk_blocks", topk_blocks)
-    num_blocks = -(-num_keys // block_size)
-    count = min(topk_blocks, num_blocks)
+    batch, queries, num_keys, num_blocks, count = check_candidate_arguments(scores, ks, ke, block_size, topk_blocks)
     out = torch.full((batch, queries, count), -1, dtype=torch.int32, device=scores.device)
     if count == 0 or queries == 0:
         return out
