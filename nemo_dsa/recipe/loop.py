@@ -304,6 +304,7 @@ def _run_parallel(cfg, recipe, device: torch.device, run_dir: Path, par: Paralle
 
     if device.type == "cuda" and par.size > 1:
         device = torch.device("cuda", torch.cuda.current_device())  # init_from_env chose LOCAL_RANK
+
     def tidy() -> None:  # rank 0's part
         removed, restored = clean_failed_saves(run_dir)
         for leftover in [*removed, *remove_temporaries(run_dir)]:
@@ -312,14 +313,10 @@ def _run_parallel(cfg, recipe, device: torch.device, run_dir: Path, par: Paralle
             note(f"restored {path} from the copy a killed re-save had set aside")
         shutil.rmtree(run_dir / TIMEOUT_DIR, ignore_errors=True)  # markers of an earlier run
 
-    tidying = "tidying run_dir before training"
-    error = _on_main(par, tidy)
-    waiting = _and_failed("waiting for rank 0 to tidy run_dir before training", error)
-    with _stall_reported(par, run_dir / TIMEOUT_DIR, None, waiting):
-        # Rank 0's broadcast leaves after its repairs, so every rank then lists the same checkpoints
-        # (and resumes the same step), or learns that the repairs failed.
-        failure = share_failure(par, error)
-    _stop_if_failed(par, run_dir / TIMEOUT_DIR, error, failure, tidying)
+    # Rank 0's outcome leaves after its repairs, so every rank then lists the same checkpoints (and
+    # resumes the same step), or learns that the repairs failed.
+    _on_main_shared(par, run_dir / TIMEOUT_DIR, None, "tidying run_dir before training", tidy,
+                    waiting="waiting for rank 0 to tidy run_dir before training")
     tokenizer = build_tokenizer(cfg.tokenizer)
     resolve_vocab_size(cfg, tokenizer)
     documents = load_documents(cfg.data)
@@ -407,18 +404,15 @@ def _run_parallel(cfg, recipe, device: torch.device, run_dir: Path, par: Paralle
             saving = f"saving the checkpoint of step {step}"
             with _stall_reported(par, markers, step, saving):
                 gathered = gather_full_state(model, optimizer) if par.sharded else None  # every rank takes part
-                error = _on_main(par, save)
-            with _stall_reported(par, markers, step, _and_failed(saving, error)):
-                failure = share_failure(par, error)  # every rank learns whether rank 0's save worked
-            _stop_if_failed(par, markers, error, failure, saving)
+            _on_main_shared(par, markers, step, saving, save)  # every rank learns whether the save worked
         result.step = step
     bar.close()
     summing_up = f"writing the run's summary after step {result.step}"
-    error = _on_main(par, lambda: _finish(run_dir, metrics.path, result, recipe, n_params, title))
-    with _stall_reported(par, markers, result.step, _and_failed(summing_up, error)):
-        failure = share_failure(par, error)
-    metrics.close()
-    _stop_if_failed(par, markers, error, failure, summing_up)
+    try:
+        _on_main_shared(par, markers, result.step, summing_up,
+                        lambda: _finish(run_dir, metrics.path, result, recipe, n_params, title))
+    finally:
+        metrics.close()
     with _stall_reported(par, markers, result.step, f"ending the run after step {result.step}"):
         finish_parallel(par)  # a barrier: no rank leaves before the others
     return result
@@ -447,6 +441,17 @@ def _on_main(par: Parallel, work: Callable[[], None]) -> Exception | None:
     except Exception as e:  # noqa: BLE001 - re-raised by _stop_if_failed once every rank knows
         return e
     return None
+
+
+def _on_main_shared(par: Parallel, markers: Path, step: int | None, during: str, work: Callable[[], None],
+                    *, waiting: str | None = None) -> None:
+    """Rank 0 does ``work`` (``during`` names it); every rank then learns the outcome in one
+    broadcast (``waiting``: what the other ranks are doing meanwhile, for a stall message), and if
+    it failed every rank stops together."""
+    error = _on_main(par, work)
+    with _stall_reported(par, markers, step, _and_failed(waiting or during, error)):
+        failure = share_failure(par, error)
+    _stop_if_failed(par, markers, error, failure, during)
 
 
 def _and_failed(during: str, error: BaseException | None) -> str:
