@@ -236,11 +236,13 @@ def test_a_failed_save_in_one_process_is_one_line(tmp_path, unwritable_checkpoin
 @pytest.mark.slow
 @pytest.mark.parametrize("fail_in,during", [
     ("clean_failed_saves", "tidying run_dir before training"),
+    ("atomic_write", "writing config.yaml and metrics.jsonl before training"),
     ("_finish", "writing the run's summary after step 4"),
-], ids=["tidy", "summary"])
+], ids=["tidy", "config", "summary"])
 def test_rank_0s_other_work_failing_stops_every_rank_naming_it(tmp_path, fail_in, during):
-    """Rank 0's own work outside the saves (tidying run_dir first, the summary last) failing: both
-    ranks stop at once with one line each, rank 1's naming rank 0's error."""
+    """Rank 0's own work outside the saves (tidying run_dir first, then writing config.yaml and
+    starting metrics.jsonl, the summary last) failing: both ranks stop at once with one line each,
+    rank 1's naming rank 0's error."""
     procs = _launch(tmp_path, "recipe.dist_timeout_s=120", env_extra={"FAIL_RANK": "0", "FAIL_IN": fail_in})
     try:
         for proc in procs:

@@ -484,7 +484,8 @@ def _open_metrics(cfg, run_dir: Path, par: Parallel, saved: dict, path: Path | N
     resumed_from = None if path is None else int(saved["step"])
     start = resumed_from or 0
     metrics = MetricsLog(run_dir / "metrics.jsonl", enabled=par.is_main, elapsed_before=saved.get("elapsed_s", 0.0))
-    if par.is_main:
+
+    def begin() -> None:  # rank 0's part
         run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
         if resumed_from is None:
@@ -492,6 +493,9 @@ def _open_metrics(cfg, run_dir: Path, par: Parallel, saved: dict, path: Path | N
         else:
             metrics.keep_until(resumed_from)
             note(f"resuming from step {resumed_from} ({path})")
+
+    _on_main_shared(par, run_dir / TIMEOUT_DIR, None, "writing config.yaml and metrics.jsonl before training", begin,
+                    waiting="waiting for rank 0 to write config.yaml and metrics.jsonl before training")
     for reason in fallbacks:
         metrics.log({"step": start, "event": "checkpoint_fallback", "reason": reason})
     if applied:
