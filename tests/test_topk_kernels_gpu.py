@@ -17,7 +17,8 @@ import zlib
 import pytest
 import torch
 
-from nemo_dsa.ops.topk import candidate_blocks, candidate_blocks_reference, select_topk_reference
+from nemo_dsa.ops.topk import candidate_blocks, candidate_blocks_reference, candidates, select_topk_reference
+from nemo_dsa.ops.topk.block_kernels import block_maxima_tilelang
 from nemo_dsa.ops.topk.interface import select_topk
 from nemo_dsa.ops.topk import kernels as topk_kernels
 from nemo_dsa.ops.topk.kernels import select_rows_tilelang
@@ -197,11 +198,14 @@ def test_bf16_window_and_generic_passes_agree(spread):
 @pytest.mark.parametrize("dtype,window", [pytest.param(*p.values, id=p.id) for p in SELECTORS])
 @pytest.mark.parametrize("kind", ["quantised", "special"])
 @pytest.mark.parametrize("width,block_size,keep", [(4096 + 37, 8, 2048), (1000, 3, 100), (16384, 8, 2048)])
-def test_candidate_blocks_on_the_gpu_equal_the_reference(dtype, window, kind, width, block_size, keep, monkeypatch):
-    """Candidate blocks on CUDA (block maxima table + the radix select over blocks) against the
-    scatter-reduce reference on the same scores: ties across blocks, NaN/inf, ragged ranges,
-    rows that see nothing, several sequences."""
+@pytest.mark.parametrize("maxima_kernel", [False, True], ids=["torch-maxima", "kernel-maxima"])
+def test_candidate_blocks_on_the_gpu_equal_the_reference(dtype, window, kind, width, block_size, keep, maxima_kernel,
+                                                         monkeypatch):
+    """Candidate blocks on CUDA (block maxima from the torch table or the TileLang kernel, then
+    the radix select over blocks) against the scatter-reduce reference on the same scores: ties
+    across blocks, NaN/inf, ragged ranges, rows that see nothing, several sequences."""
     use_bf16_window(monkeypatch, window)
+    monkeypatch.setattr(candidates, "MAXIMA_KERNEL", maxima_kernel)
     seed = zlib.crc32(f"cand-{dtype}-{window}-{kind}-{width}-{block_size}".encode())
     batch, queries = 3, 41
     scores = _rows(kind, batch * queries, width, dtype, seed).view(batch, queries, width)
@@ -209,3 +213,23 @@ def test_candidate_blocks_on_the_gpu_equal_the_reference(dtype, window, kind, wi
     want = candidate_blocks_reference(scores, ks, ke, block_size, keep)
     assert int((want >= 0).sum(-1).max()) > 1  # rows keep more than their last block
     assert torch.equal(candidate_blocks(scores, ks, ke, block_size, keep, backend="tilelang"), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [8, 3])
+def test_block_maxima_kernel_equals_brute_force(dtype, block_size):
+    """Every block's maximum of its finite visible scores (-inf for none), element by element:
+    rows wider than one grid column of blocks, ragged and empty ranges."""
+    rows, width = 37, 5000
+    seed = zlib.crc32(f"maxima-{dtype}-{block_size}".encode())
+    scores = _rows("special", rows, width, dtype, seed)
+    ks, ke = _ranges(rows, width, seed)
+    num_blocks = -(-width // block_size)
+    got = block_maxima_tilelang(scores, ks, ke, block_size, num_blocks)
+    keys = torch.arange(width, device="cuda")
+    inside = (keys >= ks[:, None].long()) & (keys < ke[:, None].long())
+    values = scores.float().masked_fill(~(inside & torch.isfinite(scores.float())), float("-inf"))
+    block = ((keys - ks[:, None].long()) // block_size).clamp(0, num_blocks - 1)
+    want = torch.full((rows, num_blocks), float("-inf"), device="cuda").scatter_reduce(1, block, values, "amax")
+    assert got.dtype == dtype and torch.equal(got.float(), want)
+    assert bool(torch.isfinite(got).any())

@@ -13,11 +13,16 @@ from __future__ import annotations
 import torch
 
 from nemo_dsa.ops.chunking import DEFAULT_BUDGET_BYTES, query_chunk_size, query_chunks
+from nemo_dsa.ops.topk.block_kernels import SCORE_DTYPES as KERNEL_SCORE_DTYPES
+from nemo_dsa.ops.topk.block_kernels import block_maxima_tilelang
 from nemo_dsa.ops.topk.interface import select_topk
 from nemo_dsa.ops.topk.naive import check_candidate_arguments
 from nemo_dsa.visibility import visible_mask
 
 _NEG_INF = float("-inf")
+# CUDA fp32/bf16 scores: the block maxima from one TileLang read of the scores instead of the
+# torch table. Opt-in until it has run on the GPU (ops/topk/block_kernels.py).
+MAXIMA_KERNEL = False
 
 
 def _block_maxima(scores: torch.Tensor, ks: torch.Tensor, block_size: int, num_blocks: int) -> torch.Tensor:
@@ -75,9 +80,13 @@ def candidate_blocks(
     flat, flat_ks, flat_ke = scores.reshape(-1, num_keys), ks.reshape(-1), ke.reshape(-1)
     # Per row: the cleared copy and two tables of running maxima, plus the per-block gathers.
     row_bytes = 3 * num_keys * scores.element_size() + 40 * num_blocks
+    use_kernel = MAXIMA_KERNEL and scores.is_cuda and scores.dtype in KERNEL_SCORE_DTYPES and backend != "torch"
     for part in query_chunks(flat.shape[0], query_chunk_size(flat.shape[0], row_bytes, budget_bytes)):
         start, end = flat_ks[part].long(), flat_ke[part].long()
-        maxima = _block_maxima(flat[part], start, block_size, num_blocks)
+        if use_kernel:
+            maxima = block_maxima_tilelang(flat[part], flat_ks[part], flat_ke[part], block_size, num_blocks)
+        else:
+            maxima = _block_maxima(flat[part], start, block_size, num_blocks)
         sees_any = end > start
         last = torch.where(sees_any, (end - 1 - start) // block_size, 0)
         rows = out[part]
