@@ -74,6 +74,7 @@ def _v41_rows(chunk_bytes: int):
 
     from nemo_dsa.ops.fused_selection import interface as fused
     from nemo_dsa.ops.fused_selection import v41_select_topk
+    from nemo_dsa.ops.topk import candidates
     from nemo_dsa.ops.topk import kernels as topk_kernels
     from nemo_dsa.ops.topk import select_topk
     from nemo_dsa.ops.v41_indexer.kernels import v41_scores_tilelang
@@ -104,6 +105,13 @@ def _v41_rows(chunk_bytes: int):
         return v41_select_topk(q, k, w, ks, ke, TOPK, candidate_block_size=V41_BLOCK_SIZE,
                                candidate_topk_blocks=V41_TOPK_BLOCKS, backend="tilelang", chunk_bytes=chunk_bytes)  # fmt: skip
 
+    def source_maxima(kernel: bool):
+        def run(inputs, blocks, allowed):
+            with mock.patch.object(candidates, "MAXIMA_KERNEL", kernel):
+                return source(inputs, blocks, allowed)
+
+        return run
+
     def scores(inputs, blocks, allowed):
         q, _, k, w, _, ks, ke = inputs
         return v41_scores_tilelang(q, k, w, ks, ke)
@@ -128,6 +136,8 @@ def _v41_rows(chunk_bytes: int):
         "nemo_dsa stream v41 reindex, generic select": (reindex_generic, False, None),
         "nemo_dsa stream v41 reindex, torch block mask": (reindex_torch_mask, False, 32768),
         "nemo_dsa stream v41 candidate source": (source, False, 65536),
+        "nemo_dsa stream v41 candidate source, maxima kernel": (source_maxima(True), False, 65536),
+        "nemo_dsa stream v41 candidate source, torch maxima": (source_maxima(False), False, 65536),
         "nemo_dsa materialise v41": (full, False, 65536),
         "built-in v41 + torch.topk": (builtin, True, None),
     }
@@ -192,6 +202,9 @@ def _v41_check(rows, inputs, blocks, seq: int, ratio: int) -> dict:
         scores = v41_scores_tilelang(q, k, w, ks, ke)
         want = candidate_blocks_reference(scores, ks, ke, V41_BLOCK_SIZE, V41_TOPK_BLOCKS)
         same["candidate_blocks_equal_reference"] = torch.equal(source_blocks, want)
+        for variant in ("maxima kernel", "torch maxima"):
+            _, variant_blocks = rows[f"nemo_dsa stream v41 candidate source, {variant}"][0](inputs, blocks, None)
+            same[f"candidate_blocks_{variant.replace(' ', '_')}_equal"] = torch.equal(variant_blocks, want)
     return {"shape": "v41", "S": seq, "ratio": ratio, "row": "check", **same}
 
 

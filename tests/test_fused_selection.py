@@ -36,6 +36,7 @@ from nemo_dsa.ops.topk import (
     pytorch_extract_topk_scores,
     select_topk_reference,
 )
+from nemo_dsa.ops.topk import naive as topk_naive
 from nemo_dsa.ops.topk.rows import MAX_INT32_KEY_WIDTH
 from nemo_dsa.ops.v4_indexer import v4_logits
 from nemo_dsa.ops.v41_indexer import v41_scores
@@ -260,6 +261,27 @@ def test_v41_candidate_source_and_reindex_equal_full_matrix(layout, block_size, 
         index2 = v41_select_topk(q2, k2, w2, ks, ke, topk, candidate_block_size=block_size,
                                  candidate_blocks=blocks, backend="torch", chunk_bytes=budget)
         assert torch.equal(index2, ref_reindex)
+
+
+def test_candidate_source_checks_ks_ke_once_not_per_chunk(monkeypatch, small_tiles):
+    """The candidate blocks of each chunk skip the ks/ke value check the call already made: a
+    check of the chunk's fresh slices is a host sync per chunk (measured on the H200: the layer's
+    queue drained 16 times, 30 ms queued for 15 ms of kernels, docs/performance.md v14)."""
+    batch, queries, heads, dim = 1, 389, 2, 16
+    ks, ke, num_keys = _layout("causal", batch, queries, 4, seed=13)
+    q, k, w = indexer_inputs(batch, queries, heads, dim, num_keys, seed=14, w_dtype=torch.bfloat16, quantised=True)
+    budget = 20_000
+    plan = fused_plan.plan_query_chunks(ks, ke, fused_plan.v41_row_bytes(heads, dim, 8, True, 4, batched=False), budget)
+    assert len(plan) >= 3
+    checked = []
+    original = topk_naive.check_ks_ke
+    monkeypatch.setattr(topk_naive, "check_ks_ke", lambda *a, **kw: checked.append(a) or original(*a, **kw))
+    index, blocks = v41_select_topk(q, k, w, ks, ke, 8, candidate_block_size=4, candidate_topk_blocks=3,
+                                    backend="torch", chunk_bytes=budget)  # fmt: skip
+    assert checked == []
+    full = v41_scores(q, k, w, ks, ke)
+    assert torch.equal(blocks, candidate_blocks(full, ks, ke, 4, 3))
+    assert len(checked) == 1  # the public candidate_blocks still checks its arguments
 
 
 def test_selection_of_arbitrary_float_scores_is_independent_of_chunking(monkeypatch, small_tiles):

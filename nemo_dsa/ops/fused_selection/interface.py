@@ -24,7 +24,8 @@ from nemo_dsa._checks import check_index_range, check_positive_int, check_qkw, c
 from nemo_dsa.ops.dispatch import resolve_backend
 from nemo_dsa.ops.fused_selection.plan import DEFAULT_CHUNK_BYTES, planned_chunks, v4_row_bytes, v41_row_bytes
 from nemo_dsa.ops.fused_selection.window import select_chunks
-from nemo_dsa.ops.topk.candidates import blocks_to_mask, candidate_blocks as find_blocks
+from nemo_dsa.ops.topk.candidates import blocks_to_mask, candidate_blocks_validated as find_blocks
+from nemo_dsa.ops.topk.candidates import uses_maxima_kernel
 from nemo_dsa.ops.topk.kernels import MAX_COUNT, fits_block_mask
 from nemo_dsa.ops.v4_indexer.kernels import v4_logits_tilelang
 from nemo_dsa.ops.v4_indexer.naive import v4_logits
@@ -220,8 +221,10 @@ def v41_select_topk(
         SELECT_APPLIES_BLOCKS and reindex and on_gpu and fits_block_mask(num_keys, candidate_block_size)
     )
     kept_width = candidate_blocks.shape[-1] if mask_in_select else 0
+    block_backend = "torch" if backend == "torch" else "auto"
+    maxima_kernel = source and uses_maxima_kernel(torch.bfloat16, q.device, block_backend)
     row_key = ("v41", heads, dim, count, source or (reindex and not mask_in_select), candidate_block_size or 1,
-               on_gpu, batch > 1, kept_width)  # fmt: skip
+               on_gpu, batch > 1, kept_width, maxima_kernel)  # fmt: skip
     row_bytes = v41_row_bytes(*row_key[1:])
 
     def score_chunk(chunk, first_pass):
@@ -232,8 +235,9 @@ def v41_select_topk(
         )
         # Candidate blocks count from ks, so they are the same relative to the window.
         if source and first_pass:
+            # ks/ke were checked once above: the per-chunk slices would each cost a host sync.
             found = find_blocks(scores, local_ks, local_ke, candidate_block_size, candidate_topk_blocks,
-                                budget_bytes=chunk_bytes, backend="torch" if backend == "torch" else "auto")
+                                budget_bytes=chunk_bytes, backend=block_backend)
             blocks_out[:, chunk.rows] = -1
             blocks_out[:, chunk.rows, : found.shape[-1]] = found  # a narrow window has fewer blocks: pad
         elif reindex:

@@ -34,9 +34,9 @@ KEY_ALIGN = 128
 # groups of at most a quarter of the chunk at the key path's ~16 bytes per score.
 V4_BYTES_PER_KEY = {"kernel": 4, "torch": 4 + 4}  # fp32 logits
 V41_BYTES_PER_KEY = {"kernel": 2, "torch": 2 + 4}  # bf16 scores
-# Candidate blocks (nemo_dsa.ops.topk.candidates): the bf16 scores 2, their cleared copy 2 and two
-# tables of running maxima 2 + 2 per key; per block, the starts, gathers and selection (40).
-V41_CANDIDATE_BYTES_PER_KEY = 8
+# Candidate blocks (nemo_dsa.ops.topk.candidates.CANDIDATE_TRANSIENTS): per key the bf16 scores 2
+# and the torch table's three copies (none with the TileLang block maxima); per block 40 / 12.
+V41_CANDIDATE_BYTES = {"kernel": (2, 12), "torch": (8, 40)}
 # Per selected slot: the kernel's indices and scores, and their padded copies; select_rows'
 # candidates (TIE_MARGIN more per row) as values, int64 indices, keys and their sort, the
 # gathered results and int32 copies.
@@ -177,19 +177,22 @@ def v41_row_bytes(
     on_gpu: bool = False,
     batched: bool = True,
     kept_width: int = 0,
+    maxima_kernel: bool = False,
 ) -> Callable[[np.ndarray], np.ndarray]:
     """Transient bytes per query row of :func:`v41_select_topk` for window widths ``width``
-    (``kept_width``: kept blocks per row the select reads itself, copied when ``batched``)."""
+    (``kept_width``: kept blocks per row the select reads itself, copied when ``batched``;
+    ``maxima_kernel``: candidate-block maxima by the TileLang kernel, else the torch table)."""
     path = _selection_path(on_gpu)
     margin = 0 if on_gpu else TIE_MARGIN
     per_row = _query_copy_bytes(heads, dim, batched) + heads * 2 + SELECTED_BYTES[path] * (count + margin) + 64
     per_row += 4 * kept_width if batched else 0
     per_key = V41_BYTES_PER_KEY[path]
+    candidate_per_key, candidate_per_block = V41_CANDIDATE_BYTES["kernel" if maxima_kernel else "torch"]
 
     def row_bytes(width: np.ndarray) -> np.ndarray:
         if candidates:  # the candidate phase precedes selection; its peak is the larger
             blocks = -(-width // block_size)
-            return np.maximum(per_key * width, V41_CANDIDATE_BYTES_PER_KEY * width + 40 * blocks) + per_row
+            return np.maximum(per_key * width, candidate_per_key * width + candidate_per_block * blocks) + per_row
         return per_key * width + per_row
 
     return row_bytes

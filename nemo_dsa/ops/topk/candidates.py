@@ -2,9 +2,10 @@
 
 docs/semantics.md "Top-k selection" (candidate blocks). Block numbers count from each query's ``ks`` (they move with the
 document start). :func:`candidate_blocks` is the fast path on every device: block maxima from a
-doubling table of running maxima (a few contiguous passes over the scores, no per-key index
-tensors), then the ordinary exact selection (:func:`nemo_dsa.ops.topk.select_topk`: the TileLang
-radix select on CUDA) over the blocks, so ties go to the smaller block.
+TileLang kernel on CUDA (one read of the scores) or a doubling table of running maxima elsewhere
+(a few contiguous passes over the scores, no per-key index tensors), then the ordinary exact
+selection (:func:`nemo_dsa.ops.topk.select_topk`: the TileLang radix select on CUDA) over the
+blocks, so ties go to the smaller block.
 ``naive.candidate_blocks_reference`` is the readable reference it is tested against.
 """
 
@@ -20,9 +21,21 @@ from nemo_dsa.ops.topk.naive import check_candidate_arguments
 from nemo_dsa.visibility import visible_mask
 
 _NEG_INF = float("-inf")
-# CUDA fp32/bf16 scores: the block maxima from one TileLang read of the scores instead of the
-# torch table. Opt-in until it has run on the GPU (ops/topk/block_kernels.py).
-MAXIMA_KERNEL = False
+# CUDA fp32/bf16 scores: the block maxima from one TileLang read of the scores
+# (ops/topk/block_kernels.py) instead of the torch table. Measured exact and 0.57 ms against
+# ~6.5 ms of table passes per candidate-source layer at S = 32,768 (docs/performance.md v14);
+# False restores the table (tests/test_topk_kernels_gpu.py runs both).
+MAXIMA_KERNEL = True
+# Transients of one row: (score-sized copies per key, bytes per block). The torch table holds the
+# cleared copy and two tables of running maxima, the kernel reads the scores in place; per block,
+# the table's int64 starts and gathers or the kernel's maxima, and the block selection's outputs.
+CANDIDATE_TRANSIENTS = {"kernel": (0, 12), "torch": (3, 40)}
+
+
+def uses_maxima_kernel(dtype: torch.dtype, device: torch.device, backend: str) -> bool:
+    """Whether :func:`candidate_blocks` takes the block maxima of scores of this dtype and
+    device from the TileLang kernel."""
+    return MAXIMA_KERNEL and device.type == "cuda" and dtype in KERNEL_SCORE_DTYPES and backend != "torch"
 
 
 def _block_maxima(scores: torch.Tensor, ks: torch.Tensor, block_size: int, num_blocks: int) -> torch.Tensor:
@@ -71,16 +84,35 @@ def candidate_blocks(
     ``topk_blocks - 1`` slots go to the best other blocks with a finite score, ties to the smaller
     block. Output is in ascending block order, -1 padded; NB = ceil(K / C) is the most blocks any
     query can have. Scores outside ``[ks, ke)`` are ignored. ``backend`` selects the block
-    selection (:func:`nemo_dsa.ops.topk.select_topk`); the block maxima are torch on every device.
+    selection (:func:`nemo_dsa.ops.topk.select_topk`) and the block maxima (the TileLang kernel
+    for CUDA fp32/bf16 scores unless "torch", the torch table otherwise).
     """
-    batch, queries, num_keys, num_blocks, count = check_candidate_arguments(scores, ks, ke, block_size, topk_blocks)
+    check_candidate_arguments(scores, ks, ke, block_size, topk_blocks)
+    return candidate_blocks_validated(scores, ks, ke, block_size, topk_blocks, budget_bytes=budget_bytes, backend=backend)
+
+
+def candidate_blocks_validated(
+    scores: torch.Tensor,
+    ks: torch.Tensor,
+    ke: torch.Tensor,
+    block_size: int,
+    topk_blocks: int,
+    *,
+    budget_bytes: int = DEFAULT_BUDGET_BYTES,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """:func:`candidate_blocks` for callers that checked the arguments (the fused selection,
+    per chunk): no ks/ke value check, whose host sync would drain the GPU queue every chunk."""
+    batch, queries, num_keys = scores.shape
+    num_blocks = -(-num_keys // block_size)
+    count = min(topk_blocks, num_blocks)
     out = torch.full((batch * queries, count), -1, dtype=torch.int32, device=scores.device)
     if count == 0 or queries == 0:
         return out.view(batch, queries, count)
     flat, flat_ks, flat_ke = scores.reshape(-1, num_keys), ks.reshape(-1), ke.reshape(-1)
-    # Per row: the cleared copy and two tables of running maxima, plus the per-block gathers.
-    row_bytes = 3 * num_keys * scores.element_size() + 40 * num_blocks
-    use_kernel = MAXIMA_KERNEL and scores.is_cuda and scores.dtype in KERNEL_SCORE_DTYPES and backend != "torch"
+    use_kernel = uses_maxima_kernel(scores.dtype, scores.device, backend)
+    copies, per_block = CANDIDATE_TRANSIENTS["kernel" if use_kernel else "torch"]
+    row_bytes = copies * scores.element_size() * num_keys + per_block * num_blocks
     for part in query_chunks(flat.shape[0], query_chunk_size(flat.shape[0], row_bytes, budget_bytes)):
         start, end = flat_ks[part].long(), flat_ke[part].long()
         if use_kernel:
