@@ -99,6 +99,8 @@ def test_every_dispatched_config_lowers_with_wgmma_and_fits_shared_memory():
         elif isinstance(config, BackwardConfig):
             assert "wgmma_ss<" in source, f"{config}: no wgmma"
             assert "AtomicAdd" in source, f"{config}: dkv is not accumulated atomically"
+            # The key rows come by zero-filling cp.async, not through registers (LDG, then STS).
+            assert "cp_async_gs_conditional<16>" in source, f"{config}: key rows not gathered by cp.async"
             assert smem > 0
         elif isinstance(config, WindowDkvConfig):
             _check_window_dkv(config, source)

@@ -780,16 +780,27 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int):
                         else:
                             rows_s[r] = T.if_then_else(base + r < n_sel, n_raw + ks + base + r, -1)
                 T.sync_threads()
-                for r, d in T.Parallel(BK, D, prefer_async=True):
-                    k_s[r, d] = T.if_then_else(
-                        rows_s[r] >= 0,
-                        T.if_then_else(
-                            rows_s[r] < n_raw,
-                            Raw[b, T.min(T.max(rows_s[r], 0), n_raw - 1), d],
-                            Comp[b, T.min(T.max(rows_s[r] - n_raw, 0), n_comp - 1), d],
-                        ),
-                        T.cast(0, bf16),
-                    )
+                # One source per tile (a uniform branch), rows computed as rows_s's are but not
+                # read from it, so each gather is a zero-filling cp.async with no barrier per
+                # row (a select between the two sources went through registers: LDG, then STS
+                # waiting on it, 18 % of the stall samples; docs/performance.md v14).
+                if t < window_tiles:
+                    for r, d in T.Parallel(BK, D, prefer_async=True):
+                        k_s[r, d] = T.if_then_else(
+                            lo + t * BK + r <= own, Raw[b, T.min(lo + t * BK + r, n_raw - 1), d], T.cast(0, bf16)
+                        )
+                elif by_index:
+                    for r, d in T.Parallel(BK, D, prefer_async=True):
+                        k_s[r, d] = T.if_then_else(
+                            (base + r < n_sel) & (Indices[b, s, T.min(base + r, n_slots - 1)] >= 0)
+                            & (Indices[b, s, T.min(base + r, n_slots - 1)] < n_comp),
+                            Comp[b, T.max(Indices[b, s, T.min(base + r, n_slots - 1)], 0), d], T.cast(0, bf16),
+                        )  # fmt: skip
+                else:
+                    for r, d in T.Parallel(BK, D, prefer_async=True):
+                        k_s[r, d] = T.if_then_else(
+                            base + r < n_sel, Comp[b, T.min(ks + base + r, n_comp - 1), d], T.cast(0, bf16)
+                        )
                 T.sync_threads()
                 T.gemm(q_s, k_s, acc_s, transpose_B=True, clear_accum=True)
                 T.gemm(do_s, k_s, acc_dp, transpose_B=True, clear_accum=True)
