@@ -39,10 +39,10 @@ def _compile(job: tuple) -> str:
 
     start = time.perf_counter()
     if kind == "select":
-        from nemo_dsa.ops.topk.kernels import radix_select_kernel
+        from nemo_dsa.ops.topk.kernels import SELECT_PASS_CONFIGS, radix_select_kernel
 
         _, dtype, slots, order = job
-        compile_cubin(radix_select_kernel(dtype, slots, order))
+        compile_cubin(radix_select_kernel(dtype, slots, order), pass_configs=SELECT_PASS_CONFIGS)
         return f"select  {dtype} slots={slots} order={order} {time.perf_counter() - start:5.1f} s"
     if kind == "attention":
         from nemo_dsa.ops.sparse_attention import kernels

@@ -5,13 +5,17 @@ Fresh random inputs per case: ragged S, B in {1, 3}, 16/20/64/128 heads, head di
 the [ks, ke) range, packed documents starting anywhere, CP-local shards (N_raw > S) and padding
 queries that see nothing. Outputs are poisoned with NaN before the kernels write them. The
 reference runs in fp32 on the same bf16 inputs; criteria: ||got - ref|| / ||ref|| <= 1e-2 for the
-output and every gradient (bf16 operands), lse within 2e-3, exact zeros (and -inf lse without a
-sink) for queries that see nothing. Set NEMO_DSA_ERROR_LOG to a file to append the error
+output and the q/kv gradients (bf16 operands), lse within 2e-3, exact zeros (and -inf lse without
+a sink) for queries that see nothing. d_sink = -sum_s p_sink * (dO . out) is a sum that can cancel,
+so its norm can be far below its terms': it is held, per head, to twice what the bf16 rounding of
+``out`` (the kernel's output, 2^-8 relative) can move it by. Each case's seed is a stable hash of
+the case, so a failure reproduces. Set NEMO_DSA_ERROR_LOG to a file to append the error
 distribution of every case as JSON lines.
 """
 
 import json
 import os
+import zlib
 
 import pytest
 import torch
@@ -100,7 +104,7 @@ def _sees_nothing(q, raw, ws, window, comp, kw):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_forward_and_backward_match_reference(case):
-    gen = torch.Generator().manual_seed(hash(case) % 2**31)
+    gen = torch.Generator().manual_seed(zlib.crc32(repr(case).encode()))
     q, raw, ws, window, comp, kw, scale = _case_inputs(case, gen)
     sink = kw.pop("sink")
     # Forward straight into NaN-poisoned outputs.
@@ -144,9 +148,17 @@ def test_forward_and_backward_match_reference(case):
         rows.append(_stats(name, got, ref))
     _log(case, rows)
     for row in rows:
+        if row["name"] == "d_sink":
+            continue
         limit = 2e-3 if row["name"] == "lse" else 1e-2
         value = row["max_abs"] if row["name"] == "lse" else row["rel_norm"]
         assert value <= limit, f"{row['name']}: {row}"
+    if sink is not None:
+        # |d delta| <= sum_d |dO| |out| 2^-8 for out rounded to bf16; twice that, summed over queries.
+        p_sink = torch.exp(leaves[3].detach()[None, None, :] - lse_r.detach()).nan_to_num(0.0)
+        budget = 2 * 2**-8 * (p_sink * (grad.abs() * out_r.detach().abs()).sum(-1)).sum((0, 1))
+        error = (args[3].grad - leaves[3].grad).abs()
+        assert (error <= budget + 1e-6).all(), f"d_sink: error {error.max():.3e} against a rounding budget {budget.min():.3e}"
 
 
 def test_nan_in_unseen_rows_reaches_nothing():

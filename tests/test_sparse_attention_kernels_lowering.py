@@ -101,6 +101,11 @@ def test_every_dispatched_config_lowers_with_wgmma_and_fits_shared_memory():
             assert "AtomicAdd" in source, f"{config}: dkv is not accumulated atomically"
             # The key rows come by zero-filling cp.async, not through registers (LDG, then STS).
             assert "cp_async_gs_conditional<16>" in source, f"{config}: key rows not gathered by cp.async"
+            # One wait, at the top of each tile: the next tile's rows are copied during this
+            # tile's dkv GEMMs (a commit before the loop and one inside it), not waited for at once.
+            tile_loop = source[source.index("for (int t = 0; t < tiles; ++t)"):]
+            assert source.count("cp_async_wait<0>") == 1 and tile_loop.count("cp_async_wait<0>") == 1, config
+            assert source.count("cp_async_commit") == 2 and tile_loop.count("cp_async_commit") == 1, config
             assert smem > 0
         elif isinstance(config, WindowDkvConfig):
             _check_window_dkv(config, source)

@@ -176,7 +176,7 @@ def test_bf16_window_and_generic_passes_agree(spread):
     from dataclasses import asdict
 
     from nemo_dsa.ops._tilelang import compile_cached
-    from nemo_dsa.ops.topk.kernels import radix_select_kernel, select_config
+    from nemo_dsa.ops.topk.kernels import SELECT_PASS_CONFIGS, radix_select_kernel, select_config
 
     rows, width, count = 129, 9000, 512
     g = torch.Generator().manual_seed(int(spread * 100))
@@ -189,7 +189,7 @@ def test_bf16_window_and_generic_passes_agree(spread):
     assert torch.equal(index, want_index) and torch.equal(picked, want_picked)
     config = asdict(select_config(torch.bfloat16, count, "index"))
     for top_window in (False, True):
-        kernel = compile_cached(radix_select_kernel, **{**config, "top_window": top_window})
+        kernel = compile_cached(radix_select_kernel, pass_configs=SELECT_PASS_CONFIGS, **{**config, "top_window": top_window})
         index2, picked2 = _poisoned(rows, count, torch.bfloat16)
         kernel(scores, ks, ke, index2, picked2, 0, torch.empty((1, 1), dtype=torch.int32, device="cuda"))
         assert torch.equal(index2, want_index) and torch.equal(picked2, want_picked), top_window

@@ -22,6 +22,7 @@ from nemo_dsa.ops.topk.kernels import (
     MASK_BLOCKS,
     MAX_COUNT,
     MIN_BLOCKS_PER_SM,
+    SELECT_PASS_CONFIGS,
     TOP_WINDOW,
     UNROLL,
     WINDOW_BINS,
@@ -71,7 +72,7 @@ def _barriers_under_thread_branches(source: str) -> list[str]:
 def _lower(config, **knobs):
     from nemo_dsa.ops._tilelang import dynamic_shared_memory_bytes, lower
 
-    artifact = lower(radix_select_kernel(**asdict(config), **knobs))
+    artifact = lower(radix_select_kernel(**asdict(config), **knobs), pass_configs=SELECT_PASS_CONFIGS)
     return config, str(artifact.kernel_source), dynamic_shared_memory_bytes(artifact)
 
 
@@ -140,7 +141,7 @@ def test_a_config_compiles_to_cubin():
     from nemo_dsa.ops._tilelang import compile_cubin
 
     config = select_config(torch.bfloat16, 512, "index")
-    kernel = compile_cubin(radix_select_kernel(**asdict(config)))
+    kernel = compile_cubin(radix_select_kernel(**asdict(config)), pass_configs=SELECT_PASS_CONFIGS)
     assert "__ballot_sync" in kernel.get_kernel_source()
 
 

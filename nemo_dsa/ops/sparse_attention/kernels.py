@@ -717,6 +717,35 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int):
     by_index = mode == "indices"
     idx_shape = [batch, seq_len, n_slots] if by_index else [batch, seq_len]
 
+    # The key rows of tile ``tt`` into k_s by zero-filling cp.async, one source per tile (a
+    # uniform branch), rows computed, not read from rows_s: a select between the two sources went
+    # through registers (LDG, then an STS waiting on it: 18 % of the stall samples), and a read
+    # of rows_s put a barrier before every row (docs/performance.md v14). No wait here: the copy
+    # overlaps the previous tile's dkv GEMMs and atomics, which do not read k_s.
+    no_wait = {"parallel_async_without_async_commit_wait": True}
+
+    @T.macro
+    def load_keys(k_s, Raw, Comp, Indices, b, s, tt, lo, own, window_tiles, n_sel, ks, n_raw, n_comp, n_slots):
+        base = (tt - window_tiles) * BK
+        if tt < window_tiles:
+            for r, d in T.Parallel(BK, D, prefer_async=True, annotations=no_wait):
+                k_s[r, d] = T.if_then_else(
+                    lo + tt * BK + r <= own, Raw[b, T.min(lo + tt * BK + r, n_raw - 1), d], T.cast(0, bf16)
+                )
+        elif by_index:
+            for r, d in T.Parallel(BK, D, prefer_async=True, annotations=no_wait):
+                k_s[r, d] = T.if_then_else(
+                    (base + r < n_sel) & (Indices[b, s, T.min(base + r, n_slots - 1)] >= 0)
+                    & (Indices[b, s, T.min(base + r, n_slots - 1)] < n_comp),
+                    Comp[b, T.max(Indices[b, s, T.min(base + r, n_slots - 1)], 0), d], T.cast(0, bf16),
+                )  # fmt: skip
+        else:
+            for r, d in T.Parallel(BK, D, prefer_async=True, annotations=no_wait):
+                k_s[r, d] = T.if_then_else(
+                    base + r < n_sel, Comp[b, T.min(ks + base + r, n_comp - 1), d], T.cast(0, bf16)
+                )
+        T.ptx_commit_group()
+
     @T.prim_func
     def sparse_window_bwd(
         Q: T.Tensor([batch, seq_len, heads, D], bf16),
@@ -768,6 +797,8 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int):
                 lse2[h] = Lse[b, s, h0 + h] * LOG2E
                 delta[h] = Delta[b, s, h0 + h]
             T.clear(acc_dq)
+            if tiles > 0:
+                load_keys(k_s, Raw, Comp, Indices, b, s, 0, lo, own, window_tiles, n_sel, ks, n_raw, n_comp, n_slots)
             for t in T.serial(tiles):
                 base = (t - window_tiles) * BK
                 for r in T.Parallel(BK):
@@ -780,27 +811,9 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int):
                         else:
                             rows_s[r] = T.if_then_else(base + r < n_sel, n_raw + ks + base + r, -1)
                 T.sync_threads()
-                # One source per tile (a uniform branch), rows computed as rows_s's are but not
-                # read from it, so each gather is a zero-filling cp.async with no barrier per
-                # row (a select between the two sources went through registers: LDG, then STS
-                # waiting on it, 18 % of the stall samples; docs/performance.md v14).
-                if t < window_tiles:
-                    for r, d in T.Parallel(BK, D, prefer_async=True):
-                        k_s[r, d] = T.if_then_else(
-                            lo + t * BK + r <= own, Raw[b, T.min(lo + t * BK + r, n_raw - 1), d], T.cast(0, bf16)
-                        )
-                elif by_index:
-                    for r, d in T.Parallel(BK, D, prefer_async=True):
-                        k_s[r, d] = T.if_then_else(
-                            (base + r < n_sel) & (Indices[b, s, T.min(base + r, n_slots - 1)] >= 0)
-                            & (Indices[b, s, T.min(base + r, n_slots - 1)] < n_comp),
-                            Comp[b, T.max(Indices[b, s, T.min(base + r, n_slots - 1)], 0), d], T.cast(0, bf16),
-                        )  # fmt: skip
-                else:
-                    for r, d in T.Parallel(BK, D, prefer_async=True):
-                        k_s[r, d] = T.if_then_else(
-                            base + r < n_sel, Comp[b, T.min(ks + base + r, n_comp - 1), d], T.cast(0, bf16)
-                        )
+                # The tile's key rows were prefetched (before the loop, or during the previous
+                # tile's dkv GEMMs): wait for them here.
+                T.ptx_wait_group(0)
                 T.sync_threads()
                 T.gemm(q_s, k_s, acc_s, transpose_B=True, clear_accum=True)
                 T.gemm(do_s, k_s, acc_dp, transpose_B=True, clear_accum=True)
@@ -815,6 +828,9 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int):
                 # Uniform branches: gradients nobody asked for are neither computed nor added.
                 if need_dq:
                     T.gemm(ds_s, k_s, acc_dq)
+                T.sync_threads()  # every warp is done with k_s
+                if t + 1 < tiles:
+                    load_keys(k_s, Raw, Comp, Indices, b, s, t + 1, lo, own, window_tiles, n_sel, ks, n_raw, n_comp, n_slots)
                 if ((t < window_tiles) & need_d_raw) | ((t >= window_tiles) & need_d_comp):
                     for c in T.serial(D // dkv_chunk):
                         T.gemm(ds_s, q_s[:, c * dkv_chunk : (c + 1) * dkv_chunk], acc_kv, transpose_A=True, clear_accum=True)

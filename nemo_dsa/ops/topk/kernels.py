@@ -79,6 +79,10 @@ WINDOW_BINS = THREADS
 TOP_WINDOW = {"float32": False, "bfloat16": True}
 # Candidate-block masks (V4.1 reindex layers): one byte per block of the row in shared memory.
 MASK_BLOCKS = 16384
+# Every access of the kernel is in bounds by construction (keys below the row's end <= width,
+# outputs below count, block maps within MASK_BLOCKS), so TileLang's per-access bound checks are
+# off: they were two compares and a branch on every score load (ncu, docs/performance.md v14).
+SELECT_PASS_CONFIGS = {"tl.disable_safe_memory_legalize": True}
 
 
 # The sort widths a kernel is built for: T is a runtime size, so one build serves every T up to
@@ -208,7 +212,9 @@ def radix_select_kernel(
         """raw[base + u] = this lane's key of slot step * UNROLL + u (-inf past ``segment_end``)."""
         for u in T.unroll(UNROLL):
             j = first_key + (step * UNROLL + u) * WARP
-            raw[base + u] = T.if_then_else(j < segment_end, Scores[row, T.min(j, width - 1)], -T.infinity(dtype))
+            # No clamp of j: the load runs only below segment_end <= width (a clamp made the
+            # index arithmetic 64-bit compares and selects, measured with ncu, v14).
+            raw[base + u] = T.if_then_else(j < segment_end, Scores[row, j], -T.infinity(dtype))
 
     def kept_image(x, j, start, kept):
         """The image of score ``x`` of key ``j``, 0 when its candidate block is not kept (the
@@ -635,7 +641,7 @@ def select_rows_tilelang(
     check_tensor("out[1]", picked, dtypes=(scores.dtype,), shape=(rows, count), device=scores.device)
     if rows:
         config = select_config(scores.dtype, count, order, block_size)
-        kernel = compile_cached(radix_select_kernel, **asdict(config))
+        kernel = compile_cached(radix_select_kernel, pass_configs=SELECT_PASS_CONFIGS, **asdict(config))
         kernel(scores.contiguous(), ks.contiguous(), ke.contiguous(), index, picked, offset, blocks.contiguous())
     return index, picked
 
