@@ -22,9 +22,9 @@ from nemo_dsa.visibility import visible_mask
 
 _NEG_INF = float("-inf")
 # CUDA fp32/bf16 scores: the block maxima from one TileLang read of the scores
-# (ops/topk/block_kernels.py) instead of the torch table. Measured exact and 0.57 ms against
-# ~6.5 ms of table passes per candidate-source layer at S = 32,768 (docs/performance.md v14);
-# False restores the table (tests/test_topk_kernels_gpu.py runs both).
+# (ops/topk/block_kernels.py) instead of the torch table. Measured exact on the H200; the
+# candidate-source layer at S = 32,768, R=1 takes 12.8 ms with it, 19.1 with the table
+# (docs/performance.md v14). False restores the table (tests/test_topk_kernels_gpu.py runs both).
 MAXIMA_KERNEL = True
 # Transients of one row: (score-sized copies per key, bytes per block). The torch table holds the
 # cleared copy and two tables of running maxima, the kernel reads the scores in place; per block,
