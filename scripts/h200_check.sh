@@ -25,6 +25,10 @@ wait
 cat "$out"/gpu_*.part >"$out/gpu_tests.txt" && rm -f "$out"/gpu_*.part
 grep -E "passed|failed|FAILED|ERROR" "$out/gpu_tests.txt" | tail -15
 
+step "memcheck: the radix select on long rows (compute-sanitizer; its bound checks are off by design)"
+compute-sanitizer --tool memcheck --print-limit 5 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_topk_kernels_gpu.py \
+  -k "(on_ranges and special and 512-20001) or (block_masked and special and 512-20001)" 2>&1 | tail -2
+
 step "indexer benchmark"
 python3 examples/benchmark_indexer.py --out "$out/bench_indexer.json" 2>&1 | grep -v INFO | tail -40
 

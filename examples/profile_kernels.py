@@ -1,0 +1,68 @@
+"""Workloads for Nsight Compute: one kernel's launches at the benchmarks' shapes, nothing timed.
+
+    ncu --clock-control none -k regex:radix_select --launch-skip 3 --launch-count 1 --set full \
+        --import-source yes -o select -f python examples/profile_kernels.py select
+    ncu --clock-control none -k regex:sparse_window_bwd --launch-skip 2 --launch-count 1 --set full \
+        -o attention_bwd -f python examples/profile_kernels.py attention
+
+``--clock-control none`` leaves the card's clocks as they are (ncu's default locks them to base).
+``select``: the radix select on one 4,096-row chunk of V4.1 scores (32 index heads of 128, R=1,
+S=32,768, top-512 in index order), the chunk the streamed selection hands it; it prints the
+chunk's key statistics. ``attention``: the sparse attention forward and backward at V4-Flash shapes
+(64 heads of 512, window 128 + top-512, S=32,768). docs/performance.md v14 has what these showed.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+
+def select_workload(launches: int) -> None:
+    from benchmark_selection import TOPK, _v41_inputs
+
+    from nemo_dsa.ops.topk.kernels import select_rows_tilelang
+    from nemo_dsa.ops.v41_indexer.kernels import v41_scores_tilelang
+
+    q, _, k, w, _, ks, ke = _v41_inputs(32768, 1)
+    rows = slice(16384, 20480)
+    scores = v41_scores_tilelang(q[:, rows], k, w[:, rows], ks[:, rows], ke[:, rows]).reshape(-1, k.shape[1])
+    chunk_ks, chunk_ke = ks[0, rows].contiguous(), ke[0, rows].contiguous()
+    finite = torch.isfinite(scores)
+    values = torch.where(finite, scores.float(), float("-inf"))
+    top, cut = values.amax(-1), values.topk(TOPK, -1).values[:, -1]
+    print(f"finite keys a row: {finite.sum(-1).float().mean().item():.0f}; "
+          f"512th score / maximum: {(cut / top).median().item():.3f} (median)")  # fmt: skip
+    for _ in range(launches):
+        select_rows_tilelang(scores, TOPK, "index", chunk_ks, chunk_ke)
+    torch.cuda.synchronize()
+
+
+def attention_workload(launches: int) -> None:
+    from benchmark_attention import DIM, WINDOW, make_inputs
+
+    from nemo_dsa.ops.sparse_attention import sparse_window_attention
+
+    q, raw, comp, sink, indices, window_start = make_inputs(32768)
+    leaves = [t.clone().requires_grad_(True) for t in (q, raw, comp, sink)]
+    grad = torch.randn_like(q)
+    for _ in range(launches):
+        out, _ = sparse_window_attention(leaves[0], leaves[1], window_start, WINDOW, leaves[2], indices=indices,
+                                         sink=leaves[3], scale=DIM**-0.5)  # fmt: skip
+        out.backward(grad)
+    torch.cuda.synchronize()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("kernel", choices=["select", "attention"])
+    parser.add_argument("--launches", type=int, default=5, help="launches of each kernel (ncu picks one)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_kernels.py needs a CUDA GPU (Hopper): it runs the TileLang kernels")
+    {"select": select_workload, "attention": attention_workload}[args.kernel](args.launches)
+
+
+if __name__ == "__main__":
+    main()
