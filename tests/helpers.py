@@ -8,6 +8,7 @@ random (``random_ks_ke``) or taken from the layouts the kernel GPU tests share.
 from __future__ import annotations
 
 import os
+import zlib
 
 import pytest
 import torch
@@ -24,6 +25,13 @@ from nemo_dsa.visibility import causal_ks_ke
 def generator(seed: int) -> torch.Generator:
     """A CPU generator seeded with ``seed``."""
     return torch.Generator().manual_seed(seed)
+
+
+def stable_seed(*parts) -> int:
+    """A seed from a test case's parameters that is the same in every process (``hash()`` of a
+    string changes from process to process, so a failing case would not reproduce). One part
+    is hashed as itself, so ``stable_seed(case)`` is the CRC of ``repr(case)``."""
+    return zlib.crc32(repr(parts[0] if len(parts) == 1 else parts).encode())
 
 
 def indexer_inputs(

@@ -82,10 +82,11 @@ class ForwardConfig:
     dim: int
     mode: str  # "indices" (per-query compressed indices) or "range" ([ks, ke))
     num_stages: int
-    consumer0_registers: int = 240
-    consumer1_registers: int = 168
-    producer_registers: int = 96
-    schedule: str = "split-pv"
+    # setmaxnreg per warpgroup (FWD_REGISTERS[schedule]); :func:`forward_config` fills them.
+    consumer0_registers: int
+    consumer1_registers: int
+    producer_registers: int
+    schedule: str  # one of FWD_SCHEDULES
 
     def kernel_kwargs(self) -> dict:
         return asdict(self)
@@ -236,6 +237,53 @@ def _compile_forward(config: "ForwardConfig"):
 # ----------------------------------------------------------------------------------------------
 
 
+def _key_tile_producer(T, by_index: bool, num_stages: int, half: int):
+    """The forwards' producer warpgroup (both schedules): each tile's 64 key rows into the ring
+    stage's two D halves (k_l, k_r), by 16-byte cp.async with a zero source size for rows the
+    query must not see, then a signal to the consumers (``full``) once the stage is free again
+    (``empty``). Window tiles read raw rows by position, the others compressed rows by index
+    (``idx_s``) or from the range's start ``ks``."""
+    bf16, BK = T.bfloat16, BLOCK_KEYS
+
+    @T.macro
+    def produce(Raw, Comp, idx_s, k_l, k_r, full, empty, b, tiles, window_tiles, lo, own, n_sel, ks, n_raw, n_comp):
+        for t in T.serial(tiles):
+            stage = t % num_stages
+            T.mbarrier_wait_parity(empty[stage], ((t // num_stages) % 2) ^ 1)
+            if t < window_tiles:
+                for r, d in T.Parallel(BK, half, prefer_async=True):
+                    k_l[stage, r, d] = T.if_then_else(
+                        lo + t * BK + r <= own, Raw[b, T.min(lo + t * BK + r, n_raw - 1), d], T.cast(0, bf16)
+                    )
+                    k_r[stage, r, d] = T.if_then_else(
+                        lo + t * BK + r <= own, Raw[b, T.min(lo + t * BK + r, n_raw - 1), half + d], T.cast(0, bf16)
+                    )
+            else:
+                base = (t - window_tiles) * BK
+                if by_index:
+                    for r, d in T.Parallel(BK, half, prefer_async=True):
+                        k_l[stage, r, d] = T.if_then_else(
+                            (base + r < n_sel) & (idx_s[T.min(base + r, MAX_SELECTED - 1)] >= 0) & (idx_s[T.min(base + r, MAX_SELECTED - 1)] < n_comp),
+                            Comp[b, T.max(idx_s[T.min(base + r, MAX_SELECTED - 1)], 0), d], T.cast(0, bf16),
+                        )
+                        k_r[stage, r, d] = T.if_then_else(
+                            (base + r < n_sel) & (idx_s[T.min(base + r, MAX_SELECTED - 1)] >= 0) & (idx_s[T.min(base + r, MAX_SELECTED - 1)] < n_comp),
+                            Comp[b, T.max(idx_s[T.min(base + r, MAX_SELECTED - 1)], 0), half + d], T.cast(0, bf16),
+                        )
+                else:
+                    for r, d in T.Parallel(BK, half, prefer_async=True):
+                        k_l[stage, r, d] = T.if_then_else(
+                            base + r < n_sel, Comp[b, T.min(ks + base + r, n_comp - 1), d], T.cast(0, bf16)
+                        )
+                        k_r[stage, r, d] = T.if_then_else(
+                            base + r < n_sel, Comp[b, T.min(ks + base + r, n_comp - 1), half + d], T.cast(0, bf16)
+                        )
+            T.fence_proxy_async()
+            T.mbarrier_arrive(full[stage])
+
+    return produce
+
+
 def sparse_window_fwd_kernel(
     dim: int,
     mode: str,
@@ -243,7 +291,7 @@ def sparse_window_fwd_kernel(
     consumer0_registers: int,
     consumer1_registers: int,
     producer_registers: int,
-    schedule: str = "split-pv",
+    schedule: str,
 ):
     """PrimFunc of the forward for one configuration. Grid: (S, H / 64, B); H a multiple of 64
     (the wrapper zero-pads q's heads: padded heads compute rows nobody reads). ``schedule``
@@ -265,6 +313,7 @@ def sparse_window_fwd_kernel(
     n_raw, n_comp, n_slots = T.dynamic("n_raw"), T.dynamic("n_comp"), T.dynamic("n_slots")
     by_index = mode == "indices"
     idx_shape = [batch, seq_len, n_slots] if by_index else [batch, seq_len]
+    produce_key_tiles = _key_tile_producer(T, by_index, num_stages, half)
 
     @T.prim_func
     def sparse_window_fwd(
@@ -328,40 +377,8 @@ def sparse_window_fwd_kernel(
 
             if tx < 128:
                 T.set_max_nreg(producer_registers, 0)
-                for t in T.serial(tiles):
-                    stage = t % num_stages
-                    T.mbarrier_wait_parity(empty[stage], ((t // num_stages) % 2) ^ 1)
-                    # 16-byte cp.async with a zero source size for rows the query must not see.
-                    if t < window_tiles:
-                        for r, d in T.Parallel(BK, half, prefer_async=True):
-                            k_l[stage, r, d] = T.if_then_else(
-                                lo + t * BK + r <= own, Raw[b, T.min(lo + t * BK + r, n_raw - 1), d], T.cast(0, bf16)
-                            )
-                            k_r[stage, r, d] = T.if_then_else(
-                                lo + t * BK + r <= own, Raw[b, T.min(lo + t * BK + r, n_raw - 1), half + d], T.cast(0, bf16)
-                            )
-                    else:
-                        base = (t - window_tiles) * BK
-                        if by_index:
-                            for r, d in T.Parallel(BK, half, prefer_async=True):
-                                k_l[stage, r, d] = T.if_then_else(
-                                    (base + r < n_sel) & (idx_s[T.min(base + r, MAX_SELECTED - 1)] >= 0) & (idx_s[T.min(base + r, MAX_SELECTED - 1)] < n_comp),
-                                    Comp[b, T.max(idx_s[T.min(base + r, MAX_SELECTED - 1)], 0), d], T.cast(0, bf16),
-                                )
-                                k_r[stage, r, d] = T.if_then_else(
-                                    (base + r < n_sel) & (idx_s[T.min(base + r, MAX_SELECTED - 1)] >= 0) & (idx_s[T.min(base + r, MAX_SELECTED - 1)] < n_comp),
-                                    Comp[b, T.max(idx_s[T.min(base + r, MAX_SELECTED - 1)], 0), half + d], T.cast(0, bf16),
-                                )
-                        else:
-                            for r, d in T.Parallel(BK, half, prefer_async=True):
-                                k_l[stage, r, d] = T.if_then_else(
-                                    base + r < n_sel, Comp[b, T.min(ks + base + r, n_comp - 1), d], T.cast(0, bf16)
-                                )
-                                k_r[stage, r, d] = T.if_then_else(
-                                    base + r < n_sel, Comp[b, T.min(ks + base + r, n_comp - 1), half + d], T.cast(0, bf16)
-                                )
-                    T.fence_proxy_async()
-                    T.mbarrier_arrive(full[stage])
+                produce_key_tiles(Raw, Comp, idx_s, k_l, k_r, full, empty, b, tiles, window_tiles, lo, own, n_sel, ks,
+                                  n_raw, n_comp)  # fmt: skip
             elif tx < 256:
                 T.set_max_nreg(consumer0_registers, 1)
                 # Only consumer 0 reads Q: its 128 threads load it (16-byte loads) while the
@@ -471,6 +488,7 @@ def sparse_window_fwd_balanced_kernel(
     n_raw, n_comp, n_slots = T.dynamic("n_raw"), T.dynamic("n_comp"), T.dynamic("n_slots")
     by_index = mode == "indices"
     idx_shape = [batch, seq_len, n_slots] if by_index else [batch, seq_len]
+    produce_key_tiles = _key_tile_producer(T, by_index, num_stages, half)
 
     @T.macro
     def consumer(me, q_l, q_r, k_l, k_r, k_mine, p_shared, max_x, sum_x, full, empty, acc_s, acc_o, m_i, m_prev,
@@ -609,39 +627,8 @@ def sparse_window_fwd_balanced_kernel(
 
             if tx < 128:
                 T.set_max_nreg(producer_registers, 0)
-                for t in T.serial(tiles):
-                    stage = t % num_stages
-                    T.mbarrier_wait_parity(empty[stage], ((t // num_stages) % 2) ^ 1)
-                    if t < window_tiles:
-                        for r, d in T.Parallel(BK, half, prefer_async=True):
-                            k_l[stage, r, d] = T.if_then_else(
-                                lo + t * BK + r <= own, Raw[b, T.min(lo + t * BK + r, n_raw - 1), d], T.cast(0, bf16)
-                            )
-                            k_r[stage, r, d] = T.if_then_else(
-                                lo + t * BK + r <= own, Raw[b, T.min(lo + t * BK + r, n_raw - 1), half + d], T.cast(0, bf16)
-                            )
-                    else:
-                        base = (t - window_tiles) * BK
-                        if by_index:
-                            for r, d in T.Parallel(BK, half, prefer_async=True):
-                                k_l[stage, r, d] = T.if_then_else(
-                                    (base + r < n_sel) & (idx_s[T.min(base + r, MAX_SELECTED - 1)] >= 0) & (idx_s[T.min(base + r, MAX_SELECTED - 1)] < n_comp),
-                                    Comp[b, T.max(idx_s[T.min(base + r, MAX_SELECTED - 1)], 0), d], T.cast(0, bf16),
-                                )
-                                k_r[stage, r, d] = T.if_then_else(
-                                    (base + r < n_sel) & (idx_s[T.min(base + r, MAX_SELECTED - 1)] >= 0) & (idx_s[T.min(base + r, MAX_SELECTED - 1)] < n_comp),
-                                    Comp[b, T.max(idx_s[T.min(base + r, MAX_SELECTED - 1)], 0), half + d], T.cast(0, bf16),
-                                )
-                        else:
-                            for r, d in T.Parallel(BK, half, prefer_async=True):
-                                k_l[stage, r, d] = T.if_then_else(
-                                    base + r < n_sel, Comp[b, T.min(ks + base + r, n_comp - 1), d], T.cast(0, bf16)
-                                )
-                                k_r[stage, r, d] = T.if_then_else(
-                                    base + r < n_sel, Comp[b, T.min(ks + base + r, n_comp - 1), half + d], T.cast(0, bf16)
-                                )
-                    T.fence_proxy_async()
-                    T.mbarrier_arrive(full[stage])
+                produce_key_tiles(Raw, Comp, idx_s, k_l, k_r, full, empty, b, tiles, window_tiles, lo, own, n_sel, ks,
+                                  n_raw, n_comp)  # fmt: skip
             elif tx < 256:
                 T.set_max_nreg(consumer0_registers, 1)
                 T.copy(Q[b, s, h0 : h0 + HB, 0:half], q_l, disable_tma=True)  # each consumer loads half of Q
