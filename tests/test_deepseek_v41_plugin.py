@@ -28,7 +28,11 @@ The rounding bound at model level: layer by layer, the two stacks' attention inp
 ~3e-7 fp32 noise of the earlier layers, and a value that lands within that noise of an fp8 / NVFP4
 / MXFP4 rounding mid-point (or a block scale at a power of two, or two index scores that close)
 goes the other way in one of them; the release does the same under any reordering of its own fp32
-sums. With the weights of the main test nothing does (logits 4e-7). With the checkpoint files'
+sums. In the main test such flips of the window-KV fp8 and compressed-KV NVFP4 codes are found and
+reconciled (``CacheRoundingFlips``: same value to 1e-5, neighbouring codes; at most 8 a forward),
+so that the comparison holds to 1e-5 on any CPU: on an AVX2 machine none happened (logits 4e-7),
+on an AVX-512 Xeon one window-KV element of layer 5 flips on the packed batch (logits 3.9e-5
+without the reconciliation, 4e-7 with it). With the checkpoint files'
 bf16 / FP8 weights something does: exactly one window-KV element of layer 4 (bf16 files; logits
 5e-4), and, with FP8 files, three later selections (logits 0.144). The checkpoint tests therefore
 measure the built-in's own logit movement when its attention outputs move by 3e-7 relative (three
@@ -160,13 +164,76 @@ def hc_floors(model, inputs: dict, ref: dict) -> dict:
     return floors
 
 
+# Inputs of one cache rounding that agree to this (relative) are the same value up to fp32 order;
+# at most MAX_FLIPS of a forward's ~27K rounded cache elements may go to a neighbouring code.
+SAME_VALUE = 1e-5
+MAX_FLIPS = 8
+
+
+class CacheRoundingFlips:
+    """Reconciles the plugin's window-KV fp8 and compressed-KV NVFP4 roundings with the built-in's
+    where both sides rounded the same value (to fp32 order) to neighbouring codes, and records each
+    such flip. The built-in's roundings are recorded during its forward; the plugin's forward that
+    follows (same inputs) takes the built-in's code wherever its own differs and its input agrees
+    to SAME_VALUE, keeping its own gradient path. A value differing beyond that is left alone (the
+    comparison then fails on it). Seen on an AVX-512 Xeon (2026-12-01): one window-KV element of
+    layer 5, 0.06054674 against 0.06054689 around the e4m3 mid-point 0.060546875 (0.0586 / 0.0625)."""
+
+    FORMATS = {"fp8": "fp8_quant_dequant", "nvfp4": "nvfp4_quant_dequant"}
+
+    def __init__(self, builtin, plugin, monkeypatch) -> None:
+        from nemo_automodel.components.models.deepseek_v41 import attention as builtin_attention
+
+        from nemo_dsa.layers import sparse_attention as plugin_attention
+
+        self.recorded = {f: [] for f in self.FORMATS}
+        self.used = {f: 0 for f in self.FORMATS}
+        self.flips: list[tuple[str, float, float]] = []  # (format, built-in input, plugin input)
+        original = builtin_attention.quantize_cache
+
+        def record(values, *, format, block_size):
+            out = original(values, format=format, block_size=block_size)
+            if format in self.recorded:
+                self.recorded[format].append((values.detach().clone(), out.detach().clone()))
+            return out
+
+        monkeypatch.setattr(builtin_attention, "quantize_cache", record)
+        for fmt, name in self.FORMATS.items():
+            monkeypatch.setattr(plugin_attention, name, self._reconciling(fmt, getattr(plugin_attention, name)))
+        self.hooks = [
+            builtin.register_forward_pre_hook(lambda *_: [calls.clear() for calls in self.recorded.values()] and None),
+            plugin.register_forward_pre_hook(lambda *_: self.used.update(dict.fromkeys(self.used, 0))),
+        ]
+
+    def remove(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+
+    def _reconciling(self, fmt, quantize):
+        def reconciled(values, block):
+            out = quantize(values, block)
+            index = self.used[fmt]
+            self.used[fmt] += 1
+            ref_in, ref_out = self.recorded[fmt][index]
+            if ref_out.shape != out.shape:
+                raise AssertionError(f"{fmt} call {index}: the built-in rounded {tuple(ref_out.shape)}, the plugin {tuple(out.shape)}")
+            same_value = (values.detach() - ref_in).abs() <= SAME_VALUE * ref_in.abs()
+            flipped = (out.detach() != ref_out) & same_value
+            self.flips += [(fmt, float(a), float(b)) for a, b in zip(ref_in[flipped], values.detach()[flipped])]
+            return out + torch.where(flipped, ref_out - out.detach(), 0.0)
+
+        return reconciled
+
+
 def as_sets(indices: torch.Tensor, real: torch.Tensor) -> list:
     return [[{int(j) for j in row if j >= 0} for row, r in zip(rows, reals) if r] for rows, reals in zip(indices, real)]
 
 
 @pytest.mark.parametrize("kind", ["rows", "packed"])
-def test_plugin_matches_builtin_model(kind, models):
+def test_plugin_matches_builtin_model(kind, models, monkeypatch, request):
     builtin, plugin = models
+    flips = CacheRoundingFlips(builtin, plugin, monkeypatch)
+    request.addfinalizer(flips.remove)
     assert [type(b.attn) for b in plugin.model.layers.values()] == [NemoDsaDeepseekV41Attention] * len(RATIOS)
     assert [b.attn.core.role for b in plugin.model.layers.values()] == ROLES
     inputs = batch(kind)
@@ -179,8 +246,11 @@ def test_plugin_matches_builtin_model(kind, models):
     finally:
         for hook in hooks_ref + hooks:
             hook.remove()
-    assert rel(out.logits, ref.logits) <= RTOL, rel(out.logits, ref.logits)
+    assert rel(out.logits, ref.logits) <= RTOL, (rel(out.logits, ref.logits), flips.flips)
     assert rel(out.loss, ref.loss) <= RTOL
+    # Rounding flips (reconciled above) are values at a rounding mid-point to fp32 order: a few.
+    print(kind, "cache rounding flips (format, built-in input, plugin input):", flips.flips)
+    assert len(flips.flips) <= MAX_FLIPS, flips.flips
     real = torch.ones(ref.logits.shape[:2], dtype=torch.bool)
     if kind == "rows":
         real[1, ROWS[2] :] = False

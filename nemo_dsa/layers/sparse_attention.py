@@ -86,6 +86,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from nemo_dsa.layers.context import LocalContext, SequenceContext
 from nemo_dsa.layers.compressor import Compressor
@@ -181,10 +182,7 @@ class DSASparseAttention(KeepsFP32Parameters):
         shared = shared if shared is not None else SharedLayerState()
         angles = rope_angles(meta.local_positions, self.rope_dim, self.rope_theta, self.rope_scaling)
         query_latent = self.q_norm(self.wq_a(x))
-        q = self.wq_b(query_latent).unflatten(-1, (self.n_heads, self.head_dim))
-        if self.config.q_head_rms:
-            q = rms_normalize(q, self.eps)
-        q = apply_rope(q, angles)
+        q = apply_rope(self._queries(query_latent), angles)
         kv = apply_rope(self.kv_norm(self.wkv(x)), angles)
         if self.config.window_kv_quant == "fp8":
             kv = fp8_quant_dequant(kv, FP8_BLOCK)
@@ -206,6 +204,24 @@ class DSASparseAttention(KeepsFP32Parameters):
         return out, aux
 
     # -- pieces -------------------------------------------------------------------------------
+
+    def _queries(self, query_latent: torch.Tensor) -> torch.Tensor:
+        """``wq_b`` into heads, then (V4) the weightless per-head RMS.
+
+        With the per-head RMS under autograd, ``wq_b`` and the norm are recomputed in the backward
+        from ``query_latent`` (which ``wq_b`` keeps anyway): otherwise the un-normalised q would be
+        kept for the norm's backward, [S, H, head_dim] (64 KiB a token a layer at V4-Flash shapes,
+        as much as the attention's own q), for one more ``wq_b`` GEMM and norm (predicted ~2 % of a
+        V4-Flash-shaped step; docs/performance.md v15). Without the norm nothing keeps that q (RoPE's
+        backward needs only its angles), so nothing is recomputed."""
+        if not self.config.q_head_rms:
+            return self.wq_b(query_latent).unflatten(-1, (self.n_heads, self.head_dim))
+        if torch.is_grad_enabled():
+            return checkpoint(self._normalized_queries, query_latent, use_reentrant=False, preserve_rng_state=False)
+        return self._normalized_queries(query_latent)
+
+    def _normalized_queries(self, query_latent: torch.Tensor) -> torch.Tensor:
+        return rms_normalize(self.wq_b(query_latent).unflatten(-1, (self.n_heads, self.head_dim)), self.eps)
 
     def _output_projection(self, out: torch.Tensor) -> torch.Tensor:
         """``[B, S, H * head_dim]`` -> ``[B, S, hidden]``: grouped ``wo_a`` then ``wo_b``, or ``wo``."""
