@@ -211,7 +211,7 @@ class DSASparseAttention(KeepsFP32Parameters):
         With the per-head RMS under autograd, ``wq_b`` and the norm are recomputed in the backward
         from ``query_latent`` (which ``wq_b`` keeps anyway): otherwise the un-normalised q would be
         kept for the norm's backward, [S, H, head_dim] (64 KiB a token a layer at V4-Flash shapes,
-        as much as the attention's own q), for one more ``wq_b`` GEMM and norm (predicted ~2 % of a
+        as much as the attention's own q), for one more ``wq_b`` GEMM and norm (predicted ~3 % of a
         V4-Flash-shaped step; docs/performance.md v15). Without the norm nothing keeps that q (RoPE's
         backward needs only its angles), so nothing is recomputed."""
         if not self.config.q_head_rms:
