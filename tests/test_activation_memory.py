@@ -1,8 +1,8 @@
 """What an attention layer keeps for its backward: no copy of q beyond the attention op's own.
 
-The stand-in op below keeps exactly what the kernels' autograd Function keeps (q, the kv rows,
-out, lse, ...) and differentiates the reference, so the layer's bookkeeping is counted as it is on
-the GPU. V4's per-head q RMS used to keep the un-normalised q in fp32 (twice the size of the bf16
+The layer's attention runs through the kernels' own autograd Function (which keeps q, the kv rows,
+out, lse, ...) with the reference computing in place of the kernels, so the layer's bookkeeping is
+counted as it is on the GPU. V4's per-head q RMS used to keep the un-normalised q in fp32 (twice the size of the bf16
 q): at V4-Flash shapes 128 KiB a token a layer.
 """
 
@@ -13,42 +13,55 @@ import torch
 
 from helpers import stable_seed, tiny_config
 from nemo_dsa.layers import sparse_attention as layer_module
+from nemo_dsa.ops.sparse_attention import kernels
+from nemo_dsa.ops.sparse_attention.interface import SparseWindowAttentionFunction
 from nemo_dsa.ops.sparse_attention.naive import window_compressed_attention_reference
 from test_layers import make_layer, packed_ids, run
 
 
-class KeepsWhatTheKernelsKeep(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, raw_kv, window_start, window, compressed_kv, indices, ks, ke, sink, scale):
-        with torch.no_grad():
-            out, lse = window_compressed_attention_reference(
-                q, raw_kv, window_start, window, compressed_kv, indices=indices, ks=ks, ke=ke, sink=sink,
-                scale=scale, check_indices=False,
-            )  # fmt: skip
-        ctx.save_for_backward(q, raw_kv, window_start, compressed_kv, indices, ks, ke, sink, out, lse)
-        ctx.window, ctx.scale = window, scale
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+class OperandsAsGiven:
+    """Stands in for ``kernels.KernelInputs`` (which pads for the kernels): the operands as given."""
 
-    @staticmethod
-    def backward(ctx, grad_out, _grad_lse):
-        q, raw_kv, window_start, compressed_kv, indices, ks, ke, sink, _out, _lse = ctx.saved_tensors
-        leaves = [t.detach().requires_grad_(t.is_floating_point()) if t is not None else None
-                  for t in (q, raw_kv, compressed_kv, sink)]  # fmt: skip
-        with torch.enable_grad():
-            out, _ = window_compressed_attention_reference(
-                leaves[0], leaves[1], window_start, ctx.window, leaves[2], indices=indices, ks=ks, ke=ke,
-                sink=leaves[3], scale=ctx.scale, check_indices=False,
-            )  # fmt: skip
-            wanted = [t for t in leaves if t is not None]
-            grads = iter(torch.autograd.grad(out, wanted, grad_out, allow_unused=True))
-        dq, d_raw, d_comp, d_sink = (next(grads) if t is not None else None for t in leaves)
-        return dq, d_raw, None, None, d_comp, None, None, None, d_sink, None
+    def __init__(self, q, raw_kv, window_start, window, compressed_kv, indices, ks, ke, sink, scale):
+        self.q, self.raw_kv, self.window_start, self.window = q, raw_kv, window_start, window
+        self.compressed_kv, self.indices, self.ks, self.ke, self.sink, self.scale = compressed_kv, indices, ks, ke, sink, scale
+
+    def attend(self, q, raw_kv, compressed_kv):
+        return window_compressed_attention_reference(
+            q, raw_kv, self.window_start, self.window, compressed_kv, indices=self.indices, ks=self.ks, ke=self.ke,
+            sink=self.sink, scale=self.scale, check_indices=False,
+        )  # fmt: skip
 
 
-def kernel_like_attention(q, raw_kv, window_start, window, compressed_kv=None, *, indices=None, ks=None,
-                          ke=None, sink=None, scale, backend="auto", check_indices=True):  # fmt: skip
-    return KeepsWhatTheKernelsKeep.apply(q, raw_kv, window_start, window, compressed_kv, indices, ks, ke, sink, scale)
+def reference_forward(inputs):
+    with torch.no_grad():
+        return inputs.attend(inputs.q, inputs.raw_kv, inputs.compressed_kv)
+
+
+def reference_backward(inputs, out, lse, grad_out, *, need_dq=True, need_d_raw=True, need_d_comp=True):
+    leaves = [None if t is None else t.detach().requires_grad_() for t in (inputs.q, inputs.raw_kv, inputs.compressed_kv)]
+    with torch.enable_grad():
+        recomputed, _ = inputs.attend(*leaves)
+        wanted = [t for t in leaves if t is not None]
+        grads = iter(torch.autograd.grad(recomputed, wanted, grad_out, allow_unused=True))
+    dq, d_raw, d_comp = (None if t is None else next(grads) for t in leaves)
+    delta = (grad_out.float() * out.float()).sum(-1)
+    return dq, d_raw, d_comp, delta
+
+
+@pytest.fixture
+def kernel_function_on_cpu(monkeypatch):
+    """The layer's attention through the kernels' own autograd Function (what it keeps is what the
+    GPU keeps), with the reference computing in place of the kernels."""
+    monkeypatch.setattr(kernels, "KernelInputs", OperandsAsGiven)
+    monkeypatch.setattr(kernels, "sparse_window_forward", reference_forward)
+    monkeypatch.setattr(kernels, "sparse_window_backward", reference_backward)
+
+    def attention(q, raw_kv, window_start, window, compressed_kv=None, *, indices=None, ks=None, ke=None,
+                  sink=None, scale, backend="auto", check_indices=True):  # fmt: skip
+        return SparseWindowAttentionFunction.apply(q, raw_kv, window_start, window, compressed_kv, indices, ks, ke, sink, scale)
+
+    monkeypatch.setattr(layer_module, "sparse_window_attention", attention)
 
 
 def kept_storages(fn):
@@ -67,8 +80,7 @@ def kept_storages(fn):
 # Window-only, a ratio-4 indexer layer and a ratio-8 layer; 8 heads of 64 over a hidden size of 48,
 # so q ([S, 8, 64]) is by far the largest activation and each q-sized tensor kept is visible.
 @pytest.mark.parametrize("layer_idx", [0, 1, 2])
-def test_v4_layer_keeps_q_only_for_the_attention_op(monkeypatch, layer_idx):
-    monkeypatch.setattr(layer_module, "sparse_window_attention", kernel_like_attention)
+def test_v4_layer_keeps_q_only_for_the_attention_op(kernel_function_on_cpu, layer_idx):
     cfg = tiny_config(hidden_size=48, num_attention_heads=8, head_dim=64, q_lora_rank=24)
     assert cfg.q_head_rms  # V4's per-head q RMS
     layer = make_layer(cfg, layer_idx, seed=stable_seed(("memory", layer_idx))).to(torch.bfloat16)
