@@ -32,6 +32,9 @@ compute-sanitizer --tool memcheck --print-limit 5 python3 -m pytest -m gpu -q -p
 step "indexer benchmark"
 python3 examples/benchmark_indexer.py --out "$out/bench_indexer.json" 2>&1 | grep -v INFO | tail -40
 
+step "LM head benchmark (fp32 head of bf16 activations)"
+python3 examples/benchmark_lm_head.py --json "$out/bench_lm_head.json" 2>&1 | grep -v INFO | tail -6
+
 step "stage timings"
 python3 examples/benchmark_parts.py 2>&1 | grep -v INFO | tee "$out/parts.txt"
 

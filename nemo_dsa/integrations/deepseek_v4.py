@@ -1,12 +1,14 @@
 """``NemoDsaDeepseekV4ForCausalLM``: nemo-automodel's DeepSeek-V4 with every attention layer on nemo_dsa.
 
 The class *is* nemo-automodel 0.7.0's ``DeepseekV4ForCausalLM`` (a subclass): embeddings,
-hyper-connections, MoE (hash and score routing, experts, shared experts), MTP, the LM head, the
-state-dict adapter (released HF checkpoints, FP8 ``.scale`` tensors included), the FSDP2 /
-expert-parallel parallelizer and the contiguous CP sharder are the built-in's, untouched. Only
-each block's ``self_attn`` (main layers and MTP layers) is replaced by
+hyper-connections, MoE (hash and score routing, experts, shared experts), MTP, the LM head's
+parameter, the state-dict adapter (released HF checkpoints, FP8 ``.scale`` tensors included), the
+FSDP2 / expert-parallel parallelizer and the contiguous CP sharder are the built-in's, untouched.
+Each block's ``self_attn`` (main layers and MTP layers) is replaced by
 ``NemoDsaDeepseekV4Attention``, which computes with nemo_dsa's ``DSASparseAttention`` under the
-built-in's parameter names (see ``deepseek_v4_attention``).
+built-in's parameter names (see ``deepseek_v4_attention``), and the fp32 ``lm_head`` becomes an
+``Fp32HeadLinear``: the same ``nn.Linear`` and parameter, its fp32 projection of the bf16 hidden
+state computed in exact bf16 products on the GPU (``integrations/lm_head.py``).
 
 The forward is this module's own: it builds nemo_dsa's ``AttentionMetadata`` once per forward,
 per compression ratio (ratio 1 for window-only layers), from what the trainer passes
@@ -53,6 +55,7 @@ from nemo_automodel.components.models.deepseek_v4.config import DeepseekV4Config
 from nemo_automodel.components.models.deepseek_v4.model import DeepseekV4CausalLMOutput, DeepseekV4ForCausalLM
 
 from nemo_dsa.integrations.aux_loss import attach_indexer_loss
+from nemo_dsa.integrations.lm_head import Fp32HeadLinear, adopt_fp32_head, called_with_bf16
 from nemo_dsa.integrations.deepseek_v4_attention import (
     DsaForwardState,
     NemoDsaDeepseekV4Attention,
@@ -162,6 +165,7 @@ class NemoDsaDeepseekV4ForCausalLM(DeepseekV4ForCausalLM):
             block.self_attn = self._nemo_dsa_attention(block.self_attn, block.layer_idx)
         for block in self.mtp.layers if self.mtp is not None else ():
             block.self_attn = self._nemo_dsa_attention(block.self_attn, block.layer_idx)
+        adopt_fp32_head(self)
 
     def _nemo_dsa_attention(self, builtin: torch.nn.Module, layer_idx: int) -> NemoDsaDeepseekV4Attention:
         """The replacement of ``builtin``: same parameter names, shapes, dtypes and device."""
@@ -312,7 +316,15 @@ class NemoDsaDeepseekV4ForCausalLM(DeepseekV4ForCausalLM):
             # the logits or (fused linear cross-entropy) the hidden states; at the trainer's
             # gradient for auxiliary losses (micro-batches and CP ranks, see aux_loss).
             hidden = attach_indexer_loss(hidden, aux)
-        logits = compute_lm_head_logits(self.lm_head, hidden, logits_to_keep, is_thd=thd, fp32_lm_head=True).logits
+        if isinstance(self.lm_head, Fp32HeadLinear) and isinstance(logits_to_keep, int) and logits_to_keep == 0:
+            # The built-in's fp32 head, called with the bf16 hidden state itself (its products exact
+            # on bf16 tensor cores, integrations/lm_head.py); the logits in the hidden state's dtype.
+            with called_with_bf16(self.lm_head, hidden):
+                logits = self.lm_head(hidden).to(hidden.dtype)
+            if thd and logits.dim() == 2:
+                logits = logits.unsqueeze(0)
+        else:
+            logits = compute_lm_head_logits(self.lm_head, hidden, logits_to_keep, is_thd=thd, fp32_lm_head=True).logits
         return NemoDsaDeepseekV4Output(
             logits=logits,
             hidden_states=hidden if output_hidden_states else None,

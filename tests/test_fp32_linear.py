@@ -1,0 +1,102 @@
+"""The fp32 LM head of bf16 activations in exact bf16 products (``ops/fp32_linear``), on the CPU.
+
+cuBLAS's bf16 x bf16 -> fp32 product is emulated by a float64 product rounded to fp32 (products of
+two bf16 numbers are exact in both; only the order and precision of the additions differ). The
+GPU test runs the real one (tests/test_fp32_linear_gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import stable_seed
+from nemo_dsa.ops.fp32_linear import bf16_pieces, fp32_linear_of_bf16, fp32_linear_reference, split_applies
+from nemo_dsa.ops.fp32_linear import split
+
+
+def emulated_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    assert a.dtype == b.dtype == torch.bfloat16
+    return (a.double() @ b.double()).float()
+
+
+def operands(rows, inner, out, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(*rows, inner, generator=gen).to(torch.bfloat16)
+    # Weights over many binades, as trained heads have.
+    weight = torch.randn(out, inner, generator=gen) * torch.exp2(torch.randint(-12, 4, (out, inner), generator=gen).float())
+    return x, weight
+
+
+def ulp_bf16(t: torch.Tensor) -> torch.Tensor:
+    """One bf16 unit in the last place at each |t|."""
+    exponent = torch.floor(torch.log2(t.abs().clamp_min(2.0**-126)))
+    return torch.exp2(exponent - 7)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_three_bf16_pieces_carry_the_fp32_weight(seed):
+    _, weight = operands((1,), 64, 333, seed)
+    first, second, third = bf16_pieces(weight)
+    assert first.dtype == second.dtype == third.dtype == torch.bfloat16
+    total = first.double() + second.double() + third.double()
+    assert ((total - weight.double()).abs() <= weight.double().abs() * 2.0**-27).all()
+    assert (total.float() == weight).float().mean() > 0.999  # 24 significant bits in 3 x 8
+
+
+@pytest.mark.parametrize("rows, inner, out", [((3, 37), 96, 333), ((1, 5), 64, 4096 + 77), ((129,), 128, 40)])
+def test_forward_is_the_fp32_product_rounded_once(monkeypatch, rows, inner, out):
+    monkeypatch.setattr(split, "CHUNK_ROWS", 128)  # several chunks and a ragged last one
+    x, weight = operands(rows, inner, out, stable_seed((rows, inner, out)))
+    got = fp32_linear_of_bf16(x, weight, mm=emulated_mm)
+    assert got.dtype == torch.bfloat16 and got.shape == (*rows, out)
+    exact = x.double() @ weight.double().T
+    noise = x.double().abs() @ weight.double().abs().T * 2.0**-20  # fp32 additions, any order
+    reference = fp32_linear_reference(x, weight)  # the fp32 GEMM (here the CPU's)
+    # Both are the exact value rounded to bf16, up to fp32 addition order: equal, except where the
+    # exact value lies within that order's noise of a bf16 rounding mid-point (one ulp apart).
+    assert ((got.double() - exact).abs() <= ulp_bf16(exact) * 0.5 + noise).all()
+    differs = got != reference
+    assert differs.float().mean() < 1e-3
+    assert ((got.double() - reference.double()).abs()[differs] <= ulp_bf16(exact)[differs] * 1.01).all()
+
+
+@pytest.mark.parametrize("rows, inner, out", [((3, 37), 96, 333), ((2, 7), 64, 300)])
+def test_gradients_equal_fp32_autograd_of_the_reference(monkeypatch, rows, inner, out):
+    monkeypatch.setattr(split, "CHUNK_ROWS", 128)
+    x, weight = operands(rows, inner, out, stable_seed(("grad", rows, inner, out)))
+    grad = torch.randn(*rows, out, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    x1, w1 = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    fp32_linear_of_bf16(x1, w1, mm=emulated_mm).backward(grad)
+    x2, w2 = x.double().requires_grad_(), weight.double().requires_grad_()
+    F.linear(x2, w2).backward(grad.double())  # exact
+    assert x1.grad.dtype == torch.bfloat16 and w1.grad.dtype == torch.float32
+    # dx: the exact value rounded once to bf16 (up to fp32 addition order).
+    noise = grad.double().abs() @ weight.double().abs() * 2.0**-20
+    assert ((x1.grad.double() - x2.grad).abs() <= ulp_bf16(x2.grad) * 0.5 + noise).all()
+    # dw: exact products added in fp32.
+    torch.testing.assert_close(w1.grad.double(), w2.grad, rtol=1e-6, atol=1e-6 * float(w2.grad.abs().max()))
+
+
+def test_only_x_and_the_weight_are_kept():
+    x, weight = operands((4, 9), 32, 50, 3)
+    weight.requires_grad_()
+    kept = set()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.add(t.untyped_storage().data_ptr()) or t, lambda t: t):
+        fp32_linear_of_bf16(x.requires_grad_(), weight, mm=emulated_mm)
+    assert kept == {x.untyped_storage().data_ptr(), weight.untyped_storage().data_ptr()}
+
+
+def test_bad_operands_are_named():
+    x, weight = operands((2,), 8, 4, 0)
+    with pytest.raises(TypeError, match="x must be bfloat16"):
+        fp32_linear_of_bf16(x.float(), weight)
+    with pytest.raises(TypeError, match="weight must be a 2-D float32"):
+        fp32_linear_of_bf16(x, weight.bfloat16())
+    with pytest.raises(ValueError, match="in_features"):
+        fp32_linear_of_bf16(x, weight[:, :4])
+
+
+def test_the_split_is_for_cuda_operands_only():
+    x, weight = operands((2,), 8, 4, 0)
+    assert not split_applies(x, weight)  # CPU: the module's fp32 F.linear
