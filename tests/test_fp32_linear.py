@@ -1,6 +1,6 @@
 """The fp32 LM head of bf16 activations in exact bf16 products (``ops/fp32_linear``), on the CPU.
 
-cuBLAS's bf16 x bf16 -> fp32 product is emulated by a float64 product rounded to fp32 (products of
+cuBLAS's bf16 x bf16 -> fp32 products are emulated by float64 products rounded to fp32 (products of
 two bf16 numbers are exact in both; only the order and precision of the additions differ). The
 GPU test runs the real one (tests/test_fp32_linear_gpu.py)."""
 
@@ -15,9 +15,12 @@ from nemo_dsa.ops.fp32_linear import bf16_pieces, fp32_linear_of_bf16, fp32_line
 from nemo_dsa.ops.fp32_linear import split
 
 
-def emulated_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _exact_then_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     assert a.dtype == b.dtype == torch.bfloat16
     return (a.double() @ b.double()).float()
+
+
+EMULATED = split.Fp32OutProducts(mm=_exact_then_fp32, mm_add_=lambda acc, a, b: acc.add_(_exact_then_fp32(a, b)))
 
 
 def operands(rows, inner, out, seed):
@@ -48,7 +51,7 @@ def test_three_bf16_pieces_carry_the_fp32_weight(seed):
 def test_forward_is_the_fp32_product_rounded_once(monkeypatch, rows, inner, out):
     monkeypatch.setattr(split, "CHUNK_ROWS", 128)  # several chunks and a ragged last one
     x, weight = operands(rows, inner, out, stable_seed((rows, inner, out)))
-    got = fp32_linear_of_bf16(x, weight, mm=emulated_mm)
+    got = fp32_linear_of_bf16(x, weight, products=EMULATED)
     assert got.dtype == torch.bfloat16 and got.shape == (*rows, out)
     exact = x.double() @ weight.double().T
     noise = x.double().abs() @ weight.double().abs().T * 2.0**-20  # fp32 additions, any order
@@ -67,7 +70,7 @@ def test_gradients_equal_fp32_autograd_of_the_reference(monkeypatch, rows, inner
     x, weight = operands(rows, inner, out, stable_seed(("grad", rows, inner, out)))
     grad = torch.randn(*rows, out, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
     x1, w1 = x.clone().requires_grad_(), weight.clone().requires_grad_()
-    fp32_linear_of_bf16(x1, w1, mm=emulated_mm).backward(grad)
+    fp32_linear_of_bf16(x1, w1, products=EMULATED).backward(grad)
     x2, w2 = x.double().requires_grad_(), weight.double().requires_grad_()
     F.linear(x2, w2).backward(grad.double())  # exact
     assert x1.grad.dtype == torch.bfloat16 and w1.grad.dtype == torch.float32
@@ -83,7 +86,7 @@ def test_only_x_and_the_weight_are_kept():
     weight.requires_grad_()
     kept = set()
     with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.add(t.untyped_storage().data_ptr()) or t, lambda t: t):
-        fp32_linear_of_bf16(x.requires_grad_(), weight, mm=emulated_mm)
+        fp32_linear_of_bf16(x.requires_grad_(), weight, products=EMULATED)
     assert kept == {x.untyped_storage().data_ptr(), weight.untyped_storage().data_ptr()}
 
 

@@ -15,7 +15,7 @@ from helpers import stable_seed
 from nemo_dsa.integrations import lm_head
 from nemo_dsa.integrations.lm_head import Fp32HeadLinear, adopt_fp32_head, called_with_bf16
 from nemo_dsa.ops.fp32_linear import fp32_linear_of_bf16
-from test_fp32_linear import emulated_mm, operands, ulp_bf16
+from test_fp32_linear import EMULATED, operands, ulp_bf16
 
 
 class Holder(nn.Module):
@@ -33,7 +33,7 @@ def split_on_cpu(monkeypatch):
 
     def split(x, weight):
         calls.append(x.dtype)
-        return fp32_linear_of_bf16(x, weight, mm=emulated_mm)
+        return fp32_linear_of_bf16(x, weight, products=EMULATED)
 
     monkeypatch.setattr(lm_head, "split_applies", lambda x, weight: True)
     monkeypatch.setattr(lm_head, "fp32_linear_of_bf16", split)

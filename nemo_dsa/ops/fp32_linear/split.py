@@ -19,6 +19,7 @@ accumulator of one chunk are all that exists beyond the inputs and outputs.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -34,21 +35,33 @@ def bf16_pieces(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     return first, second, third
 
 
-def mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` of bf16 matrices into fp32 (cuBLAS: fp32 accumulation and output)."""
-    return torch.mm(a, b, out_dtype=torch.float32)
+@dataclass(frozen=True)
+class Fp32OutProducts:
+    """Products of bf16 matrices into fp32: ``mm(a, b)`` -> a new fp32 ``a @ b``; ``mm_add_(acc, a,
+    b)``: ``acc += a @ b`` in place (cuBLAS accumulates into ``acc``, no separate addition)."""
+
+    mm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    mm_add_: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+CUBLAS = Fp32OutProducts(
+    mm=lambda a, b: torch.mm(a, b, out_dtype=torch.float32),
+    mm_add_=lambda acc, a, b: torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc),
+)
 
 
 _FP32_OUT_MM: dict[torch.device, bool] = {}
 
 
 def fp32_out_mm_available(device: torch.device) -> bool:
-    """Whether this torch runs bf16 x bf16 -> fp32 ``torch.mm(..., out_dtype=)`` on ``device``
-    (probed once per device with a 1 x 1 product)."""
+    """Whether this torch runs cuBLAS's bf16 x bf16 -> fp32 products (``CUBLAS``) on ``device``
+    (probed once per device on 2 x 2 matrices, the result checked)."""
     if device not in _FP32_OUT_MM:
-        one = torch.ones(1, 1, dtype=torch.bfloat16, device=device)
+        a = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=torch.bfloat16, device=device)
         try:
-            _FP32_OUT_MM[device] = mm_fp32_out(one, one).dtype == torch.float32
+            acc = CUBLAS.mm(a, a)
+            CUBLAS.mm_add_(acc, a, a)
+            _FP32_OUT_MM[device] = acc.dtype == torch.float32 and acc.tolist() == [[14.0, 20.0], [30.0, 44.0]]
         except (TypeError, RuntimeError, NotImplementedError):
             _FP32_OUT_MM[device] = False
     return _FP32_OUT_MM[device]
@@ -68,24 +81,24 @@ def split_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 class _Fp32LinearOfBf16(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, mm):
+    def forward(ctx, x, weight, products):
         rows = x.reshape(-1, x.shape[-1])
         out = rows.new_empty(rows.shape[0], weight.shape[0])
         for start in range(0, weight.shape[0], CHUNK_ROWS):
             chunk = slice(start, start + CHUNK_ROWS)
-            acc = None
-            for piece in bf16_pieces(weight[chunk]):
-                product = mm(rows, piece.t())
-                acc = product if acc is None else acc.add_(product)
+            first, *rest = bf16_pieces(weight[chunk])
+            acc = products.mm(rows, first.t())
+            for piece in rest:
+                products.mm_add_(acc, rows, piece.t())
             out[:, chunk] = acc  # rounded once to bf16
         ctx.save_for_backward(x, weight)
-        ctx.mm = mm
+        ctx.products = products
         return out.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        mm = ctx.mm
+        products = ctx.products
         rows = x.reshape(-1, x.shape[-1])
         grad = grad.reshape(-1, weight.shape[0]).to(torch.bfloat16)  # bf16 already: the logits' dtype
         d_rows = rows.new_zeros(rows.shape, dtype=torch.float32) if ctx.needs_input_grad[0] else None
@@ -95,23 +108,21 @@ class _Fp32LinearOfBf16(torch.autograd.Function):
             grad_chunk = grad[:, chunk]
             if d_rows is not None:
                 for piece in bf16_pieces(weight[chunk]):
-                    d_rows.add_(mm(grad_chunk, piece))
+                    products.mm_add_(d_rows, grad_chunk, piece)
             if d_weight is not None:
-                d_weight[chunk] = mm(grad_chunk.t(), rows)
+                d_weight[chunk] = products.mm(grad_chunk.t(), rows)
         d_x = None if d_rows is None else d_rows.to(x.dtype).view(x.shape)
         return d_x, d_weight, None
 
 
-def fp32_linear_of_bf16(
-    x: torch.Tensor, weight: torch.Tensor, *, mm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = mm_fp32_out
-) -> torch.Tensor:
+def fp32_linear_of_bf16(x: torch.Tensor, weight: torch.Tensor, *, products: Fp32OutProducts = CUBLAS) -> torch.Tensor:
     """``x @ weight.T`` in fp32 arithmetic with exact products, rounded to bf16 (``[..., out]``).
 
     Args:
         x: bf16 ``[..., in]``.
         weight: fp32 ``[out, in]``.
-        mm: the bf16 x bf16 -> fp32 matrix product (the default is cuBLAS's; tests pass an
-            emulation with the same semantics on the CPU).
+        products: the bf16 x bf16 -> fp32 matrix products (cuBLAS's by default; the CPU tests
+            pass an emulation with the same semantics).
     """
     if x.dtype != torch.bfloat16:
         raise TypeError(f"x must be bfloat16, got {x.dtype}")
@@ -119,4 +130,4 @@ def fp32_linear_of_bf16(
         raise TypeError(f"weight must be a 2-D float32 tensor, got {weight.dtype} with {weight.ndim} dims")
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"x's last dim ({x.shape[-1]}) must equal weight's in_features ({weight.shape[1]})")
-    return _Fp32LinearOfBf16.apply(x, weight, mm)
+    return _Fp32LinearOfBf16.apply(x, weight, products)
