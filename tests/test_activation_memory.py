@@ -113,7 +113,7 @@ def test_recomputed_queries_give_the_gradients_of_kept_ones(monkeypatch, layer_i
 
     recomputed = gradients()
     monkeypatch.setattr(layer_module.DSASparseAttention, "_queries",
-                        lambda self, latent: self._normalized_queries(latent))  # fmt: skip
+                        lambda self, latent, angles: self._normalized_queries(latent, angles))  # fmt: skip
     kept = gradients()
     assert len(recomputed) == len(kept) > 3
     for got, expected in zip(recomputed, kept):

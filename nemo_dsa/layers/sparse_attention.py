@@ -98,6 +98,8 @@ from nemo_dsa.layers.norm import RMSNorm, rms_normalize
 from nemo_dsa.layers.rope import apply_rope, rope_angles
 from nemo_dsa.layers.shared_state import SharedLayerState, SourceState
 from nemo_dsa.ops.fp8 import fp8_quant_dequant
+from nemo_dsa.ops.head_norm_rope import head_rms_rope
+from nemo_dsa.ops.head_norm_rope.interface import kernels_support
 from nemo_dsa.ops.nvfp4 import nvfp4_quant_dequant
 from nemo_dsa.ops.sparse_attention import sparse_attention, sparse_window_attention
 from nemo_dsa.ops.sparse_attention.interface import _check_kernel_limits
@@ -105,6 +107,10 @@ from nemo_dsa.ops.sparse_attention.naive import window_key_indices
 
 
 FP8_BLOCK = 32  # V4.1 window KV: fp8 blocks of 32 channels
+# V4's per-head q norm + RoPE as one TileLang kernel each way on CUDA (ops/head_norm_rope) instead
+# of ~10 eager passes. Off until its GPU tests have passed on the H200 (written without a device:
+# docs/performance.md v15); tests/test_head_norm_rope_gpu.py runs it either way.
+FUSED_Q_NORM_ROPE = False
 NVFP4_BLOCK = 16  # V4.1 compressed KV: nvfp4 blocks of 16 channels
 
 
@@ -182,7 +188,7 @@ class DSASparseAttention(KeepsFP32Parameters):
         shared = shared if shared is not None else SharedLayerState()
         angles = rope_angles(meta.local_positions, self.rope_dim, self.rope_theta, self.rope_scaling)
         query_latent = self.q_norm(self.wq_a(x))
-        q = apply_rope(self._queries(query_latent), angles)
+        q = self._queries(query_latent, angles)
         kv = apply_rope(self.kv_norm(self.wkv(x)), angles)
         if self.config.window_kv_quant == "fp8":
             kv = fp8_quant_dequant(kv, FP8_BLOCK)
@@ -205,23 +211,29 @@ class DSASparseAttention(KeepsFP32Parameters):
 
     # -- pieces -------------------------------------------------------------------------------
 
-    def _queries(self, query_latent: torch.Tensor) -> torch.Tensor:
-        """``wq_b`` into heads, then (V4) the weightless per-head RMS.
+    def _queries(self, query_latent: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+        """``wq_b`` into heads, (V4) the weightless per-head RMS, then RoPE.
 
-        With the per-head RMS under autograd, ``wq_b`` and the norm are recomputed in the backward
-        from ``query_latent`` (which ``wq_b`` keeps anyway): otherwise the un-normalised q would be
+        With the per-head RMS under autograd, the three are recomputed in the backward from
+        ``query_latent`` (which ``wq_b`` keeps anyway): otherwise the un-normalised q would be
         kept for the norm's backward, [S, H, head_dim] (64 KiB a token a layer at V4-Flash shapes,
         as much as the attention's own q), for one more ``wq_b`` GEMM and norm (predicted ~3 % of a
         V4-Flash-shaped step; docs/performance.md v15). Without the norm nothing keeps that q (RoPE's
         backward needs only its angles), so nothing is recomputed."""
         if not self.config.q_head_rms:
-            return self.wq_b(query_latent).unflatten(-1, (self.n_heads, self.head_dim))
+            return apply_rope(self.wq_b(query_latent).unflatten(-1, (self.n_heads, self.head_dim)), angles)
         if torch.is_grad_enabled():
-            return checkpoint(self._normalized_queries, query_latent, use_reentrant=False, preserve_rng_state=False)
-        return self._normalized_queries(query_latent)
+            return checkpoint(
+                self._normalized_queries, query_latent, angles, use_reentrant=False, preserve_rng_state=False
+            )
+        return self._normalized_queries(query_latent, angles)
 
-    def _normalized_queries(self, query_latent: torch.Tensor) -> torch.Tensor:
-        return rms_normalize(self.wq_b(query_latent).unflatten(-1, (self.n_heads, self.head_dim)), self.eps)
+    def _normalized_queries(self, query_latent: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+        q = self.wq_b(query_latent).unflatten(-1, (self.n_heads, self.head_dim))
+        fused = FUSED_Q_NORM_ROPE and q.is_cuda and q.dtype == torch.bfloat16
+        if fused and kernels_support(self.head_dim, self.rope_dim):
+            return head_rms_rope(q, angles, self.eps, backend="tilelang")
+        return apply_rope(rms_normalize(q, self.eps), angles)
 
     def _output_projection(self, out: torch.Tensor) -> torch.Tensor:
         """``[B, S, H * head_dim]`` -> ``[B, S, hidden]``: grouped ``wo_a`` then ``wo_b``, or ``wo``."""
