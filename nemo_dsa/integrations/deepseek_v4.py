@@ -55,12 +55,12 @@ from nemo_automodel.components.models.deepseek_v4.config import DeepseekV4Config
 from nemo_automodel.components.models.deepseek_v4.model import DeepseekV4CausalLMOutput, DeepseekV4ForCausalLM
 
 from nemo_dsa.integrations.aux_loss import attach_indexer_loss
-from nemo_dsa.integrations.lm_head import Fp32HeadLinear, adopt_fp32_head, called_with_bf16
 from nemo_dsa.integrations.deepseek_v4_attention import (
     DsaForwardState,
     NemoDsaDeepseekV4Attention,
     adopt_builtin_layout,
 )
+from nemo_dsa.integrations.lm_head import Fp32HeadLinear, adopt_fp32_head, called_with_bf16
 from nemo_dsa.layers.shared_state import SharedLayerState
 from nemo_dsa.metadata import build_attention_metadata_for_ratios
 from nemo_dsa.models.dsa_lm.configuration import DSAModelConfig

@@ -98,8 +98,7 @@ from nemo_dsa.layers.norm import RMSNorm, rms_normalize
 from nemo_dsa.layers.rope import apply_rope, rope_angles
 from nemo_dsa.layers.shared_state import SharedLayerState, SourceState
 from nemo_dsa.ops.fp8 import fp8_quant_dequant
-from nemo_dsa.ops.head_norm_rope import head_rms_rope
-from nemo_dsa.ops.head_norm_rope.interface import kernels_support
+from nemo_dsa.ops.head_norm_rope import head_rms_rope, kernels_support
 from nemo_dsa.ops.nvfp4 import nvfp4_quant_dequant
 from nemo_dsa.ops.sparse_attention import sparse_attention, sparse_window_attention
 from nemo_dsa.ops.sparse_attention.interface import _check_kernel_limits
@@ -107,11 +106,11 @@ from nemo_dsa.ops.sparse_attention.naive import window_key_indices
 
 
 FP8_BLOCK = 32  # V4.1 window KV: fp8 blocks of 32 channels
+NVFP4_BLOCK = 16  # V4.1 compressed KV: nvfp4 blocks of 16 channels
 # V4's per-head q norm + RoPE as one TileLang kernel each way on CUDA (ops/head_norm_rope) instead
 # of ~10 eager passes. Off until its GPU tests have passed on the H200 (written without a device:
 # docs/performance.md v15); tests/test_head_norm_rope_gpu.py runs it either way.
 FUSED_Q_NORM_ROPE = False
-NVFP4_BLOCK = 16  # V4.1 compressed KV: nvfp4 blocks of 16 channels
 
 
 class DSASparseAttention(KeepsFP32Parameters):

@@ -6,6 +6,7 @@ from nemo_dsa._lazy import lazy_exports
 _EXPORTS = {
     "head_rms_rope": "nemo_dsa.ops.head_norm_rope.interface",
     "head_rms_rope_reference": "nemo_dsa.ops.head_norm_rope.naive",
+    "kernels_support": "nemo_dsa.ops.head_norm_rope.interface",
 }
 
 __all__ = sorted(_EXPORTS)
