@@ -103,3 +103,36 @@ def test_bad_operands_are_named():
 def test_the_split_is_for_cuda_operands_only():
     x, weight = operands((2,), 8, 4, 0)
     assert not split_applies(x, weight)  # CPU: the module's fp32 F.linear
+
+
+@pytest.mark.parametrize("rows, inner, out", [((3, 37), 96, 333), ((2, 7), 64, 300)])
+def test_fp32_logits_and_their_fp32_gradient(monkeypatch, rows, inner, out):
+    """V4.1's head keeps its logits in fp32: no rounding in the forward, and the fp32 gradient goes
+    into three pieces (six products for dx, three for dw) with fp32 precision."""
+    monkeypatch.setattr(split, "CHUNK_ROWS", 128)
+    x, weight = operands(rows, inner, out, stable_seed(("fp32 out", rows, inner, out)))
+    grad = torch.randn(*rows, out, generator=torch.Generator().manual_seed(5)) * 1e-3  # not bf16-valued
+    x1, w1 = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    got = fp32_linear_of_bf16(x1, w1, out_dtype=torch.float32, products=EMULATED)
+    got.backward(grad)
+    x2, w2 = x.double().requires_grad_(), weight.double().requires_grad_()
+    exact = F.linear(x2, w2)
+    exact.backward(grad.double())
+    assert got.dtype == torch.float32
+    noise = x.double().abs() @ weight.double().abs().T * 2.0**-20
+    assert ((got.double() - exact.detach()).abs() <= noise).all()
+    d_noise = grad.double().abs() @ weight.double().abs() * 2.0**-20
+    assert ((x1.grad.double() - x2.grad).abs() <= ulp_bf16(x2.grad) * 0.5 + d_noise).all()
+    w_noise = grad.double().abs().flatten(0, -2).T @ x.double().abs().flatten(0, -2) * 2.0**-20
+    assert ((w1.grad.double() - w2.grad).abs() <= w_noise).all()
+
+
+def test_fp32_gradient_pieces_matter():
+    """Dropping the gradient's second and third pieces (a bf16 rounding of the gradient) fails the
+    bound above: the split of an fp32 gradient is needed, not decoration."""
+    x, weight = operands((4, 9), 64, 200, 11)
+    grad = torch.randn(4, 9, 200, generator=torch.Generator().manual_seed(2)) * 1e-3
+    rounded = grad.to(torch.bfloat16).double()
+    exact = grad.double() @ weight.double()
+    d_noise = grad.double().abs() @ weight.double().abs() * 2.0**-20
+    assert ((rounded @ weight.double() - exact).abs() > ulp_bf16(exact) * 0.5 + d_noise).any()

@@ -31,9 +31,9 @@ def split_on_cpu(monkeypatch):
     """The split path on CPU operands; returns the list of calls it served."""
     calls = []
 
-    def split(x, weight):
-        calls.append(x.dtype)
-        return fp32_linear_of_bf16(x, weight, products=EMULATED)
+    def split(x, weight, out_dtype=torch.bfloat16):
+        calls.append(out_dtype)
+        return fp32_linear_of_bf16(x, weight, out_dtype=out_dtype, products=EMULATED)
 
     monkeypatch.setattr(lm_head, "split_applies", lambda x, weight: True)
     monkeypatch.setattr(lm_head, "fp32_linear_of_bf16", split)
@@ -82,11 +82,13 @@ def test_fp32_inputs_take_it_only_when_announced_as_bf16_values(split_on_cpu):
         assert split_on_cpu == [] and plain.dtype == torch.float32
         with called_with_bf16(module, x):
             announced = module(x)
-        assert split_on_cpu == [torch.bfloat16] and announced.dtype == torch.bfloat16
-        assert not module.bf16_valued_input  # cleared after the call
+        # The module answers in its input's dtype (fp32 here, as the fp32 F.linear would).
+        assert split_on_cpu == [torch.float32] and announced.dtype == torch.float32
+        assert not module.bf16_valued_input  # cleared by the call
+        assert module(x).dtype == torch.float32 and split_on_cpu == [torch.float32]  # one call only
     finally:
         upcast.remove()
-    torch.testing.assert_close(announced.float(), plain, rtol=2**-8, atol=0)
+    torch.testing.assert_close(announced, plain, rtol=1e-5, atol=1e-5)
 
 
 def test_gradients_through_the_module_match_fp32_autograd(split_on_cpu):
@@ -107,3 +109,27 @@ def test_the_plugin_adopts_it():
 
     plugin = build_plugin(tiny_config())
     assert type(plugin.lm_head) is Fp32HeadLinear and plugin.lm_head.weight.dtype == torch.float32
+
+
+def test_the_v41_plugin_announces_its_bf16_hidden_state(split_on_cpu):
+    """The built-in V4.1 forward casts the bf16 hidden state to the fp32 head's dtype itself: the
+    plugin's hook on the backbone announces it, so the head's one call takes the split (fp32 logits,
+    as the built-in returns), and nothing stays announced after the forward."""
+    from test_deepseek_v41_plugin import backend, batch, config  # skips without nemo-automodel
+
+    from nemo_dsa.integrations.deepseek_v41 import NemoDsaDeepseekV41ForCausalLM
+
+    torch.manual_seed(0)
+    model = NemoDsaDeepseekV41ForCausalLM(config(), backend=backend())
+    model.initialize_weights(buffer_device=torch.device("cpu"), dtype=torch.bfloat16)  # the head stays fp32
+    assert type(model.lm_head) is Fp32HeadLinear and model.lm_head.weight.dtype == torch.float32
+    inputs = batch("rows")
+    with torch.no_grad():
+        fast = model(**inputs).logits
+    assert split_on_cpu == [torch.float32] and fast.dtype == torch.float32
+    assert not model.lm_head.bf16_valued_input
+    with torch.no_grad():
+        hidden, _ = model.model(inputs["input_ids"], attention_mask=inputs["attention_mask"])
+    exact = hidden.double() @ model.lm_head.weight.double().T
+    noise = hidden.double().abs() @ model.lm_head.weight.double().abs().T * 2.0**-20
+    assert ((fast.double() - exact).abs() <= noise).all()

@@ -1,11 +1,13 @@
 """``NemoDsaDeepseekV41ForCausalLM``: nemo-automodel's DeepSeek-V4.1 with every attention layer on nemo_dsa.
 
 The class *is* nemo-automodel 0.7.0's ``DeepseekV41ForCausalLM`` (a subclass): embeddings, the
-single-pass hyper-connections, the MoE, Engram, the vision tower, the LM head, the forward (its
-THD packing, labels and loss) and the state-dict adapter (released HF checkpoints, FP8 ``.scale``
-tensors included) are the built-in's, untouched. DSpark (V4.1's MTP) is a separate model and is
-not affected. Only each block's ``attn`` is replaced by ``NemoDsaDeepseekV41Attention``, which
-computes with nemo_dsa's ``DSASparseAttention`` (its metadata, compressors, indexer, selection and
+single-pass hyper-connections, the MoE, Engram, the vision tower, the LM head's parameter, the
+forward (its THD packing, labels and loss) and the state-dict adapter (released HF checkpoints, FP8
+``.scale`` tensors included) are the built-in's, untouched. DSpark (V4.1's MTP) is a separate model
+and is not affected. The fp32 ``lm_head`` becomes an ``Fp32HeadLinear`` (the same ``nn.Linear``
+and parameter; its fp32 logits of the bf16 hidden state in exact bf16 products on the GPU,
+``integrations/lm_head.py``), and each block's ``attn`` is replaced by
+``NemoDsaDeepseekV41Attention``, which computes with nemo_dsa's ``DSASparseAttention`` (its metadata, compressors, indexer, selection and
 attention ops; none of the built-in's kernels, masks or indexer) under the built-in's parameter
 names, configured by ``DSAModelConfig.from_hf_config`` from the V4.1 text config.
 
@@ -29,6 +31,7 @@ from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCa
 
 from nemo_dsa.integrations.deepseek_v4_attention import adopt_builtin_layout
 from nemo_dsa.integrations.deepseek_v41_attention import NemoDsaDeepseekV41Attention
+from nemo_dsa.integrations.lm_head import Fp32HeadLinear, adopt_fp32_head, announce_bf16_hidden
 from nemo_dsa.models.dsa_lm.configuration import DSAModelConfig
 
 __all__ = ["ARCHITECTURE", "NemoDsaDeepseekV41ForCausalLM", "dsa_config_from_deepseek_v41"]
@@ -68,6 +71,17 @@ class NemoDsaDeepseekV41ForCausalLM(DeepseekV41ForCausalLM):
         self.config.architectures = [ARCHITECTURE]
         for name, block in self.model.layers.items():
             block.attn = self._nemo_dsa_attention(block.attn, int(name))
+        adopt_fp32_head(self)
+        announce_bf16_hidden(self.model, self.lm_head)
+
+    def forward(self, *args: Any, **kwargs: Any):
+        """The built-in's forward; its fp32 head takes the bf16 backbone output in exact bf16
+        products (``integrations/lm_head.py``), and no announcement outlives the forward."""
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            if isinstance(self.lm_head, Fp32HeadLinear):
+                self.lm_head.bf16_valued_input = False
 
     def _nemo_dsa_attention(self, builtin: torch.nn.Module, layer_idx: int) -> NemoDsaDeepseekV41Attention:
         """The replacement of ``builtin``: same parameter names, shapes, dtypes and device."""

@@ -10,7 +10,9 @@ remainder exact in fp32; the three pieces carry its 24 significant bits, with at
 ``w`` left out), and each product of two bf16 numbers is exact in fp32. Three bf16 GEMMs with fp32
 accumulation then give the fp32 GEMM's result up to the order of the fp32 additions, before the
 same final rounding. The backward needs three for ``dx = g @ w`` and one for
-``dw = g^T @ x``: seven bf16 GEMMs against three fp32 ones, at the tensor cores' rate.
+``dw = g^T @ x``: seven bf16 GEMMs against three fp32 ones, at the tensor cores' rate. With fp32
+logits (``out_dtype``; V4.1) their gradient is fp32 too and goes into three pieces as well: the
+products of pieces that reach fp32 precision are six for dx and three for dw (twelve GEMMs).
 
 The weight is processed in chunks of CHUNK_ROWS output rows, so the pieces and the fp32
 accumulator of one chunk are all that exists beyond the inputs and outputs.
@@ -79,18 +81,23 @@ def split_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )  # fmt: skip
 
 
+# Pairs (i, j) of the gradient's and the weight's bf16 pieces whose products reach fp32 precision:
+# a piece's size is 2^-8 of the one before, so i + j > 2 is below 2^-24 of the leading product.
+_PAIRS = [(i, j) for i in range(3) for j in range(3) if i + j <= 2]
+
+
 class _Fp32LinearOfBf16(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, products):
+    def forward(ctx, x, weight, out_dtype, products):
         rows = x.reshape(-1, x.shape[-1])
-        out = rows.new_empty(rows.shape[0], weight.shape[0])
+        out = rows.new_empty(rows.shape[0], weight.shape[0], dtype=out_dtype)
         for start in range(0, weight.shape[0], CHUNK_ROWS):
             chunk = slice(start, start + CHUNK_ROWS)
             first, *rest = bf16_pieces(weight[chunk])
             acc = products.mm(rows, first.t())
             for piece in rest:
                 products.mm_add_(acc, rows, piece.t())
-            out[:, chunk] = acc  # rounded once to bf16
+            out[:, chunk] = acc  # bf16 logits: rounded once
         ctx.save_for_backward(x, weight)
         ctx.products = products
         return out.view(*x.shape[:-1], weight.shape[0])
@@ -100,27 +107,38 @@ class _Fp32LinearOfBf16(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         products = ctx.products
         rows = x.reshape(-1, x.shape[-1])
-        grad = grad.reshape(-1, weight.shape[0]).to(torch.bfloat16)  # bf16 already: the logits' dtype
+        grad = grad.reshape(-1, weight.shape[0])
         d_rows = rows.new_zeros(rows.shape, dtype=torch.float32) if ctx.needs_input_grad[0] else None
         d_weight = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
         for start in range(0, weight.shape[0], CHUNK_ROWS):
             chunk = slice(start, start + CHUNK_ROWS)
-            grad_chunk = grad[:, chunk]
+            # bf16 logits have a bf16 gradient (one piece); fp32 logits' gradient takes three.
+            grad_pieces = (grad[:, chunk],) if grad.dtype == torch.bfloat16 else bf16_pieces(grad[:, chunk].float())
             if d_rows is not None:
-                for piece in bf16_pieces(weight[chunk]):
-                    products.mm_add_(d_rows, grad_chunk, piece)
+                weight_pieces = bf16_pieces(weight[chunk])
+                for i, j in _PAIRS:
+                    if i < len(grad_pieces):
+                        products.mm_add_(d_rows, grad_pieces[i], weight_pieces[j])
             if d_weight is not None:
-                d_weight[chunk] = products.mm(grad_chunk.t(), rows)
+                first, *rest = grad_pieces
+                d_weight[chunk] = products.mm(first.t(), rows)
+                for piece in rest:
+                    products.mm_add_(d_weight[chunk], piece.t(), rows)
         d_x = None if d_rows is None else d_rows.to(x.dtype).view(x.shape)
-        return d_x, d_weight, None
+        return d_x, d_weight, None, None
 
 
-def fp32_linear_of_bf16(x: torch.Tensor, weight: torch.Tensor, *, products: Fp32OutProducts = CUBLAS) -> torch.Tensor:
-    """``x @ weight.T`` in fp32 arithmetic with exact products, rounded to bf16 (``[..., out]``).
+def fp32_linear_of_bf16(
+    x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype = torch.bfloat16,
+    products: Fp32OutProducts = CUBLAS,
+) -> torch.Tensor:  # fmt: skip
+    """``x @ weight.T`` in fp32 arithmetic with exact products (``[..., out]``), in ``out_dtype``.
 
     Args:
         x: bf16 ``[..., in]``.
         weight: fp32 ``[out, in]``.
+        out_dtype: bf16 (the value rounded once; V4's logits) or fp32 (V4.1's logits, whose fp32
+            gradient then goes into three bf16 pieces too: six products for dx, three for dw).
         products: the bf16 x bf16 -> fp32 matrix products (cuBLAS's by default; the CPU tests
             pass an emulation with the same semantics).
     """
@@ -130,4 +148,6 @@ def fp32_linear_of_bf16(x: torch.Tensor, weight: torch.Tensor, *, products: Fp32
         raise TypeError(f"weight must be a 2-D float32 tensor, got {weight.dtype} with {weight.ndim} dims")
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"x's last dim ({x.shape[-1]}) must equal weight's in_features ({weight.shape[1]})")
-    return _Fp32LinearOfBf16.apply(x, weight, products)
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
+    return _Fp32LinearOfBf16.apply(x, weight, out_dtype, products)
