@@ -1,14 +1,18 @@
-"""The fp32 LM head of a bf16 model: nemo-automodel's ``fp32_lm_head`` projection against
-nemo_dsa's ``Fp32HeadLinear`` (the same weight, its products exact on bf16 tensor cores).
+"""The fp32 LM head of a bf16 model: nemo-automodel's projection against nemo_dsa's
+``Fp32HeadLinear`` (the same weight, its products exact on bf16 tensor cores).
 
-The built-in side is ``compute_lm_head_logits(lm_head, hidden, fp32_lm_head=True)`` with a plain
-fp32 ``nn.Linear``: ``lm_head(hidden.float()).to(bf16)``, fp32 GEMMs. nemo_dsa's side calls the
-``Fp32HeadLinear`` with the bf16 hidden state, as the V4 plugin's forward does. Both: median
+Two kinds of logits, as the two models use them. ``bf16`` (DeepSeek-V4): the built-in side is
+``compute_lm_head_logits(lm_head, hidden, fp32_lm_head=True)`` with a plain fp32 ``nn.Linear``,
+``lm_head(hidden.float()).to(bf16)``; nemo_dsa's calls the ``Fp32HeadLinear`` with the bf16 hidden
+state, as the V4 plugin does. ``fp32`` (V4.1): ``compute_lm_head_logits(lm_head, hidden)``, fp32
+logits, on both sides, nemo_dsa's head told that its fp32 input holds bf16 values (as the V4.1
+plugin's hook does). Both: median
 CUDA-event times of the forward and of forward + backward (a bf16 logits gradient, as from the
 loss), TFLOP/s on the fp32 GEMMs' work (2 N K V forward, 6 N K V forward + backward), peak memory
 above the inputs, the ratio; and the largest logit difference between the sides in bf16 ulps.
 
     python examples/benchmark_lm_head.py --rows 16384 --hidden 4096 --vocab 32768 129280 --json head.json
+    python examples/benchmark_lm_head.py --hidden 5120 --logits fp32   # the V4.1 step model's head
 """
 
 from __future__ import annotations
@@ -22,29 +26,37 @@ from torch import nn
 from benchmark_attention import median_ms, peak_mib
 
 
-def sides(hidden: int, vocab: int):
+def sides(hidden: int, vocab: int, logits: str):
     from nemo_automodel.components.models.common.utils import compute_lm_head_logits
 
-    from nemo_dsa.integrations.lm_head import Fp32HeadLinear
+    from nemo_dsa.integrations.lm_head import Fp32HeadLinear, called_with_bf16
 
     builtin = nn.Linear(hidden, vocab, bias=False, device="cuda", dtype=torch.float32)
     nn.init.normal_(builtin.weight, std=hidden**-0.5)
     ours = nn.Linear(hidden, vocab, bias=False, device="cuda", dtype=torch.float32)
     ours.load_state_dict(builtin.state_dict())
     ours.__class__ = Fp32HeadLinear
-    return {
-        "built-in": lambda h: compute_lm_head_logits(builtin, h, fp32_lm_head=True).logits,
-        "nemo_dsa": lambda h: ours(h).to(h.dtype),
-    }, (builtin, ours)
+    if logits == "bf16":
+        return {
+            "built-in": lambda h: compute_lm_head_logits(builtin, h, fp32_lm_head=True).logits,
+            "nemo_dsa": lambda h: ours(h).to(h.dtype),
+        }, (builtin, ours)
+
+    def announced(h):
+        with called_with_bf16(ours, h):
+            return compute_lm_head_logits(ours, h).logits
+
+    return {"built-in": lambda h: compute_lm_head_logits(builtin, h).logits, "nemo_dsa": announced}, (builtin, ours)
 
 
-def run(rows: int, hidden: int, vocab: int, iters: int) -> dict:
-    fns, modules = sides(hidden, vocab)
+def run(rows: int, hidden: int, vocab: int, logits: str, iters: int) -> dict:
+    fns, modules = sides(hidden, vocab, logits)
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(rows, hidden, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
-    grad = torch.randn(rows, vocab, device="cuda", generator=gen).to(torch.bfloat16)
+    logits_dtype = torch.bfloat16 if logits == "bf16" else torch.float32
+    grad = torch.randn(rows, vocab, device="cuda", generator=gen).to(logits_dtype)
     flops = 2 * rows * hidden * vocab
-    row = {"rows": rows, "hidden": hidden, "vocab": vocab}
+    row = {"rows": rows, "hidden": hidden, "vocab": vocab, "logits": logits}
     with torch.no_grad():
         a, b = fns["built-in"](x), fns["nemo_dsa"](x)
     ulp = torch.exp2(torch.floor(torch.log2(a.float().abs().clamp_min(2.0**-126))) - 7)
@@ -73,20 +85,21 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[16384])
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--vocab", type=int, nargs="+", default=[32768, 129280])
+    parser.add_argument("--logits", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp32"])
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmark_lm_head.py needs a CUDA GPU")
-    rows = [run(n, args.hidden, v, args.iters) for n in args.rows for v in args.vocab]
-    print("| N x K x V | built-in fwd / fwd+bwd ms (TFLOP/s) | nemo_dsa fwd / fwd+bwd ms (TFLOP/s) | ratio fwd / fwd+bwd | peak MiB built-in / nemo_dsa | max diff (bf16 ulps) |")
-    print("|---|---|---|---|---|---|")
+    rows = [run(n, args.hidden, v, kind, args.iters) for kind in args.logits for n in args.rows for v in args.vocab]
+    print("| logits | N x K x V | built-in fwd / fwd+bwd ms (TFLOP/s) | nemo_dsa fwd / fwd+bwd ms (TFLOP/s) | ratio fwd / fwd+bwd | peak MiB built-in / nemo_dsa | max diff (bf16 ulps) |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         b, o = r["built-in"], r["nemo_dsa"]
-        print(f"| {r['rows']} x {r['hidden']} x {r['vocab']} | {b['fwd_ms']:.2f} / {b['fwd_bwd_ms']:.2f} "
+        print(f"| {r['logits']} | {r['rows']} x {r['hidden']} x {r['vocab']} | {b['fwd_ms']:.2f} / {b['fwd_bwd_ms']:.2f} "
               f"({b['fwd_tflops']:.0f} / {b['fwd_bwd_tflops']:.0f}) | {o['fwd_ms']:.2f} / {o['fwd_bwd_ms']:.2f} "
               f"({o['fwd_tflops']:.0f} / {o['fwd_bwd_tflops']:.0f}) | {r['fwd_ratio']:.2f}x / {r['fwd_bwd_ratio']:.2f}x | "
-              f"{b['peak_mib']:.0f} / {o['peak_mib']:.0f} | {r['max_diff_ulps']:.0f} |")  # fmt: skip
+              f"{b['peak_mib']:.0f} / {o['peak_mib']:.0f} | {r['max_diff_ulps']:.2f} |")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
