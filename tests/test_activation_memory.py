@@ -49,10 +49,10 @@ def reference_backward(inputs, out, lse, grad_out, *, need_dq=True, need_d_raw=T
     return dq, d_raw, d_comp, delta
 
 
-@pytest.fixture
-def kernel_function_on_cpu(monkeypatch):
+def route_attention_through_the_kernel_function(monkeypatch) -> None:
     """The layer's attention through the kernels' own autograd Function (what it keeps is what the
-    GPU keeps), with the reference computing in place of the kernels."""
+    GPU keeps), with the reference computing in place of the kernels (also used by
+    examples/saved_activations.py)."""
     monkeypatch.setattr(kernels, "KernelInputs", OperandsAsGiven)
     monkeypatch.setattr(kernels, "sparse_window_forward", reference_forward)
     monkeypatch.setattr(kernels, "sparse_window_backward", reference_backward)
@@ -62,6 +62,11 @@ def kernel_function_on_cpu(monkeypatch):
         return SparseWindowAttentionFunction.apply(q, raw_kv, window_start, window, compressed_kv, indices, ks, ke, sink, scale)
 
     monkeypatch.setattr(layer_module, "sparse_window_attention", attention)
+
+
+@pytest.fixture
+def kernel_function_on_cpu(monkeypatch):
+    route_attention_through_the_kernel_function(monkeypatch)
 
 
 def kept_storages(fn):
