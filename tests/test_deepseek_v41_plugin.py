@@ -29,7 +29,7 @@ The rounding bound at model level: layer by layer, the two stacks' attention inp
 / MXFP4 rounding mid-point (or a block scale at a power of two, or two index scores that close)
 goes the other way in one of them; the release does the same under any reordering of its own fp32
 sums. In the main test such flips of the window-KV fp8 and compressed-KV NVFP4 codes are found and
-reconciled (``CacheRoundingFlips``: same value to 1e-5, neighbouring codes; at most 8 a forward),
+reconciled (``CacheRoundingFlips``: the same value to 1e-5, other codes; at most 8 a forward),
 so that the comparison holds to 1e-5 on any CPU: on an AVX2 machine none happened (logits 4e-7),
 on an AVX-512 Xeon one window-KV element of layer 5 flips on the packed batch (logits 3.9e-5
 without the reconciliation, 4e-7 with it). With the checkpoint files'
@@ -172,7 +172,7 @@ MAX_FLIPS = 8
 
 class CacheRoundingFlips:
     """Reconciles the plugin's window-KV fp8 and compressed-KV NVFP4 roundings with the built-in's
-    where both sides rounded the same value (to fp32 order) to neighbouring codes, and records each
+    where both sides rounded the same value (to fp32 order) to different codes, and records each
     such flip. The built-in's roundings are recorded during its forward; the plugin's forward that
     follows (same inputs) takes the built-in's code wherever its own differs and its input agrees
     to SAME_VALUE, keeping its own gradient path. A value differing beyond that is left alone (the
