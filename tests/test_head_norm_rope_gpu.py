@@ -67,7 +67,7 @@ def test_the_layer_with_the_fused_queries_matches_the_eager_ones(monkeypatch, la
     from test_layers import make_layer, packed_ids, run
 
     cfg = tiny_config(hidden_size=64, num_attention_heads=8, head_dim=128, qk_rope_head_dim=64, q_lora_rank=32,
-                      backend="tilelang")  # fmt: skip
+                      index_head_dim=64, backend="tilelang")  # fmt: skip
     x = torch.randn(2, 96, cfg.hidden_size, generator=torch.Generator().manual_seed(3)).cuda().to(torch.bfloat16)
     ids = packed_ids([[40, 56], [77]], seq=96).cuda()
     results = {}
