@@ -30,9 +30,9 @@ The rounding bound at model level: layer by layer, the two stacks' attention inp
 goes the other way in one of them; the release does the same under any reordering of its own fp32
 sums. In the main test such flips of the window-KV fp8 and compressed-KV NVFP4 codes are found and
 reconciled (``CacheRoundingFlips``: the same value to 1e-5, other codes; at most 8 a forward),
-so that the comparison holds to 1e-5 on any CPU: on an AVX2 machine none happened (logits 4e-7),
-on an AVX-512 Xeon one window-KV element of layer 5 flips on the packed batch (logits 3.9e-5
-without the reconciliation, 4e-7 with it). With the checkpoint files'
+so that the comparison holds to 1e-5 on any CPU: on the machine of earlier sessions none happened
+(logits 4e-7); on an AVX-512 Xeon one window-KV element of layer 5 flips on the packed batch
+(logits 3.9e-5 without the reconciliation, 4e-7 with it). With the checkpoint files'
 bf16 / FP8 weights something does: exactly one window-KV element of layer 4 (bf16 files; logits
 5e-4), and, with FP8 files, three later selections (logits 0.144). The checkpoint tests therefore
 measure the built-in's own logit movement when its attention outputs move by 3e-7 relative (three
