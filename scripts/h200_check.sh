@@ -3,7 +3,8 @@
 # kernels compiled in parallel first, then `pytest -m gpu`, the benchmarks against nemo-automodel's
 # built-in kernels, and short CUDA training runs in both scoring modes.
 #   source .device/env.sh; bash scripts/h200_check.sh "$OUT"
-# With two GPUs, add `cp` as a second argument for the NCCL context-parallel test and benchmark.
+# With two GPUs, add `cp` as a second argument for the NCCL context-parallel test and benchmark;
+# `step` as the second argument ends with the V4 and V4.1 model steps at S=16,384 instead.
 set -uo pipefail
 out=${1:?usage: h200_check.sh OUT_DIR [cp]}
 mkdir -p "$out"
@@ -53,4 +54,11 @@ if [ "${2:-}" = cp ]; then
   python3 -m pytest -q -p no:cacheprovider tests/test_cp_gpu.py 2>&1 | tail -5
   python3 -m torch.distributed.run --standalone --nproc-per-node 2 examples/benchmark_cp.py \
     --seq-len 65536 --out "$out/bench_cp.json" 2>&1 | grep -v INFO | tail -10
+fi
+
+if [ "${2:-}" = step ]; then
+  step "model steps at S=16,384: the plugins against the built-in models"
+  for family in v4 v41; do
+    python3 examples/benchmark_model_step.py --family $family --seq 16384 --out "$out/step_$family.json" 2>&1 | grep -v INFO | tail -6
+  done
 fi
