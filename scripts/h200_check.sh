@@ -46,7 +46,7 @@ step "CUDA training runs"
 for scoring in v4 v41; do
   python3 -m nemo_dsa.train device=cuda model=small recipe=h200 scoring=$scoring \
     recipe.max_steps=30 recipe.val_every=15 run_dir=/tmp/h200_$scoring resume=never recipe.progress_bar=false 2>&1 | grep -v INFO | tail -3
-  cp "/tmp/h200_$scoring/metrics.jsonl" "$out/train_$scoring.jsonl"
+  sed "s/^/{\"scoring\": \"$scoring\", \"record\": /; s/\$/}/" "/tmp/h200_$scoring/metrics.jsonl" >>"$out/train.jsonl"
 done
 
 if [ "${2:-}" = cp ]; then
@@ -59,6 +59,7 @@ fi
 if [ "${2:-}" = step ]; then
   step "model steps at S=16,384: the plugins against the built-in models"
   for family in v4 v41; do
-    python3 examples/benchmark_model_step.py --family $family --seq 16384 --out "$out/step_$family.json" 2>&1 | grep -v INFO | tail -6
+    python3 examples/benchmark_model_step.py --family $family --seq 16384 --out "/tmp/step_$family.json" 2>&1 | grep -v INFO | tail -6
   done
+  cat /tmp/step_v4.json /tmp/step_v41.json >"$out/steps.txt"  # the two JSON documents in one file (8 come back)
 fi
