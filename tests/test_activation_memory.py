@@ -2,8 +2,8 @@
 
 The layer's attention runs through the kernels' own autograd Function (which keeps q, the kv rows,
 out, lse, ...) with the reference computing in place of the kernels, so the layer's bookkeeping is
-counted as it is on the GPU. V4's per-head q RMS used to keep the un-normalised q in fp32 (twice the size of the bf16
-q): at V4-Flash shapes 128 KiB a token a layer.
+counted as it is on the GPU. V4's per-head q RMS used to keep the un-normalised q in fp32 (twice
+the size of the bf16 q): at V4-Flash shapes 128 KiB a token a layer.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def test_v4_layer_keeps_q_only_for_the_attention_op(kernel_function_on_cpu, laye
 
 @pytest.mark.parametrize("layer_idx", [0, 1, 2])
 def test_recomputed_queries_give_the_gradients_of_kept_ones(monkeypatch, layer_idx):
-    """The recompute of ``wq_b`` and the per-head RMS changes what is kept, never a gradient bit."""
+    """The recompute of ``wq_b``, the per-head RMS and RoPE changes what is kept, never a gradient bit."""
     cfg = tiny_config(hidden_size=48, num_attention_heads=8, head_dim=64, q_lora_rank=24)
     seq = 40
     ids = packed_ids([[17, 23], [40]], seq=seq)
