@@ -309,16 +309,23 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--profile", action="store_true", help="profile a few more steps per side (see above)")
     parser.add_argument("--profile-steps", type=int, default=2)
+    parser.add_argument("--fused-q-norm-rope", choices=["on", "off"], default=None,
+                        help="the plugin's V4 q norm + RoPE as one kernel or eager ops "
+                             "(layers.sparse_attention.FUSED_Q_NORM_ROPE; default: its value)")  # fmt: skip
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmark_model_step needs a CUDA GPU")
+    import nemo_dsa.layers.sparse_attention as attention_layer
+
+    if args.fused_q_norm_rope is not None:
+        attention_layer.FUSED_Q_NORM_ROPE = args.fused_q_norm_rope == "on"
     ratios = DEFAULT_RATIOS[args.family] if args.ratios is None else args.ratios
     config = model_config(args.family, ratios, args.vocab, args.experts)
     torch.manual_seed(0)
     rows = []
     profiles = []
     for seq in args.seq:
-        row = {"family": args.family, "S": seq}
+        row = {"family": args.family, "S": seq, "fused_q_norm_rope": attention_layer.FUSED_Q_NORM_ROPE}
         weights = None
         for side in args.sides:
             model = build(side, config, weights)

@@ -34,3 +34,36 @@ def test_matches_the_exact_product_and_its_gradients(rows, inner, out):
     d_noise = grad.double().abs() @ w64.detach().abs() * 2.0**-20
     assert ((x.grad.double() - x64.grad).abs() <= ulp_bf16(x64.grad) * 0.5 + d_noise).all()
     torch.testing.assert_close(weight.grad.double(), w64.grad, rtol=1e-5, atol=1e-5 * float(w64.grad.abs().max()))
+
+
+@pytest.mark.parametrize("layer_idx", [1, 2])  # ratio 4 (overlapping compressor and indexer), ratio 8
+def test_the_layers_compressors_on_exact_products_match_their_fp32_gemms(monkeypatch, layer_idx):
+    """A V4 layer with its compressors' bf16-token projections on exact products against the same
+    layer with the fp32 GEMMs (``split_applies`` off): the same values up to fp32 addition order."""
+    from helpers import tiny_config
+    from nemo_dsa.layers import compressor as compressor_module
+    from test_layers import make_layer, packed_ids, run
+
+    cfg = tiny_config(hidden_size=256, num_attention_heads=8, head_dim=128, qk_rope_head_dim=64, q_lora_rank=64,
+                      index_head_dim=64, backend="tilelang")  # fmt: skip
+    x = torch.randn(2, 192, cfg.hidden_size, generator=torch.Generator().manual_seed(11)).cuda().to(torch.bfloat16)
+    ids = packed_ids([[70, 122], [151]], seq=192).cuda()
+    results = {}
+    for split in (False, True):
+        if not split:
+            monkeypatch.setattr(compressor_module, "split_applies", lambda *args: False)
+        else:
+            monkeypatch.undo()
+        layer = make_layer(cfg, layer_idx, seed=9).cuda().to(torch.bfloat16)
+        assert layer.compressor.wkv.weight.dtype == torch.float32
+        inputs = x.clone().requires_grad_()
+        out, _ = run(layer, inputs, ids)
+        assert not out.isnan().any()
+        out.float().square().sum().backward()
+        compressors = [m for m in layer.modules() if isinstance(m, compressor_module.Compressor)]
+        # the indexer's compressor learns from the indexer loss only: no gradient from ``out``
+        weight_grads = [g for c in compressors for g in (c.wkv.weight.grad, c.wgate.weight.grad) if g is not None]
+        assert weight_grads
+        results[split] = [out.float(), inputs.grad.float(), *weight_grads]
+    for fp32_gemm, exact_products in zip(results[False], results[True]):
+        assert float((exact_products - fp32_gemm).norm() / fp32_gemm.norm()) < 1e-2

@@ -3,7 +3,10 @@
 Fresh random rows of very different scales, ragged sequence lengths, batches, head counts that
 take every block size, head dims 128 and 512; outputs poisoned with NaN before the kernels write.
 The forward must equal the reference (the same roundings) except where the fp32 sum of squares,
-added in another order, moves a value across a bf16 rounding mid-point: one ulp, in few elements.
+added in another order, moves a normalised value across a bf16 rounding mid-point (few elements).
+A rotary channel can then differ by more than one ulp of its own (small) value, so the rest of the
+roundings are checked from the kernel's own rstd, ``rope_reference(bf16(x * rstd))``: equal but
+for an FMA's rounding, one ulp in very few elements.
 The backward is held to two bf16 ulps of the reference's largest gradient in the row."""
 
 import pytest
@@ -13,6 +16,7 @@ from helpers import stable_seed
 from nemo_dsa.layers.rope import rope_angles
 from nemo_dsa.ops.head_norm_rope import head_rms_rope, head_rms_rope_reference
 from nemo_dsa.ops.head_norm_rope.interface import _kernel, _rows_and_tables
+from nemo_dsa.ops.head_norm_rope.naive import rope_reference
 
 pytestmark = [
     pytest.mark.gpu,
@@ -43,8 +47,23 @@ def test_forward_writes_every_element_and_matches_the_reference(case):
     torch.testing.assert_close(rstd, torch.rsqrt(xf.pow(2).mean(-1) + EPS), rtol=1e-6, atol=0)
     differs = q != ref
     assert differs.float().mean() < 1e-3, float(differs.float().mean())
-    ulp = torch.exp2(torch.floor(torch.log2(ref.float().abs().clamp_min(2.0**-126))) - 7)
-    assert ((q.float() - ref.float()).abs() <= ulp * 1.01).all()
+    normalised = (xf * rstd[:, None]).to(x.dtype).reshape(x.shape)
+    from_its_rstd = rope_reference(normalised, angles).reshape(rows.shape).float()
+    # nvcc may contract a rotation's products into an FMA (one fp32 rounding fewer): after
+    # cancellation, a small rotated value can round to another bf16 number, within one ulp of it
+    # plus the fp32 rounding of its two products
+    assert (q.float() != from_its_rstd).float().mean() < 1e-5
+    larger = torch.maximum(q.float().abs(), from_its_rstd.abs())
+    ulp = torch.exp2(torch.floor(torch.log2(larger.clamp_min(2.0**-126))) - 7)
+    magnitude = normalised.float().reshape(rows.shape).abs()
+    half = angles.shape[-1]
+    if half:
+        pair = magnitude[:, -2 * half :].unflatten(-1, (half, 2)).sum(-1, keepdim=True)
+        magnitude[:, -2 * half :] = pair.expand(-1, -1, 2).flatten(-2)
+    excess = (q.float() - from_its_rstd).abs() - (ulp * 1.01 + magnitude * 2.0**-22)
+    worst = int(excess.argmax())
+    assert float(excess.max()) <= 0, (worst, float(q.flatten()[worst]), float(from_its_rstd.flatten()[worst]),
+                                      float(magnitude.flatten()[worst]))  # fmt: skip
 
 
 @pytest.mark.parametrize("case", CASES)

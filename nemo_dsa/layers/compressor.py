@@ -16,7 +16,9 @@ token (with the layer's RoPE: ``compress_rope_theta`` and YaRN in the released m
 
 Precision, as the released DeepSeek-V4 runs it: ``wkv``, ``wgate`` and ``ape`` are fp32 parameters
 (kept fp32 inside bf16 models), the projections and the pooling run in fp32 (also under autocast),
-and the pooled key is cast to the input's dtype before the norm.
+and the pooled key is cast to the input's dtype before the norm. On the GPU the two projections of
+bf16 tokens are computed as exact bf16 products with fp32 accumulation (``ops/fp32_linear``), the
+fp32 GEMM's value up to the order of its additions.
 
 Position of a pooled key, compared with nemo-automodel 0.7.0's built-in DeepSeek-V4: the built-in
 rotates a packed document's key at ``(first-token local position // R) * R``, nemo_dsa at the
@@ -35,6 +37,7 @@ from nemo_dsa.layers.context import SequenceContext
 from nemo_dsa.layers.fp32_parameters import KeepsFP32Parameters
 from nemo_dsa.layers.norm import RMSNorm
 from nemo_dsa.layers.rope import apply_rope, rope_angles
+from nemo_dsa.ops.fp32_linear import fp32_linear_of_bf16, split_applies
 
 OVERLAP_RATIO = 4
 
@@ -104,10 +107,7 @@ class Compressor(KeepsFP32Parameters):
             pooled = F.linear(x[:, :groups], self.wkv.weight.to(x.dtype))
             pooled = pooled.masked_fill(~group_valid.unsqueeze(-1), 0.0)
             return self.norm(pooled).masked_fill(~group_valid.unsqueeze(-1), 0.0)
-        tokens = x[:, : groups * r].float()
-        with torch.autocast(x.device.type, enabled=False):
-            values = self.wkv(tokens)
-            logits = self.wgate(tokens)
+        values, logits = self._gate_projections(x[:, : groups * r])
         if self.overlap:
             values, logits = self._with_previous_group(values, logits, meta, ctx)
         else:
@@ -124,6 +124,19 @@ class Compressor(KeepsFP32Parameters):
         logits = torch.where(valid, logits, 0.0)
         pooled = (values * logits.softmax(dim=2)).sum(dim=2)
         return self.norm(pooled.to(x.dtype))
+
+    def _gate_projections(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 ``wkv(tokens)`` and ``wgate(tokens)``. Bf16 tokens on the GPU take both weights in
+        one exact-product GEMM chain on bf16 tensor cores (``fp32_linear_of_bf16``: the fp32
+        GEMM's result up to the order of fp32 additions; the input gradient summed over both in
+        fp32 and rounded once, as the ``.float()`` cast's backward does), not fp32 SIMT GEMMs."""
+        if split_applies(tokens, self.wkv.weight) and split_applies(tokens, self.wgate.weight):
+            weights = torch.cat((self.wkv.weight, self.wgate.weight))
+            both = fp32_linear_of_bf16(tokens, weights, out_dtype=torch.float32)
+            return both.split(self.wkv.out_features, dim=-1)
+        tokens = tokens.float()
+        with torch.autocast(tokens.device.type, enabled=False):
+            return self.wkv(tokens), self.wgate(tokens)
 
     def rotate(self, latent: torch.Tensor, meta) -> torch.Tensor:
         """``latent [B, G, head_dim]`` rotated at each group's first token's document-local position."""

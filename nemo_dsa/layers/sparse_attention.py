@@ -108,9 +108,9 @@ from nemo_dsa.ops.sparse_attention.naive import window_key_indices
 FP8_BLOCK = 32  # V4.1 window KV: fp8 blocks of 32 channels
 NVFP4_BLOCK = 16  # V4.1 compressed KV: nvfp4 blocks of 16 channels
 # V4's per-head q norm + RoPE as one TileLang kernel each way on CUDA (ops/head_norm_rope) instead
-# of ~10 eager passes. Off until its GPU tests have passed on the H200 (written without a device:
-# docs/performance.md v15); tests/test_head_norm_rope_gpu.py runs it either way.
-FUSED_Q_NORM_ROPE = False
+# of ~10 eager passes: -82 ms of a 518 ms V4 step at S = 16,384 on the H200 (docs/performance.md
+# v16). False restores the eager ops; tests/test_head_norm_rope_gpu.py runs the layer either way.
+FUSED_Q_NORM_ROPE = True
 
 
 class DSASparseAttention(KeepsFP32Parameters):

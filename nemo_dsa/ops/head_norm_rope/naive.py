@@ -17,6 +17,12 @@ def head_rms_rope_reference(x: torch.Tensor, angles: torch.Tensor, eps: float) -
     ``angles [B, S, half]`` (fp32); returned in ``x``'s dtype."""
     xf = x.float()
     y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return rope_reference(y, angles)
+
+
+def rope_reference(y: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """The rotation alone: ``y``'s last ``2 * angles.shape[-1]`` channels as interleaved pairs, in
+    fp32, rounded to ``y``'s dtype; the other channels unchanged."""
     half = angles.shape[-1]
     if half == 0:
         return y
@@ -24,4 +30,4 @@ def head_rms_rope_reference(x: torch.Tensor, angles: torch.Tensor, eps: float) -
     pairs = y[..., -2 * half :].float().unflatten(-1, (half, 2))
     even, odd = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
-    return torch.cat((y[..., : -2 * half], rotated.to(x.dtype)), dim=-1)
+    return torch.cat((y[..., : -2 * half], rotated.to(y.dtype)), dim=-1)
