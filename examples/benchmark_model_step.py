@@ -32,6 +32,10 @@ TileLang and nemo-automodel. S: a multiple of 128 (V4's ratio 128 and the kernel
     python examples/benchmark_model_step.py --seq 4096 16384 65536 --out step.json
     python examples/benchmark_model_step.py --family v41 --seq 4096 16384 --out step_v41.json
 
+``--activation-checkpointing full | selective`` wraps both sides' decoder blocks with nemo-automodel's
+``apply_ac`` (what a recipe's ``distributed.activation_checkpointing: true | selective`` does); long
+sequences need it (tests/test_activation_checkpointing.py checks the plugins' gradients under it).
+
 ``--profile`` runs torch.profiler over a few more steps of each side after the timed ones and
 writes the ops' self CUDA time (key_averages, grouped by op name) as a table to
 ``<out>.profile.txt`` (and prints it); the forward of every decoder-layer part is also marked
@@ -309,6 +313,9 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--profile", action="store_true", help="profile a few more steps per side (see above)")
     parser.add_argument("--profile-steps", type=int, default=2)
+    parser.add_argument("--activation-checkpointing", choices=["off", "full", "selective"], default="off",
+                        help="both sides' decoder blocks through nemo-automodel's apply_ac, as a recipe's "
+                             "distributed.activation_checkpointing: true | selective does")  # fmt: skip
     parser.add_argument("--fused-q-norm-rope", choices=["on", "off"], default=None,
                         help="the plugin's V4 q norm + RoPE as one kernel or eager ops "
                              "(layers.sparse_attention.FUSED_Q_NORM_ROPE; default: its value)")  # fmt: skip
@@ -325,12 +332,17 @@ def main() -> None:
     rows = []
     profiles = []
     for seq in args.seq:
-        row = {"family": args.family, "S": seq, "fused_q_norm_rope": attention_layer.FUSED_Q_NORM_ROPE}
+        row = {"family": args.family, "S": seq, "fused_q_norm_rope": attention_layer.FUSED_Q_NORM_ROPE,
+               "activation_checkpointing": args.activation_checkpointing}
         weights = None
         for side in args.sides:
             model = build(side, config, weights)
             if weights is None:  # the second side gets the first side's weights
                 weights = copy_weights(model)
+            if args.activation_checkpointing != "off":
+                from nemo_automodel.components.moe.parallelizer import apply_ac
+
+                apply_ac(model, selective=args.activation_checkpointing == "selective")
             try:
                 row[side] = time_steps(model, seq, args.vocab, args.steps, args.warmup)
             except torch.OutOfMemoryError:

@@ -1,0 +1,75 @@
+"""The plugins under nemo-automodel's activation checkpointing (CPU, fp32, tiny released structure).
+
+Long contexts need it: a V4 step keeps ~2.4 MiB a token for its backward without it
+(docs/performance.md v15-v16), so S = 65,536 does not fit one H200. A recipe turns it on with
+``distributed.activation_checkpointing: selective`` (or ``true``, which nemo-automodel 0.7.0's
+train_ft cannot run for these MoE models: tests/test_deepseek_v4_plugin_recipe.py); its MoE
+parallelizer then wraps every decoder block through ``apply_ac``, the function called here. The plugins'
+attention recomputes inside it (its own nested checkpoint of V4's queries included), so the
+gradients must be bitwise those of the plain step, every indexer parameter's too, and what the
+forward keeps must shrink to the blocks' inputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import skip_without_automodel
+
+try:
+    from nemo_automodel.components.moe.parallelizer import apply_ac
+except ImportError as error:
+    skip_without_automodel(error)
+
+from test_benchmark_model_step_cpu import SEQ, TINY, VOCAB, bench, redraw_attention_
+
+WRAPPED = "._checkpoint_wrapped_module"
+
+
+def step(model, family: str):
+    """Loss, every parameter's gradient (by the unwrapped name) and the bytes the forward kept."""
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, VOCAB, (1, SEQ[family] + 1), generator=gen)
+    positions = torch.arange(SEQ[family]).unsqueeze(0)
+    kept = {}
+
+    def pack(t):
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = model(tokens[:, :-1], position_ids=positions).logits
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+    loss.backward()
+    grads = {name.replace(WRAPPED, ""): p.grad for name, p in model.named_parameters()}
+    return loss.detach(), grads, sum(n for ptr, n in kept.items() if ptr not in parameters)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("selective", [False, True], ids=["full", "selective"])
+@pytest.mark.parametrize("family", ["v4", "v41"])
+def test_checkpointed_blocks_give_the_plain_steps_gradients(family, selective):
+    config = bench.model_config(family, bench.DEFAULT_RATIOS[family], VOCAB, 2, dtype="float32", **TINY[family])
+    if family == "v4":  # the indexers learn from their KL loss, which rides on the final hidden state
+        config.indexer_kl_coef = 0.5
+    cpu = {"device": "cpu", "dtype": torch.float32, "attn": "sdpa"}
+    torch.manual_seed(0)
+    plain = bench.build("plugin", config, **cpu)
+    redraw_attention_(plain, family, seed=5)
+    checkpointed = bench.build("plugin", config, bench.copy_weights(plain), **cpu)
+    apply_ac(checkpointed, selective=selective)
+    assert all(WRAPPED.strip(".") in dict(block.named_children()) for block in checkpointed.model.layers.values())
+
+    loss, grads, kept = step(plain, family)
+    loss_ac, grads_ac, kept_ac = step(checkpointed, family)
+    assert torch.equal(loss, loss_ac)
+    assert grads.keys() == grads_ac.keys()
+    indexer_grads = [name for name, g in grads.items() if ".indexer." in name and g is not None]
+    assert indexer_grads or family == "v41"  # V4's indexers train (V4.1's are frozen)
+    for name, grad in grads.items():
+        assert (grad is None) == (grads_ac[name] is None), name
+        assert grad is None or torch.equal(grad, grads_ac[name]), name
+    if not selective:  # selective AC stores its saved ops inside the checkpoint, out of the hooks' sight
+        assert kept_ac * 5 < kept, (kept_ac, kept)
