@@ -4,9 +4,10 @@
 # built-in kernels, and short CUDA training runs in both scoring modes.
 #   source .device/env.sh; bash scripts/h200_check.sh "$OUT"
 # With two GPUs, add `cp` as a second argument for the NCCL context-parallel test and benchmark;
-# `step` as the second argument ends with the V4 and V4.1 model steps at S=16,384 instead.
+# `step` as the second argument ends with the V4 and V4.1 model steps at S=16,384 instead, `long`
+# with V4 steps under selective activation checkpointing up to S=131,072.
 set -uo pipefail
-out=${1:?usage: h200_check.sh OUT_DIR [cp]}
+out=${1:?usage: h200_check.sh OUT_DIR [cp|step|long]}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 step() { echo "== $* ($(date +%T))"; }
@@ -62,4 +63,13 @@ if [ "${2:-}" = step ]; then
     python3 examples/benchmark_model_step.py --family $family --seq 16384 --out "/tmp/step_$family.json" 2>&1 | grep -v INFO | tail -6
   done
   cat /tmp/step_v4.json /tmp/step_v41.json >"$out/steps.txt"  # the two JSON documents in one file (8 come back)
+fi
+
+if [ "${2:-}" = long ]; then
+  step "V4 model steps under selective activation checkpointing (the recipe's working mode), S=16,384 to 131,072"
+  python3 examples/benchmark_model_step.py --family v4 --seq 16384 65536 --activation-checkpointing selective \
+    --steps 3 --warmup 1 --out /tmp/step_long.json 2>&1 | grep -v INFO | tail -5
+  python3 examples/benchmark_model_step.py --family v4 --seq 131072 --sides plugin --activation-checkpointing selective \
+    --steps 2 --warmup 1 --out /tmp/step_131k.json 2>&1 | grep -v INFO | tail -3
+  cat /tmp/step_long.json /tmp/step_131k.json >"$out/steps_long.txt"
 fi
