@@ -6,6 +6,8 @@ GPU test runs the real one (tests/test_fp32_linear_gpu.py)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -136,3 +138,37 @@ def test_fp32_gradient_pieces_matter():
     exact = grad.double() @ weight.double()
     d_noise = grad.double().abs() @ weight.double().abs() * 2.0**-20
     assert ((rounded @ weight.double() - exact).abs() > ulp_bf16(exact) * 0.5 + d_noise).any()
+
+
+@pytest.mark.parametrize("ratio, overlap", [(4, True), (128, False), (2, False)])  # V4 ratio 4 / 128, V4.1 ratio 2
+def test_a_compressor_on_the_chain_matches_its_fp32_projections(monkeypatch, ratio, overlap):
+    """``Compressor`` takes bf16 tokens through the chain on CUDA; here with the emulated product on
+    the CPU, against the same module's fp32 ``F.linear`` path: values, token and weight gradients."""
+    from nemo_dsa.layers import compressor as compressor_module
+    from nemo_dsa.layers.context import LocalContext
+    from nemo_dsa.metadata import build_attention_metadata
+
+    torch.manual_seed(ratio)
+    module = compressor_module.Compressor(64, 32, ratio, 16, 10000.0, 1e-6, overlap=overlap, ape=ratio != 2)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    seq = 3 * ratio + 5
+    ids = torch.cat((torch.ones(2 * ratio + 1), torch.full((ratio + 4,), 2.0))).long()[None]  # two documents
+    meta = build_attention_metadata(compress_ratio=ratio, packed_seq_ids=ids)
+    x = torch.randn(1, seq, 64).to(torch.bfloat16)
+    chained = functools.partial(split.fp32_linear_of_bf16, products=EMULATED)
+    results = []
+    for on_chain in (False, True):
+        monkeypatch.setattr(compressor_module, "split_applies", lambda *args, on=on_chain: on)
+        monkeypatch.setattr(compressor_module, "fp32_linear_of_bf16", chained)
+        module.zero_grad(set_to_none=True)
+        tokens = x.clone().requires_grad_()
+        out = module(tokens, meta, LocalContext())
+        assert out.dtype == torch.bfloat16 and out.abs().amax(-1).gt(0).sum() >= 2  # valid groups pooled
+        out.float().square().sum().backward()
+        results.append([out.float(), tokens.grad.float(), module.wkv.weight.grad, module.wgate.weight.grad])
+    for fp32_path, chain in zip(*results):
+        assert float((chain - fp32_path).norm() / fp32_path.norm()) < 1e-2
+    # fp32 values agree to fp32 addition order: the bf16 outputs differ in few elements, by an ulp
+    assert (results[0][0] != results[1][0]).float().mean() < 0.05
