@@ -86,17 +86,60 @@ def apply_rope(x: torch.Tensor, angles: torch.Tensor, *, inverse: bool = False) 
     ``angles`` is ``[B, S, rope_dim // 2]``; it broadcasts over any head axes between S and D.
     ``inverse=True`` applies the opposite rotation (used on the attention output, whose values
     carry the keys' rotation). The math runs in fp32; the result has ``x``'s dtype.
+
+    Values are :func:`apply_rope_reference`'s, bit for bit. Its backward under autograd writes the
+    whole ``x``-sized gradient several times (each slice's backward fills a zero tensor, then the
+    two are added) although only the rotary channels change; :class:`_RopeFunction` writes it once
+    and rotates the rotary channels' gradient back with the same fp32 products (the same values,
+    up to the sign of zeros). Angles that need a gradient take the reference's autograd.
     """
+    if angles.shape[-1] == 0:
+        return x
+    if angles.requires_grad:
+        return apply_rope_reference(x, angles, inverse=inverse)
+    cos, sin = _cos_sin(x, angles, inverse)
+    return _RopeFunction.apply(x, cos, sin)
+
+
+def apply_rope_reference(x: torch.Tensor, angles: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
+    """:func:`apply_rope` as plain torch ops (its autograd is the reference backward)."""
     half = angles.shape[-1]
     if half == 0:
         return x
+    cos, sin = _cos_sin(x, angles, inverse)
+    plain, rotary = x[..., : -2 * half], x[..., -2 * half :]
+    return torch.cat((plain, _rotate(rotary.float(), cos, sin).to(x.dtype)), dim=-1)
+
+
+def _cos_sin(x: torch.Tensor, angles: torch.Tensor, inverse: bool) -> tuple[torch.Tensor, torch.Tensor]:
     while angles.ndim < x.ndim:
         angles = angles.unsqueeze(-2)
     cos, sin = angles.cos(), angles.sin()
-    if inverse:
-        sin = -sin
-    plain, rotary = x[..., : -2 * half], x[..., -2 * half :]
-    pairs = rotary.float().unflatten(-1, (half, 2))
+    return cos, (-sin if inverse else sin)
+
+
+def _rotate(rotary: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """fp32 interleaved pairs ``(e, o)`` -> ``(e cos - o sin, e sin + o cos)``."""
+    pairs = rotary.unflatten(-1, (cos.shape[-1], 2))
     even, odd = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
-    return torch.cat((plain, rotated.to(x.dtype)), dim=-1)
+    return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
+
+
+class _RopeFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        width = 2 * cos.shape[-1]
+        out = x.clone(memory_format=torch.contiguous_format)
+        out[..., -width:] = _rotate(x[..., -width:].float(), cos, sin).to(x.dtype)
+        ctx.save_for_backward(cos, sin)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        width = 2 * cos.shape[-1]
+        d_x = grad.clone(memory_format=torch.contiguous_format)
+        # The transpose of the rotation, as autograd composes it from the forward's products:
+        # d_even = g_e cos + g_o sin, d_odd = g_o cos - g_e sin (rotating by -angle).
+        d_x[..., -width:] = _rotate(grad[..., -width:].float(), cos, -sin).to(grad.dtype)
+        return d_x, None, None
