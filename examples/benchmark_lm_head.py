@@ -9,8 +9,8 @@ logits, on both sides, nemo_dsa's head told that its fp32 input holds bf16 value
 plugin's hook does). Both: median
 CUDA-event times of the forward and of forward + backward (a bf16 logits gradient, as from the
 loss), TFLOP/s on the fp32 GEMMs' work (2 N K V forward, 6 N K V forward + backward), peak memory
-above the inputs, the ratio; and the largest logit difference between the sides in bf16 ulps of the row's largest logit, and
-the relative norm of the difference.
+above the inputs, the ratio; and the largest logit difference between the sides in bf16 ulps of
+the row's largest logit, with the relative norm of the difference.
 
     python examples/benchmark_lm_head.py --rows 16384 --hidden 4096 --vocab 32768 129280 --json head.json
     python examples/benchmark_lm_head.py --hidden 5120 --logits fp32   # the V4.1 step model's head
@@ -60,8 +60,8 @@ def run(rows: int, hidden: int, vocab: int, logits: str, iters: int) -> dict:
     row = {"rows": rows, "hidden": hidden, "vocab": vocab, "logits": logits}
     with torch.no_grad():
         a, b = fns["built-in"](x), fns["nemo_dsa"](x)
-    # in ulps of each row's largest logit: a logit near zero has a tiny ulp of its own, which the
-    # built-in's fp32 GEMM (TF32 where allowed) does not resolve
+    # in ulps of each row's largest logit: a logit near zero has a tiny ulp of its own, which an
+    # fp32 sum in another order does not resolve
     row_ulp = torch.exp2(torch.floor(torch.log2(a.float().abs().amax(-1, keepdim=True).clamp_min(2.0**-126))) - 7)
     row["max_diff_row_ulps"] = float(((a.float() - b.float()).abs() / row_ulp).max())
     row["rel_diff"] = float((a.float() - b.float()).norm() / a.float().norm())
