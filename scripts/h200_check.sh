@@ -5,7 +5,7 @@
 #   source .device/env.sh; bash scripts/h200_check.sh "$OUT"
 # With two GPUs, add `cp` as a second argument for the NCCL context-parallel test and benchmark;
 # `step` as the second argument ends with the V4 and V4.1 model steps at S=16,384 instead, `long`
-# with V4 steps under selective activation checkpointing up to S=131,072.
+# with V4 steps under selective activation checkpointing up to S=131,072 (and full at 65,536).
 set -uo pipefail
 out=${1:?usage: h200_check.sh OUT_DIR [cp|step|long]}
 mkdir -p "$out"
@@ -71,5 +71,7 @@ if [ "${2:-}" = long ]; then
     --steps 3 --warmup 1 --out /tmp/step_long.json 2>&1 | grep -v INFO | tail -5
   python3 examples/benchmark_model_step.py --family v4 --seq 131072 --sides plugin --activation-checkpointing selective \
     --steps 2 --warmup 1 --out /tmp/step_131k.json 2>&1 | grep -v INFO | tail -3
-  cat /tmp/step_long.json /tmp/step_131k.json >"$out/steps_long.txt"
+  python3 examples/benchmark_model_step.py --family v4 --seq 65536 --activation-checkpointing full \
+    --steps 3 --warmup 1 --out /tmp/step_full.json 2>&1 | grep -v INFO | tail -3
+  cat /tmp/step_long.json /tmp/step_131k.json /tmp/step_full.json >"$out/steps_long.txt"
 fi
