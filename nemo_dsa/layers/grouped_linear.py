@@ -12,6 +12,10 @@ class GroupedLinear(nn.Linear):
     ``weight`` is ``[out_features, in_features_per_group]``: the rows of group g are
     ``[g * out_features / groups, (g + 1) * out_features / groups)``, the released checkpoint's
     layout of ``wo_a``, so a plain ``nn.Linear`` weight tensor loads unchanged.
+
+    Plain tensors of one dtype outside autocast take :class:`_GroupedLinearFunction`, which
+    writes the products straight into their token-major layouts; anything else (autocast, a
+    sharded weight) takes :meth:`reference`'s ``einsum``.
     """
 
     def __init__(self, in_features_per_group: int, out_features: int, groups: int) -> None:
@@ -22,6 +26,53 @@ class GroupedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., groups * in_features_per_group]`` -> ``[..., out_features]``."""
+        plain = all(type(t) in (torch.Tensor, nn.Parameter) for t in (x, self.weight))
+        if plain and x.dtype == self.weight.dtype and not torch.is_autocast_enabled(x.device.type):
+            return _GroupedLinearFunction.apply(x, self.weight, self.groups)
+        return self.reference(x)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The same map as one ``einsum`` (its autograd is the reference backward)."""
         grouped = x.unflatten(-1, (self.groups, self.in_features))
         weight = self.weight.view(self.groups, self.out_features // self.groups, self.in_features)
         return torch.einsum("...gi,goi->...go", grouped, weight).flatten(-2)
+
+
+class _GroupedLinearFunction(torch.autograd.Function):
+    """The ``einsum``'s three batched products, each written into the layout its consumer reads.
+
+    The ``einsum`` computes group-major ``[groups, tokens, features]`` products, so its output and
+    its input gradient are copied back to token-major ``[tokens, groups, features]`` (the input
+    gradient is as large as the attention output: 1 GiB a layer at V4-Flash shapes and S = 16,384).
+    Here ``torch.bmm`` writes through the transposed view of a token-major tensor instead."""
+
+    @staticmethod
+    def forward(ctx, x, weight, groups):
+        rows = x.reshape(-1, x.shape[-1])
+        per_group = weight.view(groups, -1, weight.shape[1])  # [g, out / g, in / g]
+        out = rows.new_empty(rows.shape[0], groups, per_group.shape[1])
+        torch.bmm(_group_major(rows, groups), per_group.transpose(1, 2), out=out.transpose(0, 1))
+        ctx.save_for_backward(x, weight)
+        ctx.groups = groups
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        groups = ctx.groups
+        rows = x.reshape(-1, x.shape[-1])
+        per_group = weight.view(groups, -1, weight.shape[1])
+        grad_groups = _group_major(grad.reshape(rows.shape[0], -1), groups)  # [g, tokens, out / g]
+        d_x = d_weight = None
+        if ctx.needs_input_grad[0]:
+            d_rows = rows.new_empty(rows.shape[0], groups, per_group.shape[2])
+            torch.bmm(grad_groups, per_group, out=d_rows.transpose(0, 1))
+            d_x = d_rows.view(x.shape)
+        if ctx.needs_input_grad[1]:
+            d_weight = torch.bmm(grad_groups.transpose(1, 2), _group_major(rows, groups)).view(weight.shape)
+        return d_x, d_weight, None
+
+
+def _group_major(rows: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[tokens, groups * f]`` as the view ``[groups, tokens, f]`` (no copy)."""
+    return rows.view(rows.shape[0], groups, -1).transpose(0, 1)
