@@ -24,7 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 
-def count(side: str, family: str, seq: int, depth: int, activation_checkpointing: str = "off") -> tuple[float, dict]:
+def count(
+    side: str, family: str, seq: int, depth: int, activation_checkpointing: str = "off", recompute: str | None = None
+) -> tuple[float, dict]:
     import benchmark_model_step as bms
 
     if side == "plugin":
@@ -34,6 +36,8 @@ def count(side: str, family: str, seq: int, depth: int, activation_checkpointing
 
         route_attention_through_the_kernel_function(pytest.MonkeyPatch())
     config = bms.model_config(family, bms.DEFAULT_RATIOS[family], 1024, 4)
+    if recompute:
+        config.recompute = recompute  # the V4 plugin's own recompute parts
     model = bms.build(side, config, device="cpu", dtype=torch.bfloat16, attn="torch" if family == "v4" else "sdpa")
     if activation_checkpointing != "off":  # what the blocks keep is then their inputs (the rest is recomputed)
         from nemo_automodel.components.moe.parallelizer import apply_ac
@@ -71,8 +75,11 @@ def main() -> None:
     parser.add_argument("--activation-checkpointing", choices=["off", "full"], default="off",
                         help="nemo-automodel's apply_ac on the decoder blocks (selective AC keeps its saved ops "
                              "out of these hooks' sight, so it is not counted here)")  # fmt: skip
+    parser.add_argument("--recompute", default=None, help="the V4 plugin's recompute parts (e.g. hyper_connections,norms)")
     args = parser.parse_args()
-    total, per_module = count(args.side, args.family, args.seq, args.depth, args.activation_checkpointing)
+    total, per_module = count(
+        args.side, args.family, args.seq, args.depth, args.activation_checkpointing, args.recompute
+    )
     print(f"{args.side} {args.family} S={args.seq}: {total:.1f} KiB a token kept for the backward")
     for module, kib in list(per_module.items())[: args.top]:
         print(f"  {kib:8.1f} KiB/token  {module}")

@@ -84,9 +84,13 @@ def kept_storages(fn):
 
 # Window-only, a ratio-4 indexer layer and a ratio-8 layer; 8 heads of 64 over a hidden size of 48,
 # so q ([S, 8, 64]) is by far the largest activation and each q-sized tensor kept is visible.
+# With V4's grouped output projection (o_lora_rank > 0) ``wo_a`` keeps the op's own out and rotates
+# it back again in its backward; a dense ``wo`` keeps the rotated copy.
+@pytest.mark.parametrize("o_lora_rank", [0, 16])
 @pytest.mark.parametrize("layer_idx", [0, 1, 2])
-def test_v4_layer_keeps_q_only_for_the_attention_op(kernel_function_on_cpu, layer_idx):
-    cfg = tiny_config(hidden_size=48, num_attention_heads=8, head_dim=64, q_lora_rank=24)
+def test_v4_layer_keeps_q_only_for_the_attention_op(kernel_function_on_cpu, layer_idx, o_lora_rank):
+    cfg = tiny_config(hidden_size=48, num_attention_heads=8, head_dim=64, q_lora_rank=24, o_lora_rank=o_lora_rank,
+                      o_groups=4)  # fmt: skip
     assert cfg.q_head_rms  # V4's per-head q RMS
     layer = make_layer(cfg, layer_idx, seed=stable_seed(("memory", layer_idx))).to(torch.bfloat16)
     seq = 40
@@ -95,8 +99,8 @@ def test_v4_layer_keeps_q_only_for_the_attention_op(kernel_function_on_cpu, laye
     kept, (out, _) = kept_storages(lambda: run(layer, x, ids))
     q_numel = 2 * seq * cfg.num_attention_heads * cfg.head_dim
     q_sized = sorted((numel, str(dtype)) for _nbytes, numel, dtype in kept.values() if numel >= q_numel)
-    # The op's q and out, and the output projection's input: three bf16 tensors of q's size.
-    assert q_sized == [(q_numel, "torch.bfloat16")] * 3, q_sized
+    # The op's q and out (and a dense wo's rotated input): bf16 tensors of q's size.
+    assert q_sized == [(q_numel, "torch.bfloat16")] * (2 if o_lora_rank else 3), q_sized
     out.float().square().sum().backward()  # and the backward runs on what was kept
     assert x.grad is not None and torch.isfinite(x.grad).all()
 

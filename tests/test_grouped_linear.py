@@ -23,10 +23,12 @@ def module_and_inputs(lead, groups, in_per_group, out_features, dtype):
     return module, x, grad
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", CASES)
-def test_matches_the_einsum_and_its_gradients(case, dtype):
+def test_matches_the_einsum_and_its_gradients(case, dtype, device):
     module, x, grad = module_and_inputs(*case, dtype)
+    module, x, grad = module.to(device), x.to(device), grad.to(device)
     results = []
     for forward in (module.forward, module.reference):
         module.weight.grad = None
@@ -59,3 +61,35 @@ def test_fallbacks_are_the_reference():
 def test_groups_must_divide_the_outputs():
     with pytest.raises(ValueError, match="groups must be >= 1 and divide out_features"):
         GroupedLinear(8, 10, 3)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_transformed_input_is_kept_untransformed_with_the_same_values_and_gradients(dtype, device):
+    """``forward(x, rope_back)`` against ``forward(rope_back(x))``: bitwise values and gradients
+    (the same ops in the same order), and the rotated copy is not what the backward keeps."""
+    from nemo_dsa.layers.rope import apply_rope, rope_angles
+
+    heads, head_dim = 4, 64
+    module, x, grad = module_and_inputs((2, 23), 8, heads * head_dim // 8, 48, dtype)
+    module, x, grad = module.to(device), x.to(device), grad.to(device)
+    gen = torch.Generator().manual_seed(stable_seed(("positions", str(dtype))))
+    angles = rope_angles(torch.randint(0, 65536, (2, 23), generator=gen), 16, 10000.0).to(device)
+
+    def rotate_back(flat):
+        return apply_rope(flat.unflatten(-1, (heads, head_dim)), angles, inverse=True).flatten(2)
+
+    results, kept = [], []
+    for fused in (True, False):
+        module.weight.grad = None
+        inputs = x.clone().requires_grad_()
+        packed = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+            out = module(inputs, rotate_back) if fused else module(rotate_back(inputs))
+        out.backward(grad)
+        results.append((out, inputs.grad, module.weight.grad))
+        kept.append({t.untyped_storage().data_ptr() for t in packed if t.shape == x.shape})
+        assert (inputs.untyped_storage().data_ptr() in kept[-1]) == fused
+    for mine, ref in zip(*results):
+        assert torch.equal(mine, ref)
+    assert len(kept[0]) == 1  # only x itself, no rotated copy

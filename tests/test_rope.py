@@ -28,11 +28,15 @@ def inputs(batch, seq, heads, dim, rope_dim, dtype):
     return x, rope_angles(positions, rope_dim, 160000.0), grad
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("inverse", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("case", CASES)
-def test_values_and_gradient_are_the_references(case, dtype, inverse):
-    x, angles, grad = inputs(*case, dtype)
+def test_values_and_gradient_are_the_references(case, dtype, inverse, device):
+    x, angles, grad = (t.to(device) for t in inputs(*case, dtype))
     mine, ref = x.clone().requires_grad_(), x.clone().requires_grad_()
     out = apply_rope(mine, angles, inverse=inverse)
     expected = apply_rope_reference(ref, angles, inverse=inverse)

@@ -37,7 +37,9 @@ so default gradients equal the built-in's), ``indexer_backend`` and ``attention_
 indexer's and the window + compressed attention's kernels: ``auto`` | ``tilelang`` | ``torch``;
 ``auto`` runs the attention's reference where its kernels cannot take the shapes; ``backend.attn``
 of ``tilelang`` / ``torch`` selects both unless they are given; an unset ``attention_backend``
-follows the indexer's) and ``fused_topk``.
+follows the indexer's), ``fused_topk`` and ``recompute`` (parts recomputed in the backward instead
+of kept: ``hyper_connections``, ``norms``; a list or a comma-separated string, default none; see
+``nemo_dsa.integrations.recompute``).
 Enabled indexer KL losses reach the backward through the final hidden state (zero in the
 forward), with the gradient nemo-automodel's trainer gives auxiliary losses under gradient
 accumulation and CP (``nemo_dsa.integrations.aux_loss``), and are reported as ``indexer_aux_loss``.
@@ -61,6 +63,7 @@ from nemo_dsa.integrations.deepseek_v4_attention import (
     adopt_builtin_layout,
 )
 from nemo_dsa.integrations.lm_head import Fp32HeadLinear, adopt_fp32_head, called_with_bf16
+from nemo_dsa.integrations.recompute import apply_recompute, recompute_parts
 from nemo_dsa.layers.shared_state import SharedLayerState
 from nemo_dsa.metadata import build_attention_metadata_for_ratios
 from nemo_dsa.models.dsa_lm.configuration import DSAModelConfig
@@ -155,6 +158,8 @@ class NemoDsaDeepseekV4ForCausalLM(DeepseekV4ForCausalLM):
         for name, default in _OPTION_DEFAULTS.items():
             value = kwargs.pop(name, None)
             options[name] = value if value is not None else getattr(config, name, default)
+        recompute = kwargs.pop("recompute", None)
+        recompute = recompute_parts(recompute if recompute is not None else getattr(config, "recompute", None))
         super().__init__(config, moe_config, backend, **kwargs)
         attn = _ATTN_TO_NEMO_DSA_BACKEND.get(getattr(self.backend, "attn", None))
         indexer_backend = options.pop("indexer_backend") or attn
@@ -166,6 +171,8 @@ class NemoDsaDeepseekV4ForCausalLM(DeepseekV4ForCausalLM):
         for block in self.mtp.layers if self.mtp is not None else ():
             block.self_attn = self._nemo_dsa_attention(block.self_attn, block.layer_idx)
         adopt_fp32_head(self)
+        mtp_blocks = list(self.mtp.layers) if self.mtp is not None else []
+        apply_recompute(self.model, [*self.model.layers.values(), *mtp_blocks], recompute)
 
     def _nemo_dsa_attention(self, builtin: torch.nn.Module, layer_idx: int) -> NemoDsaDeepseekV4Attention:
         """The replacement of ``builtin``: same parameter names, shapes, dtypes and device."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -16,6 +18,13 @@ class GroupedLinear(nn.Linear):
     Plain tensors of one dtype outside autocast take :class:`_GroupedLinearFunction`, which
     writes the products straight into their token-major layouts; anything else (autocast, a
     sharded weight) takes :meth:`reference`'s ``einsum``.
+
+    ``forward(x, transform)`` maps ``transform(x)``, an elementwise, shape-keeping function with its
+    own autograd (the attention output's inverse RoPE): the Function keeps ``x`` instead of
+    ``transform(x)`` and applies ``transform`` again in its backward, for the weight gradient and to
+    carry the input gradient back through it. Values and gradients are those of
+    ``forward(transform(x))``; what is kept is ``x``, which the attention op keeps anyway (64 KiB
+    a token a layer less at V4-Flash shapes).
     """
 
     def __init__(self, in_features_per_group: int, out_features: int, groups: int) -> None:
@@ -24,12 +33,12 @@ class GroupedLinear(nn.Linear):
         super().__init__(in_features_per_group, out_features, bias=False)
         self.groups = groups
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [..., groups * in_features_per_group]`` -> ``[..., out_features]``."""
+    def forward(self, x: torch.Tensor, transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """``x [..., groups * in_features_per_group]`` -> ``[..., out_features]`` (of ``transform(x)``)."""
         plain = all(type(t) in (torch.Tensor, nn.Parameter) for t in (x, self.weight))
         if plain and x.dtype == self.weight.dtype and not torch.is_autocast_enabled(x.device.type):
-            return _GroupedLinearFunction.apply(x, self.weight, self.groups)
-        return self.reference(x)
+            return _GroupedLinearFunction.apply(x, self.weight, self.groups, transform)
+        return self.reference(x if transform is None else transform(x))
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """The same map as one ``einsum`` (its autograd is the reference backward)."""
@@ -47,19 +56,27 @@ class _GroupedLinearFunction(torch.autograd.Function):
     Here ``torch.bmm`` writes through the transposed view of a token-major tensor instead."""
 
     @staticmethod
-    def forward(ctx, x, weight, groups):
+    def forward(ctx, x, weight, groups, transform):
+        ctx.save_for_backward(x, weight)
+        ctx.groups, ctx.transform = groups, transform
+        if transform is not None:
+            with torch.no_grad():
+                x = transform(x)
         rows = x.reshape(-1, x.shape[-1])
         per_group = weight.view(groups, -1, weight.shape[1])  # [g, out / g, in / g]
         out = rows.new_empty(rows.shape[0], groups, per_group.shape[1])
         torch.bmm(_group_major(rows, groups), per_group.transpose(1, 2), out=out.transpose(0, 1))
-        ctx.save_for_backward(x, weight)
-        ctx.groups = groups
         return out.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        groups = ctx.groups
+        x_kept, weight = ctx.saved_tensors
+        groups, transform = ctx.groups, ctx.transform
+        x = x_kept
+        if transform is not None:  # recomputed, with the graph that carries d_x back through it
+            with torch.enable_grad():
+                x_kept = x_kept.detach().requires_grad_(ctx.needs_input_grad[0])
+                x = transform(x_kept)
         rows = x.reshape(-1, x.shape[-1])
         per_group = weight.view(groups, -1, weight.shape[1])
         grad_groups = _group_major(grad.reshape(rows.shape[0], -1), groups)  # [g, tokens, out / g]
@@ -70,7 +87,9 @@ class _GroupedLinearFunction(torch.autograd.Function):
             d_x = d_rows.view(x.shape)
         if ctx.needs_input_grad[1]:
             d_weight = torch.bmm(grad_groups.transpose(1, 2), _group_major(rows, groups)).view(weight.shape)
-        return d_x, d_weight, None
+        if transform is not None and d_x is not None:
+            (d_x,) = torch.autograd.grad(x, x_kept, d_x)
+        return d_x, d_weight, None, None
 
 
 def _group_major(rows: torch.Tensor, groups: int) -> torch.Tensor:

@@ -199,8 +199,7 @@ class DSASparseAttention(KeepsFP32Parameters):
             compressed_kv, compressed_indices, selection = self._compressed(x, query_latent, angles, meta, ctx, shared)
             compressed_kv = compressed_kv.to(q.dtype)  # attended, and the KL target, in q's precision
         out, lse = self._attend(q, raw_kv, meta, history, compressed_kv, compressed_indices, selection)
-        out = apply_rope(out, angles, inverse=True)
-        out = self._output_projection(out.flatten(2))
+        out = self._output_projection(out, angles)
         aux = None
         if self._trains_with_kl(selection):
             aux = self.config.indexer_kl_coef * indexer_kl_loss(
@@ -234,11 +233,21 @@ class DSASparseAttention(KeepsFP32Parameters):
             return head_rms_rope(q, angles, self.eps, backend="tilelang")
         return apply_rope(rms_normalize(q, self.eps), angles)
 
-    def _output_projection(self, out: torch.Tensor) -> torch.Tensor:
-        """``[B, S, H * head_dim]`` -> ``[B, S, hidden]``: grouped ``wo_a`` then ``wo_b``, or ``wo``."""
-        if self.config.o_lora_rank > 0:
-            return self.wo_b(self.wo_a(out))
-        return self.wo(out)
+    def _output_projection(self, out: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+        """The attention output ``[B, S, H, head_dim]``, its rotary channels rotated back, ->
+        ``[B, S, hidden]``: grouped ``wo_a`` then ``wo_b``, or ``wo``.
+
+        ``wo_a`` applies the inverse rotation itself and keeps the unrotated output, which the
+        attention op keeps anyway, instead of a rotated copy of it (docs/performance.md v17)."""
+        heads = out.shape[-2:]
+
+        def rotate_back(flat: torch.Tensor) -> torch.Tensor:
+            return apply_rope(flat.unflatten(-1, heads), angles, inverse=True).flatten(2)
+
+        if self.config.o_lora_rank > 0 and not angles.requires_grad:
+            return self.wo_b(self.wo_a(out.flatten(2), rotate_back))
+        rotated = rotate_back(out.flatten(2))
+        return self.wo_b(self.wo_a(rotated)) if self.config.o_lora_rank > 0 else self.wo(rotated)
 
     def _attend(self, q, raw_kv, meta, history, compressed_kv, compressed_indices, selection):
         """One softmax over each query's window of ``raw_kv`` and its compressed keys, sink included.
