@@ -35,7 +35,7 @@ TileLang and nemo-automodel. S: a multiple of 128 (V4's ratio 128 and the kernel
 ``--activation-checkpointing full | selective`` wraps both sides' decoder blocks with nemo-automodel's
 ``apply_ac`` (what a recipe's ``distributed.activation_checkpointing: true | selective`` does); long
 sequences need it (tests/test_activation_checkpointing.py checks the plugins' gradients under it).
-``--recompute hyper_connections,norms`` turns on the V4 plugin's own lighter recompute instead (or
+``--recompute hyper_connections,norms`` turns on the plugin's own lighter recompute instead (or
 as well): those parts' fp32 copies are recomputed, not kept (``nemo_dsa.integrations.recompute``).
 
 ``--profile`` runs torch.profiler over a few more steps of each side after the timed ones and
@@ -319,7 +319,7 @@ def main() -> None:
                         help="both sides' decoder blocks through nemo-automodel's apply_ac, as a recipe's "
                              "distributed.activation_checkpointing: true | selective does")  # fmt: skip
     parser.add_argument("--recompute", default=None,
-                        help="the V4 plugin's recompute parts, comma-separated (hyper_connections,norms; "
+                        help="the plugin's recompute parts, comma-separated (hyper_connections,norms; "
                              "nemo_dsa.integrations.recompute); the built-in side is unchanged")  # fmt: skip
     parser.add_argument("--fused-q-norm-rope", choices=["on", "off"], default=None,
                         help="the plugin's V4 q norm + RoPE as one kernel or eager ops "
@@ -334,8 +334,6 @@ def main() -> None:
     ratios = DEFAULT_RATIOS[args.family] if args.ratios is None else args.ratios
     config = model_config(args.family, ratios, args.vocab, args.experts)
     if args.recompute:
-        if args.family != "v4":
-            raise SystemExit("--recompute: the V4 plugin's option")
         config.recompute = args.recompute  # read by the plugin's constructor, ignored by the built-in
     torch.manual_seed(0)
     rows = []

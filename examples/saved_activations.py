@@ -37,7 +37,7 @@ def count(
         route_attention_through_the_kernel_function(pytest.MonkeyPatch())
     config = bms.model_config(family, bms.DEFAULT_RATIOS[family], 1024, 4)
     if recompute:
-        config.recompute = recompute  # the V4 plugin's own recompute parts
+        config.recompute = recompute  # the plugin's own recompute parts
     model = bms.build(side, config, device="cpu", dtype=torch.bfloat16, attn="torch" if family == "v4" else "sdpa")
     if activation_checkpointing != "off":  # what the blocks keep is then their inputs (the rest is recomputed)
         from nemo_automodel.components.moe.parallelizer import apply_ac
@@ -75,7 +75,7 @@ def main() -> None:
     parser.add_argument("--activation-checkpointing", choices=["off", "full"], default="off",
                         help="nemo-automodel's apply_ac on the decoder blocks (selective AC keeps its saved ops "
                              "out of these hooks' sight, so it is not counted here)")  # fmt: skip
-    parser.add_argument("--recompute", default=None, help="the V4 plugin's recompute parts (e.g. hyper_connections,norms)")
+    parser.add_argument("--recompute", default=None, help="the plugin's recompute parts (e.g. hyper_connections,norms)")
     args = parser.parse_args()
     total, per_module = count(
         args.side, args.family, args.seq, args.depth, args.activation_checkpointing, args.recompute

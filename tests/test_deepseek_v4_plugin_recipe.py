@@ -133,3 +133,17 @@ def test_train_ft_under_selective_activation_checkpointing_takes_the_same_steps(
     selective, model = train_ft_losses(checkpoint, tmp_path / "sac", **{"distributed.activation_checkpointing": "selective"})
     assert all(isinstance(block, CheckpointWrapper) for block in model.model.layers.values())
     assert len(plain) == 2 and selective == plain
+
+
+def test_train_ft_with_recomputed_parts_takes_the_same_steps(cpu_automodel, tmp_path):
+    """``model.recompute: hyper_connections,norms`` in the recipe: the plugin wraps those modules
+    (nothing else changes: tests/test_recompute.py has the bitwise gradients) and the fine-tune's
+    losses are the plain run's."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    checkpoint = load_writer().write_tiny_v4_checkpoint(tmp_path / "pretrained", seed=3)
+    plain, _ = train_ft_losses(checkpoint, tmp_path / "plain")
+    lean, model = train_ft_losses(checkpoint, tmp_path / "lean", **{"model.recompute": "hyper_connections,norms"})
+    for block in model.model.layers.values():
+        assert isinstance(block.attn_hc, CheckpointWrapper) and isinstance(block.input_layernorm, CheckpointWrapper)
+    assert len(plain) == 2 and lean == plain

@@ -172,7 +172,7 @@ class NemoDsaDeepseekV4ForCausalLM(DeepseekV4ForCausalLM):
             block.self_attn = self._nemo_dsa_attention(block.self_attn, block.layer_idx)
         adopt_fp32_head(self)
         mtp_blocks = list(self.mtp.layers) if self.mtp is not None else []
-        apply_recompute(self.model, [*self.model.layers.values(), *mtp_blocks], recompute)
+        apply_recompute(self.model, [*self.model.layers.values(), *mtp_blocks], recompute, "v4")
 
     def _nemo_dsa_attention(self, builtin: torch.nn.Module, layer_idx: int) -> NemoDsaDeepseekV4Attention:
         """The replacement of ``builtin``: same parameter names, shapes, dtypes and device."""

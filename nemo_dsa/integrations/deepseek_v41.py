@@ -15,7 +15,8 @@ Registered through the ``nemo_automodel.architectures`` entry point; a config se
 ``architectures: [NemoDsaDeepseekV41ForCausalLM]``, and the model sets that name on its config.
 Options (constructor keywords or config attributes): ``indexer_backend`` and ``attention_backend``
 (``auto`` | ``tilelang`` | ``torch``; ``backend.attn`` of ``tilelang`` selects both unless they
-are given) and ``fused_topk``. Context
+are given), ``fused_topk`` and ``recompute`` (parts recomputed in the backward instead of kept, as
+for V4: ``nemo_dsa.integrations.recompute``). Context
 parallelism runs through the built-in's own CP sharder and forward (``cp_group`` reaches every
 attention; see ``deepseek_v41_attention``).
 """
@@ -32,6 +33,7 @@ from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCa
 from nemo_dsa.integrations.deepseek_v4_attention import adopt_builtin_layout
 from nemo_dsa.integrations.deepseek_v41_attention import NemoDsaDeepseekV41Attention
 from nemo_dsa.integrations.lm_head import Fp32HeadLinear, adopt_fp32_head, announce_bf16_hidden
+from nemo_dsa.integrations.recompute import apply_recompute, recompute_parts
 from nemo_dsa.models.dsa_lm.configuration import DSAModelConfig
 
 __all__ = ["ARCHITECTURE", "NemoDsaDeepseekV41ForCausalLM", "dsa_config_from_deepseek_v41"]
@@ -62,6 +64,8 @@ class NemoDsaDeepseekV41ForCausalLM(DeepseekV41ForCausalLM):
             raise TypeError(f"config must be a DeepseekV41Config, got {type(config).__name__}")
         options = {name: kwargs.pop(name, None) for name in _OPTIONS}
         options = {name: value if value is not None else getattr(config, name, None) for name, value in options.items()}
+        recompute = kwargs.pop("recompute", None)
+        recompute = recompute_parts(recompute if recompute is not None else getattr(config, "recompute", None))
         super().__init__(config, moe_config, backend, **kwargs)
         attn = getattr(self.backend, "attn", None)
         # backend.attn tilelang selects both the indexer's and the attention's kernels unless given.
@@ -73,6 +77,7 @@ class NemoDsaDeepseekV41ForCausalLM(DeepseekV41ForCausalLM):
             block.attn = self._nemo_dsa_attention(block.attn, int(name))
         adopt_fp32_head(self)
         announce_bf16_hidden(self.model, self.lm_head)
+        apply_recompute(self.model, self.model.layers.values(), recompute, "v41")
 
     def forward(self, *args: Any, **kwargs: Any):
         """The built-in's forward; its fp32 head takes the bf16 backbone output in exact bf16

@@ -24,10 +24,13 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 
 __all__ = ["PARTS", "apply_recompute", "recompute_parts"]
 
-# part -> (module names inside every decoder block, module names on the backbone ``model``)
+# part -> (module names inside every decoder block, module names on the backbone ``model``), per family
 PARTS = {
-    "hyper_connections": (("attn_hc", "ffn_hc"), ("hc_head",)),
-    "norms": (("input_layernorm", "post_attention_layernorm"), ("norm",)),
+    "hyper_connections": {"v4": (("attn_hc", "ffn_hc"), ("hc_head",)), "v41": (("attn_hc", "ffn_hc"), ())},
+    "norms": {
+        "v4": (("input_layernorm", "post_attention_layernorm"), ("norm",)),
+        "v41": (("attn_norm", "ffn_norm"), ("norm",)),
+    },
 }
 
 
@@ -46,11 +49,13 @@ def recompute_parts(value) -> tuple[str, ...]:
     return parts
 
 
-def apply_recompute(backbone: nn.Module, blocks: Iterable[nn.Module], parts: Iterable[str]) -> None:
-    """Wrap the modules of ``parts`` in ``blocks`` and on ``backbone`` (see the module docstring)."""
+def apply_recompute(backbone: nn.Module, blocks: Iterable[nn.Module], parts: Iterable[str], family: str) -> None:
+    """Wrap the modules of ``parts`` in ``blocks`` and on ``backbone`` of a ``family`` ("v4" |
+    "v41") model (see the module docstring). V4.1's mixing modules recompute their forward (the
+    mix coefficients); their ``collapse`` / ``expand``, called by the block, are not wrapped."""
     blocks = list(blocks)
     for part in recompute_parts(list(parts)):
-        block_names, backbone_names = PARTS[part]
+        block_names, backbone_names = PARTS[part][family]
         for owner, names in [(block, block_names) for block in blocks] + [(backbone, backbone_names)]:
             for name in names:
                 module = getattr(owner, name, None)
