@@ -5,7 +5,7 @@
 #   source .device/env.sh; bash scripts/h200_check.sh "$OUT"
 # With two GPUs, add `cp` as a second argument for the NCCL context-parallel test and benchmark;
 # `step` as the second argument ends with the V4 and V4.1 model steps at S=16,384 instead, `long`
-# with V4 steps under selective activation checkpointing up to S=131,072 (and full at 65,536).
+# with V4 steps under the plugin's recompute up to S=131,072 (docs/performance.md v17).
 set -uo pipefail
 out=${1:?usage: h200_check.sh OUT_DIR [cp|step|long]}
 mkdir -p "$out"
@@ -66,12 +66,13 @@ if [ "${2:-}" = step ]; then
 fi
 
 if [ "${2:-}" = long ]; then
-  step "V4 model steps under selective activation checkpointing (the recipe's working mode), S=16,384 to 131,072"
-  python3 examples/benchmark_model_step.py --family v4 --seq 16384 65536 --activation-checkpointing selective \
-    --steps 3 --warmup 1 --out /tmp/step_long.json 2>&1 | grep -v INFO | tail -5
-  python3 examples/benchmark_model_step.py --family v4 --seq 131072 --sides plugin --activation-checkpointing selective \
+  step "V4 long sequences: the plugin's recompute (hyper-connections, norms), alone and with checkpointed blocks"
+  lean=(--recompute hyper_connections,norms)
+  python3 examples/benchmark_model_step.py --family v4 --seq 16384 65536 --sides plugin "${lean[@]}" \
+    --steps 3 --warmup 1 --out /tmp/step_lean.json 2>&1 | grep -v INFO | tail -4
+  python3 examples/benchmark_model_step.py --family v4 --seq 131072 --sides plugin "${lean[@]}" --activation-checkpointing full \
     --steps 2 --warmup 1 --out /tmp/step_131k.json 2>&1 | grep -v INFO | tail -3
-  python3 examples/benchmark_model_step.py --family v4 --seq 65536 --activation-checkpointing full \
-    --steps 3 --warmup 1 --out /tmp/step_full.json 2>&1 | grep -v INFO | tail -3
-  cat /tmp/step_long.json /tmp/step_131k.json /tmp/step_full.json >"$out/steps_long.txt"
+  python3 examples/benchmark_model_step.py --family v4 --seq 65536 "${lean[@]}" --activation-checkpointing selective \
+    --steps 3 --warmup 1 --out /tmp/step_selective.json 2>&1 | grep -v INFO | tail -3
+  cat /tmp/step_lean.json /tmp/step_131k.json /tmp/step_selective.json >"$out/steps_long.txt"
 fi

@@ -40,8 +40,9 @@ def tiny_v4_config():
     )  # fmt: skip
 
 
-def write_tiny_v4_checkpoint(output: str | Path, seed: int = 0) -> Path:
-    """Write the checkpoint into ``output`` (created if needed) and return its path."""
+def write_tiny_v4_checkpoint(output: str | Path, seed: int = 0, hash_layers: int | None = None) -> Path:
+    """Write the checkpoint into ``output`` (created if needed) and return its path;
+    ``hash_layers`` replaces the config's ``num_hash_layers`` (1)."""
     from safetensors.torch import save_file
 
     from nemo_automodel.components.models.common import BackendConfig
@@ -50,6 +51,8 @@ def write_tiny_v4_checkpoint(output: str | Path, seed: int = 0) -> Path:
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
     config = tiny_v4_config()
+    if hash_layers is not None:
+        config.num_hash_layers = hash_layers
     torch.manual_seed(seed)
     backend = BackendConfig(attn="sdpa", linear="torch", rms_norm="torch", rope_fusion=False,
                             enable_hf_state_dict_adapter=True, dispatcher="torch", experts="torch_mm")  # fmt: skip
