@@ -74,5 +74,7 @@ if [ "${2:-}" = long ]; then
     --steps 2 --warmup 1 --out /tmp/step_131k.json 2>&1 | grep -v INFO | tail -3
   python3 examples/benchmark_model_step.py --family v4 --seq 65536 "${lean[@]}" --activation-checkpointing selective \
     --steps 3 --warmup 1 --out /tmp/step_selective.json 2>&1 | grep -v INFO | tail -3
-  cat /tmp/step_lean.json /tmp/step_131k.json /tmp/step_selective.json >"$out/steps_long.txt"
+  python3 examples/benchmark_model_step.py --family v4 --seq 16384 131072 --sides plugin --recompute hyper_connections,norms,attention \
+    --steps 2 --warmup 1 --out /tmp/step_attention.json 2>&1 | grep -v INFO | tail -4
+  cat /tmp/step_lean.json /tmp/step_131k.json /tmp/step_selective.json /tmp/step_attention.json >"$out/steps_long.txt"
 fi

@@ -17,8 +17,8 @@ try:
 except ImportError as error:
     skip_without_automodel(error)
 
-from nemo_dsa.integrations.recompute import PARTS, recompute_parts
-from test_activation_checkpointing import WRAPPED, step
+from nemo_dsa.integrations.recompute import PARTS, is_recomputed, recompute_parts
+from test_activation_checkpointing import step
 from test_benchmark_model_step_cpu import SEQ, TINY, VOCAB, bench, redraw_attention_
 
 CPU = {"device": "cpu", "dtype": torch.float32, "attn": "sdpa"}
@@ -34,17 +34,23 @@ def tiny_config(family, recompute=None):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("family", "whole_blocks"), [("v4", False), ("v4", True), ("v41", False)],
-                         ids=["v4", "v4_inside_apply_ac", "v41"])  # fmt: skip
-def test_recomputed_parts_give_the_plain_steps_loss_and_gradients(family, whole_blocks):
+@pytest.mark.parametrize(
+    ("family", "whole_blocks", "attention"),
+    [("v4", False, False), ("v4", True, False), ("v41", False, False), ("v4", False, True), ("v41", False, True)],
+    ids=["v4", "v4_inside_apply_ac", "v41", "v4_with_attention", "v41_with_attention"],
+)
+def test_recomputed_parts_give_the_plain_steps_loss_and_gradients(family, whole_blocks, attention):
     torch.manual_seed(0)
     plain = bench.build("plugin", tiny_config(family), **CPU)
     redraw_attention_(plain, family, seed=5)
-    lean = bench.build("plugin", tiny_config(family, "hyper_connections, norms"), bench.copy_weights(plain), **CPU)
-    wrapped = [name for name, _ in lean.named_modules() if name.endswith(WRAPPED)]
+    parts = "hyper_connections, norms" + (",attention" if attention else "")
+    lean = bench.build("plugin", tiny_config(family, parts), bench.copy_weights(plain), **CPU)
+    wrapped = [name for name, module in lean.named_modules() if is_recomputed(module)]
     layers = len(plain.model.layers)
-    # every block's 2 mixes and 2 norms, the final norm (and V4's head mix)
-    assert len(wrapped) == layers * 4 + (2 if family == "v4" else 1), wrapped
+    # every block's 2 mixes and 2 norms (and attention), the final norm (and V4's head mix)
+    assert len(wrapped) == layers * (5 if attention else 4) + (2 if family == "v4" else 1), wrapped
+    # names (and so nemo-automodel's fp32-by-name parameters) unchanged
+    assert dict(lean.named_parameters()).keys() == dict(plain.named_parameters()).keys()
     assert lean.state_dict().keys() == plain.state_dict().keys()
     if whole_blocks:
         apply_ac(lean, selective=False)
@@ -66,16 +72,34 @@ def test_recomputed_parts_give_the_plain_steps_loss_and_gradients(family, whole_
     norm_input = seq * config.hidden_size * 4
     mixes, norms = (7, 7) if family == "v4" else (2 * layers, 2 * layers + 1)
     assert kept - kept_lean >= copies * (mixes * stream + norms * norm_input), (kept, kept_lean)
+    if attention:  # what the attention keeps is at least its q and out, per layer
+        q_and_out = 2 * seq * config.num_attention_heads * config.head_dim * 4
+        assert kept - kept_lean >= copies * (mixes * stream + norms * norm_input) + layers * q_and_out
 
 
 def test_parts_are_named_and_checked():
     assert recompute_parts(None) == recompute_parts("") == recompute_parts("none") == ()
     assert recompute_parts("norms,hyper_connections") == ("norms", "hyper_connections")
     assert recompute_parts(["norms", "norms"]) == ("norms",)
-    assert set(PARTS) == {"hyper_connections", "norms"}
-    with pytest.raises(ValueError, match=r"recompute: unknown part\(s\) \['attention'\]"):
-        recompute_parts("norms,attention")
+    assert set(PARTS) == {"hyper_connections", "norms", "attention"}
+    with pytest.raises(ValueError, match=r"recompute: unknown part\(s\) \['moe'\]"):
+        recompute_parts("norms,moe")
     with pytest.raises(ValueError, match="recompute must be a list of part names"):
         recompute_parts(3)
     with pytest.raises(ValueError, match="unknown part"):
         bench.build("plugin", tiny_config("v4", "moe"), **CPU)
+
+
+@pytest.mark.parametrize("family", ["v4", "v41"])
+def test_a_bf16_model_keeps_the_release_fp32_parameters(family):
+    """The built-in keeps its hyper-connections' (and V4's compressors') parameters in fp32 by name
+    when the model is cast to bf16; recompute must not change a name or a dtype."""
+    dtypes = []
+    for recompute in (None, "hyper_connections,norms,attention"):
+        config = bench.model_config(family, bench.DEFAULT_RATIOS[family], VOCAB, 2, **TINY[family])
+        if recompute is not None:
+            config.recompute = recompute
+        model = bench.build("plugin", config, device="cpu", dtype=torch.bfloat16, attn="sdpa")
+        dtypes.append({name: p.dtype for name, p in model.named_parameters()})
+    assert dtypes[0] == dtypes[1]
+    assert any(".attn_hc." in n and d == torch.float32 for n, d in dtypes[1].items())

@@ -38,8 +38,8 @@ indexer's and the window + compressed attention's kernels: ``auto`` | ``tilelang
 ``auto`` runs the attention's reference where its kernels cannot take the shapes; ``backend.attn``
 of ``tilelang`` / ``torch`` selects both unless they are given; an unset ``attention_backend``
 follows the indexer's), ``fused_topk`` and ``recompute`` (parts recomputed in the backward instead
-of kept: ``hyper_connections``, ``norms``; a list or a comma-separated string, default none; see
-``nemo_dsa.integrations.recompute``).
+of kept: ``hyper_connections``, ``norms``, ``attention``; a list or a comma-separated string,
+default none; see ``nemo_dsa.integrations.recompute``).
 Enabled indexer KL losses reach the backward through the final hidden state (zero in the
 forward), with the gradient nemo-automodel's trainer gives auxiliary losses under gradient
 accumulation and CP (``nemo_dsa.integrations.aux_loss``), and are reported as ``indexer_aux_loss``.

@@ -7,12 +7,16 @@ hc_mult 4): 7 modules in 3 layers are 896 of the step's 2,454 KiB a token. Their
 cast, a norm and a narrow ``[hc_mult * hidden] -> [24]`` product, a few ms a step. The blocks'
 RMS norms keep two fp32 copies of their bf16 input (32 KiB a token each). Recomputing these parts
 keeps only their inputs, which the blocks keep anyway, at about one extra forward of them.
+``attention`` recomputes each block's whole attention as well (its forward again in the backward,
+for about 280 KiB a token a V4-Flash-shaped layer), for the longest sequences.
 
 ``recompute`` names parts (``PARTS``); each of their modules runs under non-reentrant
-``torch.utils.checkpoint`` via torch's ``checkpoint_wrapper``, the wrapper nemo-automodel's own
-activation checkpointing uses, so state-dict keys, FSDP2 and nemo-automodel's ``apply_ac`` (whole
-blocks, which may wrap these) are unchanged. Values and gradients are the plain step's, bitwise
-(tests/test_recompute.py).
+``torch.utils.checkpoint`` through torch's composable ``checkpoint`` (forward hooks), which leaves
+the module tree and every parameter name as they are. That matters: nemo-automodel keeps the
+hyper-connections' parameters in fp32 by name (``_keep_in_fp32_modules_strict``), and a wrapper
+module in the path (``checkpoint_wrapper``'s ``_checkpoint_wrapped_module``) made a bf16 cast
+turn them bf16. State-dict keys, FSDP2 and nemo-automodel's ``apply_ac`` (whole blocks, around
+these) are unchanged. Values and gradients are the plain step's, bitwise (tests/test_recompute.py).
 """
 
 from __future__ import annotations
@@ -20,9 +24,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
+from torch.distributed._composable import checkpoint
+from torch.distributed._composable.contract import _get_registry
 
-__all__ = ["PARTS", "apply_recompute", "recompute_parts"]
+__all__ = ["PARTS", "apply_recompute", "is_recomputed", "recompute_parts"]
 
 # part -> (module names inside every decoder block, module names on the backbone ``model``), per family
 PARTS = {
@@ -31,6 +36,10 @@ PARTS = {
         "v4": (("input_layernorm", "post_attention_layernorm"), ("norm",)),
         "v41": (("attn_norm", "ffn_norm"), ("norm",)),
     },
+    # The whole nemo_dsa attention of each block (compressor, indexer and selection, the attention
+    # op, the output projection): kept are its input and what it hands on (V4.1's shared KV and
+    # selection, V4's KL loss). Its forward runs twice.
+    "attention": {"v4": (("self_attn",), ()), "v41": (("attn",), ())},
 }
 
 
@@ -59,6 +68,11 @@ def apply_recompute(backbone: nn.Module, blocks: Iterable[nn.Module], parts: Ite
         for owner, names in [(block, block_names) for block in blocks] + [(backbone, backbone_names)]:
             for name in names:
                 module = getattr(owner, name, None)
-                if module is not None and not isinstance(module, CheckpointWrapper):
+                if isinstance(module, nn.Module) and not is_recomputed(module):
                     # No RNG inside these parts: the recompute need not restore the RNG state.
-                    owner.register_module(name, checkpoint_wrapper(module, preserve_rng_state=False))
+                    checkpoint(module, preserve_rng_state=False)
+
+
+def is_recomputed(module: nn.Module) -> bool:
+    """Whether ``module`` runs under the composable ``checkpoint`` (applied by ``apply_recompute``)."""
+    return "checkpoint" in (_get_registry(module) or {})
