@@ -1,9 +1,10 @@
-"""The plugins' ``recompute`` option: the hyper-connections and norms recomputed in the backward.
+"""The plugins' ``recompute`` option: hyper-connections, norms (and attention) recomputed in the backward.
 
-Same weights with and without it (V4 alone and under nemo-automodel's whole-block ``apply_ac``, V4.1
-alone): the
-loss and every gradient bitwise equal, the state-dict keys unchanged, and the forward keeps less by
-at least the parts' fp32 copies (CPU, fp32, the tiny released structure of the step benchmark)."""
+Same weights with and without it (V4 alone, under nemo-automodel's whole-block ``apply_ac`` and with
+the attention part; V4.1 alone and with the attention part): the loss and every gradient bitwise
+equal, parameter names and state-dict keys unchanged, and the forward keeps less by at least the
+parts' fp32 copies (CPU, fp32, the tiny released structure of the step benchmark). Cast to bf16,
+every parameter keeps the plain model's dtype."""
 
 from __future__ import annotations
 
