@@ -37,9 +37,10 @@ def tiny_config(family, recompute=None):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("family", "whole_blocks", "attention"),
-    [("v4", False, False), ("v4", True, False), ("v41", False, False), ("v4", False, True), ("v41", False, True)],
-    ids=["v4", "v4_inside_apply_ac", "v41", "v4_with_attention", "v41_with_attention"],
-)
+    [("v4", None, False), ("v4", "full", False), ("v4", "selective", False), ("v41", None, False),
+     ("v4", None, True), ("v41", None, True)],
+    ids=["v4", "v4_inside_apply_ac", "v4_inside_selective_ac", "v41", "v4_with_attention", "v41_with_attention"],
+)  # fmt: skip
 def test_recomputed_parts_give_the_plain_steps_loss_and_gradients(family, whole_blocks, attention):
     torch.manual_seed(0)
     plain = bench.build("plugin", tiny_config(family), **CPU)
@@ -53,8 +54,8 @@ def test_recomputed_parts_give_the_plain_steps_loss_and_gradients(family, whole_
     # names (and so nemo-automodel's fp32-by-name parameters) unchanged
     assert dict(lean.named_parameters()).keys() == dict(plain.named_parameters()).keys()
     assert lean.state_dict().keys() == plain.state_dict().keys()
-    if whole_blocks:
-        apply_ac(lean, selective=False)
+    if whole_blocks is not None:
+        apply_ac(lean, selective=whole_blocks == "selective")
 
     loss, grads, kept = step(plain, family)
     loss_lean, grads_lean, kept_lean = step(lean, family)
