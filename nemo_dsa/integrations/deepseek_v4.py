@@ -63,7 +63,7 @@ from nemo_dsa.integrations.deepseek_v4_attention import (
     adopt_builtin_layout,
 )
 from nemo_dsa.integrations.lm_head import Fp32HeadLinear, adopt_fp32_head, called_with_bf16
-from nemo_dsa.integrations.recompute import apply_recompute, recompute_parts
+from nemo_dsa.integrations.recompute import apply_recompute, pop_recompute_option
 from nemo_dsa.layers.shared_state import SharedLayerState
 from nemo_dsa.metadata import build_attention_metadata_for_ratios
 from nemo_dsa.models.dsa_lm.configuration import DSAModelConfig
@@ -158,8 +158,7 @@ class NemoDsaDeepseekV4ForCausalLM(DeepseekV4ForCausalLM):
         for name, default in _OPTION_DEFAULTS.items():
             value = kwargs.pop(name, None)
             options[name] = value if value is not None else getattr(config, name, default)
-        recompute = kwargs.pop("recompute", None)
-        recompute = recompute_parts(recompute if recompute is not None else getattr(config, "recompute", None))
+        recompute = pop_recompute_option(kwargs, config)
         super().__init__(config, moe_config, backend, **kwargs)
         attn = _ATTN_TO_NEMO_DSA_BACKEND.get(getattr(self.backend, "attn", None))
         indexer_backend = options.pop("indexer_backend") or attn

@@ -33,7 +33,7 @@ from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCa
 from nemo_dsa.integrations.deepseek_v4_attention import adopt_builtin_layout
 from nemo_dsa.integrations.deepseek_v41_attention import NemoDsaDeepseekV41Attention
 from nemo_dsa.integrations.lm_head import Fp32HeadLinear, adopt_fp32_head, announce_bf16_hidden
-from nemo_dsa.integrations.recompute import apply_recompute, recompute_parts
+from nemo_dsa.integrations.recompute import apply_recompute, pop_recompute_option
 from nemo_dsa.models.dsa_lm.configuration import DSAModelConfig
 
 __all__ = ["ARCHITECTURE", "NemoDsaDeepseekV41ForCausalLM", "dsa_config_from_deepseek_v41"]
@@ -64,8 +64,7 @@ class NemoDsaDeepseekV41ForCausalLM(DeepseekV41ForCausalLM):
             raise TypeError(f"config must be a DeepseekV41Config, got {type(config).__name__}")
         options = {name: kwargs.pop(name, None) for name in _OPTIONS}
         options = {name: value if value is not None else getattr(config, name, None) for name, value in options.items()}
-        recompute = kwargs.pop("recompute", None)
-        recompute = recompute_parts(recompute if recompute is not None else getattr(config, "recompute", None))
+        recompute = pop_recompute_option(kwargs, config)
         super().__init__(config, moe_config, backend, **kwargs)
         attn = getattr(self.backend, "attn", None)
         # backend.attn tilelang selects both the indexer's and the attention's kernels unless given.

@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.distributed._composable.contract import _get_registry
 
-__all__ = ["PARTS", "apply_recompute", "is_recomputed", "recompute_parts"]
+__all__ = ["PARTS", "apply_recompute", "is_recomputed", "pop_recompute_option", "recompute_parts"]
 
 # part -> (module names inside every decoder block, module names on the backbone ``model``), per family
 PARTS = {
@@ -58,12 +58,20 @@ def recompute_parts(value) -> tuple[str, ...]:
     return parts
 
 
-def apply_recompute(backbone: nn.Module, blocks: Iterable[nn.Module], parts: Iterable[str], family: str) -> None:
-    """Wrap the modules of ``parts`` in ``blocks`` and on ``backbone`` of a ``family`` ("v4" |
-    "v41") model (see the module docstring). V4.1's mixing modules recompute their forward (the
-    mix coefficients); their ``collapse`` / ``expand``, called by the block, are not wrapped."""
+def pop_recompute_option(kwargs: dict, config) -> tuple[str, ...]:
+    """The plugins' ``recompute`` option, checked: popped from the constructor's ``kwargs``, else
+    the config attribute of that name."""
+    value = kwargs.pop("recompute", None)
+    return recompute_parts(value if value is not None else getattr(config, "recompute", None))
+
+
+def apply_recompute(backbone: nn.Module, blocks: Iterable[nn.Module], parts: tuple[str, ...], family: str) -> None:
+    """Recompute the modules of ``parts`` (as ``recompute_parts`` returns them) in ``blocks`` and on
+    ``backbone`` of a ``family`` ("v4" | "v41") model (see the module docstring). V4.1's mixing
+    modules recompute their forward (the mix coefficients); their ``collapse`` / ``expand``,
+    called by the block, are not wrapped."""
     blocks = list(blocks)
-    for part in recompute_parts(list(parts)):
+    for part in parts:
         block_names, backbone_names = PARTS[part][family]
         for owner, names in [(block, block_names) for block in blocks] + [(backbone, backbone_names)]:
             for name in names:
