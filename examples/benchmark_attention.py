@@ -206,20 +206,22 @@ def run(seq: int, iters: int, variants: tuple[str, ...], ours_only: bool = False
 
 
 def main():
+    from nemo_dsa.ops.sparse_attention import kernels
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq", type=int, nargs="+", default=[4096, 16384, 32768, 65536])
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--json", default=None)
     parser.add_argument("--ours-only", action="store_true", help="skip the built-in (and its compile)")
     parser.add_argument("--variants", nargs="+", default=None,
-                        help="<forward schedule>/<window dkv>: split-pv|balanced / atomic|key-major")
+                        help="<forward schedule>/<window dkv>: split-pv|balanced|alternating / atomic|key-major")
     parser.add_argument("--parts", action="store_true", help="also time the backward's pieces")
     args = parser.parse_args()
     args.variants = args.variants or [default_variant()]
     for name in args.variants:
         schedule, _, window_dkv = name.partition("/")
-        if schedule not in ("split-pv", "balanced") or window_dkv not in ("atomic", "key-major"):
-            parser.error(f"--variants: {name!r} is not <split-pv|balanced>/<atomic|key-major>")
+        if schedule not in kernels.FWD_SCHEDULES or window_dkv not in kernels.WINDOW_DKV_MODES:
+            parser.error(f"--variants: {name!r} is not <{'|'.join(kernels.FWD_SCHEDULES)}>/<{'|'.join(kernels.WINDOW_DKV_MODES)}>")
     rows = []
     for seq in args.seq:
         rows.append(run(seq, args.iters, tuple(args.variants), args.ours_only, args.parts))

@@ -56,8 +56,11 @@ def _forward_problems(config: ForwardConfig, source: str) -> list[str]:
     P V wgmma per consumer, the setmaxnreg split, and zero-filling cp.async gathers."""
     problems = []
     keys = 32 if config.schedule == "balanced" else 64  # balanced: each consumer scores half the keys
-    if len(re.findall(rf"wgmma_ss<[^>]*\b64, {keys}, 16\b", source)) < (4 if config.schedule == "balanced" else 2):
+    scorers = 1 if config.schedule == "split-pv" else 2
+    if len(re.findall(rf"wgmma_ss<[^>]*\b64, {keys}, 16\b", source)) < 2 * scorers:
         problems.append(f"S = Q K^T as m64n{keys}k16 wgmma (in each scoring consumer)")
+    if config.schedule in kernels.ALTERNATING and len(re.findall(rf"wgmma_rs<[^>]*\b64, {config.dim // 2}, 16\b", source)) < 2:
+        problems.append("each consumer's own tile's P V with P in registers (wgmma_rs)")
     if len(re.findall(rf"wgmma_ss<[^>]*\b64, {config.dim // 2}, 16\b", source)) < 2:
         problems.append(f"one m64n{config.dim // 2} P V wgmma per consumer")
     if f"warpgroup_reg_dealloc<{config.producer_registers}>" not in source:
@@ -87,7 +90,8 @@ def _check_window_dkv(config: WindowDkvConfig, source: str) -> None:
 
 def test_every_dispatched_config_lowers_with_wgmma_and_fits_shared_memory():
     configs = dispatched_configs()
-    assert len(configs) == len(set(configs)) == (3 * len(kernels.MODES) + 1) * len(kernels.KERNEL_DIMS)
+    forwards_and_backward = len(kernels.FWD_SCHEDULES) + 1
+    assert len(configs) == len(set(configs)) == (forwards_and_backward * len(kernels.MODES) + 1) * len(kernels.KERNEL_DIMS)
     results = map_in_workers(_lower, configs + list(kernels.KERNEL_DIMS))
     for config, source, smem in results:
         assert smem <= HOPPER_SMEM_LIMIT, f"{config}: {smem} bytes of dynamic shared memory"
@@ -115,10 +119,14 @@ def test_every_dispatched_config_lowers_with_wgmma_and_fits_shared_memory():
             budget = config.consumer0_registers + config.consumer1_registers + config.producer_registers
             assert budget <= 3 * kernels.LAUNCH_REGISTERS, f"{config}: setmaxnreg budgets ask for {budget} > 504"
             assert kernels.LAUNCH_REGISTERS * kernels.FWD_THREADS <= 65536
-            if config.schedule == "balanced":  # the consumers meet at their own 256-thread barriers
-                source = next(src for c, src, _ in results if c == config)
-                for barrier in (kernels.EXCHANGE_BARRIER, kernels.P_READY_BARRIER):
-                    assert f"__sync_thread_partial({barrier}, 256)" in source, f"{config}: barrier {barrier}"
+            # The consumers meet at their own 256-thread barriers (alternating: only to share Q
+            # and the row sums; within a round they hand over through mbarriers).
+            barriers = {"balanced": (kernels.EXCHANGE_BARRIER, kernels.P_READY_BARRIER),
+                        "alternating": (kernels.EXCHANGE_BARRIER,),
+                        "alternating-async": (kernels.EXCHANGE_BARRIER,)}.get(config.schedule, ())
+            source = next(src for c, src, _ in results if c == config)
+            for barrier in barriers:
+                assert f"__sync_thread_partial({barrier}, 256)" in source, f"{config}: barrier {barrier}"
 
 
 def test_role_barrier_renumbering_separates_shared_ids():
@@ -161,8 +169,11 @@ def test_schedule_check_can_fail():
 def test_representative_configs_compile_to_cubin():
     fwd, bwd = forward_config(512, "indices", "split-pv"), backward_config(128, "range")
     balanced, window_dkv = forward_config(512, "range", "balanced"), WindowDkvConfig(512)
-    fwd_source, bwd_source, balanced_source, window_source = map_in_workers(_compile, [fwd, bwd, balanced, window_dkv])
-    for config, source in ((fwd, fwd_source), (balanced, balanced_source)):
+    alternating = forward_config(512, "indices", "alternating")
+    fwd_source, bwd_source, balanced_source, window_source, alternating_source = map_in_workers(
+        _compile, [fwd, bwd, balanced, window_dkv, alternating]
+    )
+    for config, source in ((fwd, fwd_source), (balanced, balanced_source), (alternating, alternating_source)):
         assert not _forward_problems(config, source)
         for role_id in kernels.ROLE_BARRIER_IDS:  # the post-processing hook ran before nvcc
             assert f"__sync_thread_partial({role_id}, 128)" in source

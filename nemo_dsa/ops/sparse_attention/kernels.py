@@ -65,14 +65,17 @@ BWD_PASS_CONFIGS = {"tl.disable_warp_specialized": True, "tl.disable_tma_lower":
 # Balanced is the default: 6-7 % faster forward at V4-Flash shapes on the H200 (9.94 against
 # 10.61 ms at S=32768, 19.26 against 20.68 ms at S=65536; docs/performance.md v12).
 # NEMO_DSA_ATTN_FWD overrides the default (for A/B measurements).
-FWD_SCHEDULES = ("split-pv", "balanced")
+# "alternating" (forward_alternating.py: the consumers take turns on whole tiles; "-async" with
+# the P V products issued without waiting) is an opt-in until it is timed on the H200.
+FWD_SCHEDULES = ("split-pv", "balanced", "alternating", "alternating-async")
+ALTERNATING = ("alternating", "alternating-async")
 DEFAULT_FWD_SCHEDULE = "balanced"
 # setmaxnreg (consumer 0, consumer 1, producer) per schedule. The warpgroups trade registers
 # inside the block's launch allocation (168 a thread at 384 threads: 504 per thread-triple), so
 # the three must sum to <= 504: a setmaxnreg.inc beyond it waits forever (the first balanced
 # version asked for 208 + 208 + 96 = 512 and hung on the GPU).
 LAUNCH_REGISTERS = 168  # 65536 / 384, rounded down to a multiple of 8
-FWD_REGISTERS = {"split-pv": (240, 168, 96), "balanced": (208, 200, 96)}
+FWD_REGISTERS = {"split-pv": (240, 168, 96), "balanced": (208, 200, 96), "alternating": (216, 216, 72), "alternating-async": (216, 216, 72)}
 
 
 @dataclass(frozen=True)
@@ -95,9 +98,11 @@ class ForwardConfig:
         return dict(FWD_PASS_CONFIGS)
 
     def shared_memory_bytes(self) -> int:
-        """Q [64, D] + key ring [stages, 64, D] (bf16) + P [64, 64] + the index row (indices)."""
+        """Q [64, D] + key ring [stages, 64, D] (bf16) + P [64, 64] (two for "alternating") + the
+        index row (indices)."""
         index_row = 4 * MAX_SELECTED if self.mode == "indices" else 0
-        return 2 * self.dim * (BLOCK_HEADS + self.num_stages * BLOCK_KEYS) + 2 * BLOCK_HEADS * BLOCK_KEYS + index_row
+        p_tiles = 2 if self.schedule in ALTERNATING else 1
+        return 2 * self.dim * (BLOCK_HEADS + self.num_stages * BLOCK_KEYS) + p_tiles * 2 * BLOCK_HEADS * BLOCK_KEYS + index_row
 
 
 @dataclass(frozen=True)
@@ -153,7 +158,8 @@ def forward_config(dim: int, mode: str, schedule: str | None = None) -> ForwardC
     if schedule not in FWD_SCHEDULES:
         raise ValueError(f"schedule must be one of {FWD_SCHEDULES}, got {schedule!r}")
     c0, c1, producer = FWD_REGISTERS[schedule]
-    return ForwardConfig(dim, mode, 2 if dim == 512 else 4, c0, c1, producer, schedule)
+    stages = 2 if dim == 512 or schedule in ALTERNATING else 4  # alternating: a stage per consumer
+    return ForwardConfig(dim, mode, stages, c0, c1, producer, schedule)
 
 
 def backward_config(dim: int, mode: str) -> BackwardConfig:
@@ -295,7 +301,8 @@ def sparse_window_fwd_kernel(
 ):
     """PrimFunc of the forward for one configuration. Grid: (S, H / 64, B); H a multiple of 64
     (the wrapper zero-pads q's heads: padded heads compute rows nobody reads). ``schedule``
-    "balanced" gives :func:`sparse_window_fwd_balanced_kernel` instead.
+    "balanced" gives :func:`sparse_window_fwd_balanced_kernel`, "alternating" the kernel of
+    ``forward_alternating.py``.
 
     Arguments: Q [B, S, H, D], Raw [B, N_raw, D], Comp [B, K, D] (bf16), WindowStart [B, S],
     Indices [B, S, T] with KE [B, S] = 1 + its last valid slot, or KS/KE [B, S] (int32), Sink [H]
@@ -305,6 +312,13 @@ def sparse_window_fwd_kernel(
     if schedule == "balanced":
         return sparse_window_fwd_balanced_kernel(
             dim, mode, num_stages, consumer0_registers, consumer1_registers, producer_registers
+        )
+    if schedule in ALTERNATING:
+        from nemo_dsa.ops.sparse_attention.forward_alternating import sparse_window_fwd_alternating_kernel
+
+        return sparse_window_fwd_alternating_kernel(
+            dim, mode, num_stages, consumer0_registers, consumer1_registers, producer_registers,
+            overlap=schedule == "alternating-async",
         )
     T = tilelang().language
     bf16, f32, i32 = T.bfloat16, T.float32, T.int32

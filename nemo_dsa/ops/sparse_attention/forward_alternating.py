@@ -1,0 +1,352 @@
+"""The forward's "alternating" schedule: the two consumer warpgroups take turns on whole key tiles.
+
+The schedule FlashMLA's sparse prefill uses on Hopper (the facts taken from its sm90 kernel;
+this is our own TileLang kernel): a round is two 64-key tiles, A = tile 2r in stage 0 and
+B = tile 2r + 1 in stage 1. Consumer 0 scores A, consumer 1 scores B, each with one m64n64
+S = Q K^T over all of D (no half-width wgmma, and each warpgroup reads its key tile once for S).
+Consumer 0 then owns O[:, :D/2], consumer 1 O[:, D/2:]: each adds its own tile's P from
+registers (``wgmma`` with A in registers) and the other's P from shared memory.
+
+One running max is kept by handing it over within a round: consumer 0 publishes A's new max,
+consumer 1 folds in B's and publishes the round's max, and consumer 0 rescales its O, its row
+sums and its P of A to it before handing that P over. Because the two work on different tiles,
+one's softmax runs while the other's GEMMs keep the tensor cores busy.
+
+Each stage's two D halves (the ring's ``k_l`` / ``k_r``) are freed separately, so the producer
+refills a half as soon as its last reader is done:
+
+| half | read by | freed by |
+|---|---|---|
+| stage 0 left | consumer 0: S of A, its P V | consumer 0 after its own P V |
+| stage 0 right | consumer 0: S of A; consumer 1: P(A) V | consumer 1 after that P V |
+| stage 1 right | consumer 1: S of B, its P V | consumer 1 after its own P V |
+| stage 1 left | consumer 1: S of B; consumer 0: P(B) V | consumer 0 after that P V |
+
+(A reader of S finished before the other consumer can start on the half: the hand-over of the
+max comes after each consumer's S.) An odd tile count gets one more tile, every key of it
+unseen (zero-filled, scored -inf), so every round has two tiles.
+
+Same arguments, grid, outputs and edge behaviour (zero output and -inf lse for a query that
+sees nothing) as :func:`kernels.sparse_window_fwd_kernel`.
+"""
+
+from nemo_dsa.ops._tilelang import tilelang
+from nemo_dsa.ops.sparse_attention.kernels import (
+    BLOCK_HEADS,
+    BLOCK_KEYS,
+    EXCHANGE_BARRIER,
+    FWD_THREADS,
+    LOG2E,
+    M_FLOOR,
+    MAX_SELECTED,
+    _tile_plan,
+)
+
+
+def sparse_window_fwd_alternating_kernel(
+    dim: int,
+    mode: str,
+    num_stages: int,
+    consumer0_registers: int,
+    consumer1_registers: int,
+    producer_registers: int,
+    overlap: bool = False,
+):
+    """PrimFunc of the alternating forward (``num_stages`` must be 2: one stage per consumer).
+    ``overlap``: issue the P V products without waiting for each (wgmma without an implicit
+    wait), consumer 0's next S right behind its last P V, and consumer 1's copy of P(B) to shared
+    memory while its first P V runs."""
+    if num_stages != 2:
+        raise ValueError(f"the alternating forward takes num_stages=2 (one stage per consumer), got {num_stages}")
+    T = tilelang().language
+    bf16, f32, i32 = T.bfloat16, T.float32, T.int32
+    HB, BK, D, half = BLOCK_HEADS, BLOCK_KEYS, dim, dim // 2
+    batch, seq_len, heads = T.dynamic("batch"), T.dynamic("seq_len"), T.dynamic("heads")
+    n_raw, n_comp, n_slots = T.dynamic("n_raw"), T.dynamic("n_comp"), T.dynamic("n_slots")
+    by_index = mode == "indices"
+    idx_shape = [batch, seq_len, n_slots] if by_index else [batch, seq_len]
+
+    @T.macro
+    def load_half(Raw, Comp, idx_s, dst, stage, col0, t, b, window_tiles, lo, own, n_sel, ks):
+        """Key rows of tile ``t``, columns [col0, col0 + D/2), into dst[stage] by zero-filling
+        16-byte cp.async: raw rows by position for window tiles, else compressed rows."""
+        if t < window_tiles:
+            for r, d in T.Parallel(BK, half, prefer_async=True):
+                dst[stage, r, d] = T.if_then_else(
+                    lo + t * BK + r <= own, Raw[b, T.min(lo + t * BK + r, n_raw - 1), col0 + d], T.cast(0, bf16)
+                )
+        else:
+            base = (t - window_tiles) * BK
+            if by_index:
+                for r, d in T.Parallel(BK, half, prefer_async=True):
+                    dst[stage, r, d] = T.if_then_else(
+                        (base + r < n_sel)
+                        & (idx_s[T.min(base + r, MAX_SELECTED - 1)] >= 0)
+                        & (idx_s[T.min(base + r, MAX_SELECTED - 1)] < n_comp),
+                        Comp[b, T.max(idx_s[T.min(base + r, MAX_SELECTED - 1)], 0), col0 + d],
+                        T.cast(0, bf16),
+                    )
+            else:
+                for r, d in T.Parallel(BK, half, prefer_async=True):
+                    dst[stage, r, d] = T.if_then_else(
+                        base + r < n_sel, Comp[b, T.min(ks + base + r, n_comp - 1), col0 + d], T.cast(0, bf16)
+                    )
+        T.fence_proxy_async()
+
+    @T.macro
+    def masked_logits(acc_s, t, window_tiles, lo, own, n_sel, idx_s, scale_log2):
+        """acc_s = S * scale * log2(e) where tile ``t``'s key is seen, -inf elsewhere."""
+        for h, c in T.Parallel(HB, BK):
+            slot = T.max((t - window_tiles) * BK + c, 0)
+            if by_index:
+                key = idx_s[T.min(slot, MAX_SELECTED - 1)]
+                comp_seen = (slot < n_sel) & (key >= 0) & (key < n_comp)
+            else:
+                comp_seen = slot < n_sel
+            seen = T.if_then_else(t < window_tiles, lo + t * BK + c <= own, comp_seen)
+            acc_s[h, c] = T.if_then_else(seen, acc_s[h, c] * scale_log2, -T.infinity(f32))
+
+    @T.macro
+    def score(q_first, q_second, k_first, k_second, stage, acc_s, ready_first, ready_second, phase):
+        """acc_s = Q K^T of the stage's tile, one D half as soon as it has landed (its barrier in
+        ``ready_first``), then the other."""
+        T.mbarrier_wait_parity(ready_first[stage], phase)
+        T.gemm(q_first, k_first[stage, :, :], acc_s, transpose_B=True, clear_accum=True)
+        T.mbarrier_wait_parity(ready_second[stage], phase)
+        T.gemm(q_second, k_second[stage, :, :], acc_s, transpose_B=True)
+
+    @T.macro
+    def finish(me, acc_o, m_i, row_sum, alpha, sink_f, sum_x, q_half, has_sink, Sink, Out, Lse, b, s, h0):
+        """Both consumers end on the same max: add the two row sums and the sink, write lse
+        (consumer 0) and this consumer's half of O (staged in its half of Q, dead by now)."""
+        for h in T.Parallel(HB):
+            sum_x[me, h] = row_sum[h]
+        T.sync_threads(EXCHANGE_BARRIER, 256)
+        for h in T.Parallel(HB):
+            sink_f[h] = T.if_then_else(has_sink, Sink[h0 + h] * LOG2E, M_FLOOR)
+        for h in T.Parallel(HB):
+            final_max = T.max(m_i[h], sink_f[h])
+            row_sum[h] = (sum_x[0, h] + sum_x[1, h]) * T.exp2(m_i[h] - final_max) + T.if_then_else(
+                has_sink, T.exp2(sink_f[h] - final_max), T.cast(0, f32)
+            )
+            alpha[h] = T.if_then_else(row_sum[h] > 0, T.exp2(m_i[h] - final_max) / row_sum[h], T.cast(0, f32))
+            if me == 0:
+                Lse[b, s, h0 + h] = T.if_then_else(
+                    row_sum[h] > 0, (final_max + T.log2(row_sum[h])) / LOG2E, -T.infinity(f32)
+                )
+        for h, d in T.Parallel(HB, half):
+            acc_o[h, d] *= alpha[h]
+        T.copy(acc_o, q_half)
+        T.copy(q_half, Out[b, s, h0 : h0 + HB, me * half : me * half + half], disable_tma=True)
+
+    @T.prim_func
+    def sparse_window_fwd_alternating(
+        Q: T.Tensor([batch, seq_len, heads, D], bf16),
+        Raw: T.Tensor([batch, n_raw, D], bf16),
+        Comp: T.Tensor([batch, n_comp, D], bf16),
+        WindowStart: T.Tensor([batch, seq_len], i32),
+        Indices: T.Tensor(idx_shape, i32),
+        KE: T.Tensor([batch, seq_len], i32),
+        Sink: T.Tensor([heads], f32),
+        Params: T.Tensor([2], f32),
+        Window: T.Tensor([1], i32),
+        Out: T.Tensor([batch, seq_len, heads, D], bf16),
+        Lse: T.Tensor([batch, seq_len, heads], f32),
+    ):
+        with T.Kernel(seq_len, heads // HB, batch, threads=FWD_THREADS) as (s, g, b):
+            tx = T.get_thread_binding()
+            q_l = T.alloc_shared([HB, half], bf16)
+            q_r = T.alloc_shared([HB, half], bf16)
+            k_l = T.alloc_shared([2, BK, half], bf16)
+            k_r = T.alloc_shared([2, BK, half], bf16)
+            p_shared = T.alloc_shared([2, HB, BK], bf16)  # P of A (consumer 0), of B (consumer 1)
+            max_s = T.alloc_shared([HB], f32)  # the running max handed over within a round
+            sum_x = T.alloc_shared([2, HB], f32)
+            idx_s = T.alloc_shared([MAX_SELECTED if by_index else 1], i32)
+            full_l = T.alloc_barrier([128, 128])  # producer threads, per stage
+            full_r = T.alloc_barrier([128, 128])
+            free_l = T.alloc_barrier([128, 128])  # the half's last reader (table above)
+            free_r = T.alloc_barrier([128, 128])
+            max_a = T.alloc_barrier([128])  # consumer 0: A's max in max_s
+            max_ab = T.alloc_barrier([128])  # consumer 1: the round's max in max_s
+            p_a = T.alloc_barrier([128])  # consumer 0: P(A) in p_shared[0]
+            p_b = T.alloc_barrier([128])  # consumer 1: P(B) in p_shared[1]
+
+            acc_s0 = T.alloc_fragment([HB, BK], f32)
+            acc_s1 = T.alloc_fragment([HB, BK], f32)
+            p_reg0 = T.alloc_fragment([HB, BK], bf16)
+            p_reg1 = T.alloc_fragment([HB, BK], bf16)
+            acc_o0 = T.alloc_fragment([HB, half], f32)
+            acc_o1 = T.alloc_fragment([HB, half], f32)
+            m_i0 = T.alloc_fragment([HB], f32)
+            m_i1 = T.alloc_fragment([HB], f32)
+            m_new0 = T.alloc_fragment([HB], f32)
+            m_new1 = T.alloc_fragment([HB], f32)
+            row_sum0 = T.alloc_fragment([HB], f32)
+            row_sum1 = T.alloc_fragment([HB], f32)
+            tile_sum0 = T.alloc_fragment([HB], f32)
+            tile_sum1 = T.alloc_fragment([HB], f32)
+            alpha0 = T.alloc_fragment([HB], f32)
+            alpha1 = T.alloc_fragment([HB], f32)
+            sink_f0 = T.alloc_fragment([HB], f32)
+            sink_f1 = T.alloc_fragment([HB], f32)
+
+            h0 = g * HB
+            own = s + n_raw - seq_len
+            scale_log2 = Params[0] * LOG2E
+            has_sink = Params[1] > 0.5
+            window = Window[0]
+            if by_index:
+                for j in T.Parallel(MAX_SELECTED):
+                    if j < n_slots:
+                        idx_s[j] = Indices[b, s, j]
+            T.sync_threads()
+            if by_index:
+                ks = 0
+                n_sel = T.max(T.min(KE[b, s], n_slots), 0)
+            else:
+                ks = Indices[b, s]
+                n_sel = T.max(KE[b, s] - ks, 0)
+            lo, window_tiles, tiles = _tile_plan(T, own, WindowStart[b, s], window, n_sel)
+            rounds = T.ceildiv(tiles, 2)
+
+            if tx < 128:
+                T.set_max_nreg(producer_registers, 0)
+                for r in T.serial(rounds):
+                    phase = (r % 2) ^ 1
+                    # In the order the consumers need them: A's left half first (consumer 0
+                    # starts S on it), then B's right half (consumer 1 starts there).
+                    T.mbarrier_wait_parity(free_l[0], phase)
+                    load_half(Raw, Comp, idx_s, k_l, 0, 0, 2 * r, b, window_tiles, lo, own, n_sel, ks)
+                    T.mbarrier_arrive(full_l[0])
+                    T.mbarrier_wait_parity(free_r[1], phase)
+                    load_half(Raw, Comp, idx_s, k_r, 1, half, 2 * r + 1, b, window_tiles, lo, own, n_sel, ks)
+                    T.mbarrier_arrive(full_r[1])
+                    T.mbarrier_wait_parity(free_r[0], phase)
+                    load_half(Raw, Comp, idx_s, k_r, 0, half, 2 * r, b, window_tiles, lo, own, n_sel, ks)
+                    T.mbarrier_arrive(full_r[0])
+                    T.mbarrier_wait_parity(free_l[1], phase)
+                    load_half(Raw, Comp, idx_s, k_l, 1, 0, 2 * r + 1, b, window_tiles, lo, own, n_sel, ks)
+                    T.mbarrier_arrive(full_l[1])
+            elif tx < 256:
+                T.set_max_nreg(consumer0_registers, 1)
+                T.copy(Q[b, s, h0 : h0 + HB, 0:half], q_l, disable_tma=True)  # each consumer loads half of Q
+                T.fence_proxy_async()
+                T.sync_threads(EXCHANGE_BARRIER, 256)
+                T.fill(m_i0, M_FLOOR)
+                T.fill(row_sum0, 0)
+                T.fill(acc_o0, 0)
+                for r in T.serial(rounds):
+                    phase = r % 2
+                    if not overlap or r == 0:  # overlapped: later rounds' S was issued in the round before
+                        score(q_l, q_r, k_l, k_r, 0, acc_s0, full_l, full_r, phase)
+                    masked_logits(acc_s0, 2 * r, window_tiles, lo, own, n_sel, idx_s, scale_log2)
+                    T.copy(m_i0, m_new0)
+                    T.reduce_max(acc_s0, m_new0, dim=1, clear=False)
+                    T.copy(m_new0, max_s)
+                    T.mbarrier_arrive(max_a[0])
+                    for h in T.Parallel(HB):
+                        alpha0[h] = T.exp2(m_i0[h] - m_new0[h])
+                        m_i0[h] = m_new0[h]
+                    for h, c in T.Parallel(HB, BK):
+                        acc_s0[h, c] = T.exp2(acc_s0[h, c] - m_i0[h])
+                    T.reduce_sum(acc_s0, tile_sum0, dim=1)
+                    for h in T.Parallel(HB):
+                        row_sum0[h] = row_sum0[h] * alpha0[h] + tile_sum0[h]
+                    for h, d in T.Parallel(HB, half):
+                        acc_o0[h, d] *= alpha0[h]
+                    T.copy(acc_s0, p_reg0)
+                    T.gemm(p_reg0, k_l[0, :, :], acc_o0)  # O[:, :D/2] += P(A) V(A)[:, :D/2]
+                    T.mbarrier_arrive(free_l[0])
+                    # The round's max from consumer 1: bring O, the sums and P(A) to it.
+                    T.mbarrier_wait_parity(max_ab[0], phase)
+                    for h in T.Parallel(HB):
+                        m_new0[h] = max_s[h]
+                        alpha0[h] = T.exp2(m_i0[h] - m_new0[h])
+                        m_i0[h] = m_new0[h]
+                        row_sum0[h] *= alpha0[h]
+                    for h, c in T.Parallel(HB, BK):
+                        acc_s0[h, c] *= alpha0[h]
+                    T.copy(acc_s0, p_shared[0, :, :])
+                    T.fence_proxy_async()
+                    T.mbarrier_arrive(p_a[0])
+                    for h, d in T.Parallel(HB, half):
+                        acc_o0[h, d] *= alpha0[h]
+                    T.mbarrier_wait_parity(p_b[0], phase)
+                    if overlap:
+                        # O[:, :D/2] += P(B) V(B)[:, :D/2], issued; the next round's S follows it
+                        # on the tensor cores (no wait in between).
+                        T.wgmma_gemm(p_shared[1, :, :], k_l[1, :, :], acc_o0)
+                        if r + 1 < rounds:
+                            T.mbarrier_wait_parity(full_l[0], phase ^ 1)
+                            T.wgmma_gemm(q_l, k_l[0, :, :], acc_s0, transpose_B=True, clear_accum=True)
+                            T.wait_wgmma(1)
+                            T.mbarrier_arrive(free_l[1])
+                            T.mbarrier_wait_parity(full_r[0], phase ^ 1)
+                            T.wgmma_gemm(q_r, k_r[0, :, :], acc_s0, transpose_B=True)
+                            T.wait_wgmma(0)
+                            T.warpgroup_fence_operand(acc_s0)
+                        else:
+                            T.wait_wgmma(0)
+                            T.mbarrier_arrive(free_l[1])
+                        T.warpgroup_fence_operand(acc_o0)
+                    else:
+                        T.gemm(p_shared[1, :, :], k_l[1, :, :], acc_o0)  # O[:, :D/2] += P(B) V(B)[:, :D/2]
+                        T.mbarrier_arrive(free_l[1])
+                finish(0, acc_o0, m_i0, row_sum0, alpha0, sink_f0, sum_x, q_l, has_sink, Sink, Out, Lse, b, s, h0)
+            else:
+                T.set_max_nreg(consumer1_registers, 1)
+                T.copy(Q[b, s, h0 : h0 + HB, half:D], q_r, disable_tma=True)
+                T.fence_proxy_async()
+                T.sync_threads(EXCHANGE_BARRIER, 256)
+                T.fill(m_i1, M_FLOOR)
+                T.fill(row_sum1, 0)
+                T.fill(acc_o1, 0)
+                for r in T.serial(rounds):
+                    phase = r % 2
+                    score(q_r, q_l, k_r, k_l, 1, acc_s1, full_r, full_l, phase)
+                    masked_logits(acc_s1, 2 * r + 1, window_tiles, lo, own, n_sel, idx_s, scale_log2)
+                    # A's max (>= this consumer's previous max: consumer 0 started the round from it).
+                    T.mbarrier_wait_parity(max_a[0], phase)
+                    T.copy(max_s, m_new1)
+                    T.reduce_max(acc_s1, m_new1, dim=1, clear=False)
+                    T.copy(m_new1, max_s)
+                    T.mbarrier_arrive(max_ab[0])
+                    for h in T.Parallel(HB):
+                        alpha1[h] = T.exp2(m_i1[h] - m_new1[h])
+                        m_i1[h] = m_new1[h]
+                    for h, c in T.Parallel(HB, BK):
+                        acc_s1[h, c] = T.exp2(acc_s1[h, c] - m_i1[h])
+                    T.reduce_sum(acc_s1, tile_sum1, dim=1)
+                    for h in T.Parallel(HB):
+                        row_sum1[h] = row_sum1[h] * alpha1[h] + tile_sum1[h]
+                    for h, d in T.Parallel(HB, half):
+                        acc_o1[h, d] *= alpha1[h]
+                    T.copy(acc_s1, p_reg1)
+                    if overlap:
+                        # Both P V products issued back to back; P(B) goes to shared memory
+                        # while the first runs.
+                        T.wgmma_gemm(p_reg1, k_r[1, :, :], acc_o1)  # O[:, D/2:] += P(B) V(B)[:, D/2:]
+                        T.copy(acc_s1, p_shared[1, :, :])
+                        T.fence_proxy_async()
+                        T.mbarrier_arrive(p_b[0])
+                        T.mbarrier_wait_parity(p_a[0], phase)
+                        T.wgmma_gemm(p_shared[0, :, :], k_r[0, :, :], acc_o1)  # O[:, D/2:] += P(A) V(A)[:, D/2:]
+                        T.wait_wgmma(1)
+                        T.mbarrier_arrive(free_r[1])
+                        T.wait_wgmma(0)
+                        T.warpgroup_fence_operand(acc_o1)
+                        T.warpgroup_fence_operand(p_reg1)
+                        T.mbarrier_arrive(free_r[0])
+                    else:
+                        T.gemm(p_reg1, k_r[1, :, :], acc_o1)  # O[:, D/2:] += P(B) V(B)[:, D/2:]
+                        T.mbarrier_arrive(free_r[1])
+                        T.copy(acc_s1, p_shared[1, :, :])
+                        T.fence_proxy_async()
+                        T.mbarrier_arrive(p_b[0])
+                        T.mbarrier_wait_parity(p_a[0], phase)
+                        T.gemm(p_shared[0, :, :], k_r[0, :, :], acc_o1)  # O[:, D/2:] += P(A) V(A)[:, D/2:]
+                        T.mbarrier_arrive(free_r[0])
+                finish(1, acc_o1, m_i1, row_sum1, alpha1, sink_f1, sum_x, q_r, has_sink, Sink, Out, Lse, b, s, h0)
+
+    return sparse_window_fwd_alternating
