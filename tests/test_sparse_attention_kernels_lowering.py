@@ -100,6 +100,9 @@ def test_every_dispatched_config_lowers_with_wgmma_and_fits_shared_memory():
             compiled = kernels.separate_role_barriers(source)
             assert not _forward_problems(config, compiled), f"{config}: missing {_forward_problems(config, compiled)}"
             assert smem >= config.shared_memory_bytes(), f"{config}: tiles need more than {smem} bytes"
+            # The index row is static shared memory: dynamic + static must fit the SM's 227 KiB.
+            assert re.search(rf"__shared__ (__align__\(\d+\) )?int idx_s\[{config.static_shared_memory_bytes() // 4}\]", source), config
+            assert smem + config.static_shared_memory_bytes() <= HOPPER_SMEM_LIMIT, config
         elif isinstance(config, BackwardConfig):
             assert "wgmma_ss<" in source, f"{config}: no wgmma"
             assert "AtomicAdd" in source, f"{config}: dkv is not accumulated atomically"

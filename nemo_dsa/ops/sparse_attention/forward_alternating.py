@@ -42,6 +42,10 @@ from nemo_dsa.ops.sparse_attention.kernels import (
     _tile_plan,
 )
 
+# The producer does not wait for its own copies: each thread's cp.async arrive on the stage's
+# mbarrier when they land (cp.async.mbarrier.arrive.noinc), so it goes on to the next half at once.
+NO_COPY_WAIT = {"parallel_async_without_async_commit_wait": True}
+
 
 def sparse_window_fwd_alternating_kernel(
     dim: int,
@@ -71,14 +75,14 @@ def sparse_window_fwd_alternating_kernel(
         """Key rows of tile ``t``, columns [col0, col0 + D/2), into dst[stage] by zero-filling
         16-byte cp.async: raw rows by position for window tiles, else compressed rows."""
         if t < window_tiles:
-            for r, d in T.Parallel(BK, half, prefer_async=True):
+            for r, d in T.Parallel(BK, half, prefer_async=True, annotations=NO_COPY_WAIT):
                 dst[stage, r, d] = T.if_then_else(
                     lo + t * BK + r <= own, Raw[b, T.min(lo + t * BK + r, n_raw - 1), col0 + d], T.cast(0, bf16)
                 )
         else:
             base = (t - window_tiles) * BK
             if by_index:
-                for r, d in T.Parallel(BK, half, prefer_async=True):
+                for r, d in T.Parallel(BK, half, prefer_async=True, annotations=NO_COPY_WAIT):
                     dst[stage, r, d] = T.if_then_else(
                         (base + r < n_sel)
                         & (idx_s[T.min(base + r, MAX_SELECTED - 1)] >= 0)
@@ -87,11 +91,10 @@ def sparse_window_fwd_alternating_kernel(
                         T.cast(0, bf16),
                     )
             else:
-                for r, d in T.Parallel(BK, half, prefer_async=True):
+                for r, d in T.Parallel(BK, half, prefer_async=True, annotations=NO_COPY_WAIT):
                     dst[stage, r, d] = T.if_then_else(
                         base + r < n_sel, Comp[b, T.min(ks + base + r, n_comp - 1), col0 + d], T.cast(0, bf16)
                     )
-        T.fence_proxy_async()
 
     @T.macro
     def masked_logits(acc_s, t, window_tiles, lo, own, n_sel, idx_s, scale_log2):
@@ -111,8 +114,10 @@ def sparse_window_fwd_alternating_kernel(
         """acc_s = Q K^T of the stage's tile, one D half as soon as it has landed (its barrier in
         ``ready_first``), then the other."""
         T.mbarrier_wait_parity(ready_first[stage], phase)
+        T.fence_proxy_async()  # the rows came by cp.async (generic proxy); wgmma reads them (async proxy)
         T.gemm(q_first, k_first[stage, :, :], acc_s, transpose_B=True, clear_accum=True)
         T.mbarrier_wait_parity(ready_second[stage], phase)
+        T.fence_proxy_async()
         T.gemm(q_second, k_second[stage, :, :], acc_s, transpose_B=True)
 
     @T.macro
@@ -162,7 +167,7 @@ def sparse_window_fwd_alternating_kernel(
             p_shared = T.alloc_shared([2, HB, BK], bf16)  # P of A (consumer 0), of B (consumer 1)
             max_s = T.alloc_shared([HB], f32)  # the running max handed over within a round
             sum_x = T.alloc_shared([2, HB], f32)
-            idx_s = T.alloc_shared([MAX_SELECTED if by_index else 1], i32)
+            idx_s = T.alloc_shared([MAX_SELECTED if by_index else 1], i32, scope="shared")  # static: see kernels.NO_COPY_WAIT
             full_l = T.alloc_barrier([128, 128])  # producer threads, per stage
             full_r = T.alloc_barrier([128, 128])
             free_l = T.alloc_barrier([128, 128])  # the half's last reader (table above)
@@ -218,16 +223,16 @@ def sparse_window_fwd_alternating_kernel(
                     # starts S on it), then B's right half (consumer 1 starts there).
                     T.mbarrier_wait_parity(free_l[0], phase)
                     load_half(Raw, Comp, idx_s, k_l, 0, 0, 2 * r, b, window_tiles, lo, own, n_sel, ks)
-                    T.mbarrier_arrive(full_l[0])
+                    T.cp_async_barrier_noinc(full_l[0])
                     T.mbarrier_wait_parity(free_r[1], phase)
                     load_half(Raw, Comp, idx_s, k_r, 1, half, 2 * r + 1, b, window_tiles, lo, own, n_sel, ks)
-                    T.mbarrier_arrive(full_r[1])
+                    T.cp_async_barrier_noinc(full_r[1])
                     T.mbarrier_wait_parity(free_r[0], phase)
                     load_half(Raw, Comp, idx_s, k_r, 0, half, 2 * r, b, window_tiles, lo, own, n_sel, ks)
-                    T.mbarrier_arrive(full_r[0])
+                    T.cp_async_barrier_noinc(full_r[0])
                     T.mbarrier_wait_parity(free_l[1], phase)
                     load_half(Raw, Comp, idx_s, k_l, 1, 0, 2 * r + 1, b, window_tiles, lo, own, n_sel, ks)
-                    T.mbarrier_arrive(full_l[1])
+                    T.cp_async_barrier_noinc(full_l[1])
             elif tx < 256:
                 T.set_max_nreg(consumer0_registers, 1)
                 T.copy(Q[b, s, h0 : h0 + HB, 0:half], q_l, disable_tma=True)  # each consumer loads half of Q
@@ -279,10 +284,12 @@ def sparse_window_fwd_alternating_kernel(
                         T.wgmma_gemm(p_shared[1, :, :], k_l[1, :, :], acc_o0)
                         if r + 1 < rounds:
                             T.mbarrier_wait_parity(full_l[0], phase ^ 1)
+                            T.fence_proxy_async()
                             T.wgmma_gemm(q_l, k_l[0, :, :], acc_s0, transpose_B=True, clear_accum=True)
                             T.wait_wgmma(1)
                             T.mbarrier_arrive(free_l[1])
                             T.mbarrier_wait_parity(full_r[0], phase ^ 1)
+                            T.fence_proxy_async()
                             T.wgmma_gemm(q_r, k_r[0, :, :], acc_s0, transpose_B=True)
                             T.wait_wgmma(0)
                             T.warpgroup_fence_operand(acc_s0)

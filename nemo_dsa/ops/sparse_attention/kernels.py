@@ -98,11 +98,14 @@ class ForwardConfig:
         return dict(FWD_PASS_CONFIGS)
 
     def shared_memory_bytes(self) -> int:
-        """Q [64, D] + key ring [stages, 64, D] (bf16) + P [64, 64] (two for "alternating") + the
-        index row (indices)."""
-        index_row = 4 * MAX_SELECTED if self.mode == "indices" else 0
+        """Dynamic shared memory: Q [64, D] + key ring [stages, 64, D] (bf16) + P [64, 64] (two
+        for "alternating")."""
         p_tiles = 2 if self.schedule in ALTERNATING else 1
-        return 2 * self.dim * (BLOCK_HEADS + self.num_stages * BLOCK_KEYS) + p_tiles * 2 * BLOCK_HEADS * BLOCK_KEYS + index_row
+        return 2 * self.dim * (BLOCK_HEADS + self.num_stages * BLOCK_KEYS) + p_tiles * 2 * BLOCK_HEADS * BLOCK_KEYS
+
+    def static_shared_memory_bytes(self) -> int:
+        """The index row (indices mode), in static shared memory (see NO_COPY_WAIT)."""
+        return 4 * MAX_SELECTED if self.mode == "indices" else 4
 
 
 @dataclass(frozen=True)
@@ -243,11 +246,20 @@ def _compile_forward(config: "ForwardConfig"):
 # ----------------------------------------------------------------------------------------------
 
 
+# The forwards' producers do not wait for their own copies: each thread's cp.async arrive on the
+# stage's mbarrier when they land (cp.async.mbarrier.arrive.noinc; the barriers count the 128
+# producer threads), so a producer issues the next tile's rows at once. The index row the copies
+# read lives in static shared memory: in the dynamic buffer, beside the tiles the cp.async write,
+# TileLang put a barrier before every row's copy.
+NO_COPY_WAIT = {"parallel_async_without_async_commit_wait": True}
+
+
 def _key_tile_producer(T, by_index: bool, num_stages: int, half: int):
     """The forwards' producer warpgroup (both schedules): each tile's 64 key rows into the ring
     stage's two D halves (k_l, k_r), by 16-byte cp.async with a zero source size for rows the
     query must not see, then a signal to the consumers (``full``) once the stage is free again
-    (``empty``). Window tiles read raw rows by position, the others compressed rows by index
+    (``empty``) by each thread's cp.async arriving on ``full`` as they land (the
+    producer never waits for its own copies). Window tiles read raw rows by position, the others compressed rows by index
     (``idx_s``) or from the range's start ``ks``."""
     bf16, BK = T.bfloat16, BLOCK_KEYS
 
@@ -257,7 +269,7 @@ def _key_tile_producer(T, by_index: bool, num_stages: int, half: int):
             stage = t % num_stages
             T.mbarrier_wait_parity(empty[stage], ((t // num_stages) % 2) ^ 1)
             if t < window_tiles:
-                for r, d in T.Parallel(BK, half, prefer_async=True):
+                for r, d in T.Parallel(BK, half, prefer_async=True, annotations=NO_COPY_WAIT):
                     k_l[stage, r, d] = T.if_then_else(
                         lo + t * BK + r <= own, Raw[b, T.min(lo + t * BK + r, n_raw - 1), d], T.cast(0, bf16)
                     )
@@ -267,7 +279,7 @@ def _key_tile_producer(T, by_index: bool, num_stages: int, half: int):
             else:
                 base = (t - window_tiles) * BK
                 if by_index:
-                    for r, d in T.Parallel(BK, half, prefer_async=True):
+                    for r, d in T.Parallel(BK, half, prefer_async=True, annotations=NO_COPY_WAIT):
                         k_l[stage, r, d] = T.if_then_else(
                             (base + r < n_sel) & (idx_s[T.min(base + r, MAX_SELECTED - 1)] >= 0) & (idx_s[T.min(base + r, MAX_SELECTED - 1)] < n_comp),
                             Comp[b, T.max(idx_s[T.min(base + r, MAX_SELECTED - 1)], 0), d], T.cast(0, bf16),
@@ -277,15 +289,14 @@ def _key_tile_producer(T, by_index: bool, num_stages: int, half: int):
                             Comp[b, T.max(idx_s[T.min(base + r, MAX_SELECTED - 1)], 0), half + d], T.cast(0, bf16),
                         )
                 else:
-                    for r, d in T.Parallel(BK, half, prefer_async=True):
+                    for r, d in T.Parallel(BK, half, prefer_async=True, annotations=NO_COPY_WAIT):
                         k_l[stage, r, d] = T.if_then_else(
                             base + r < n_sel, Comp[b, T.min(ks + base + r, n_comp - 1), d], T.cast(0, bf16)
                         )
                         k_r[stage, r, d] = T.if_then_else(
                             base + r < n_sel, Comp[b, T.min(ks + base + r, n_comp - 1), half + d], T.cast(0, bf16)
                         )
-            T.fence_proxy_async()
-            T.mbarrier_arrive(full[stage])
+            T.cp_async_barrier_noinc(full[stage])
 
     return produce
 
@@ -352,7 +363,7 @@ def sparse_window_fwd_kernel(
             p_shared = T.alloc_shared([HB, BK], bf16)
             alpha_s = T.alloc_shared([HB], f32)
             final_s = T.alloc_shared([HB], f32)
-            idx_s = T.alloc_shared([MAX_SELECTED if by_index else 1], i32)
+            idx_s = T.alloc_shared([MAX_SELECTED if by_index else 1], i32, scope="shared")  # static: see NO_COPY_WAIT
             full = T.alloc_barrier([128] * num_stages)  # producer threads (cp.async noinc)
             empty = T.alloc_barrier([256] * num_stages)  # both consumers
             p_ready = T.alloc_barrier([128])  # consumer 0
@@ -405,6 +416,7 @@ def sparse_window_fwd_kernel(
                 for t in T.serial(tiles):
                     stage = t % num_stages
                     T.mbarrier_wait_parity(full[stage], (t // num_stages) % 2)
+                    T.fence_proxy_async()  # rows written by cp.async (generic proxy), read by wgmma
                     T.gemm(q_l, k_l[stage, :, :], acc_s, transpose_B=True, clear_accum=True)
                     T.gemm(q_r, k_r[stage, :, :], acc_s, transpose_B=True)
                     for h, c in T.Parallel(HB, BK):
@@ -462,6 +474,7 @@ def sparse_window_fwd_kernel(
                 for t in T.serial(tiles):
                     stage = t % num_stages
                     T.mbarrier_wait_parity(p_ready[0], t % 2)
+                    T.fence_proxy_async()
                     for h, d in T.Parallel(HB, half):
                         acc_o_r[h, d] *= alpha_s[h]
                     T.gemm(p_shared, k_r[stage, :, :], acc_o_r)
@@ -515,6 +528,7 @@ def sparse_window_fwd_balanced_kernel(
         for t in T.serial(tiles):
             stage = t % num_stages
             T.mbarrier_wait_parity(full[stage], (t // num_stages) % 2)
+            T.fence_proxy_async()  # rows written by cp.async (generic proxy), read by wgmma
             T.gemm(q_l, k_l[stage, c0 : c0 + KH, :], acc_s, transpose_B=True, clear_accum=True)
             T.gemm(q_r, k_r[stage, c0 : c0 + KH, :], acc_s, transpose_B=True)
             for h, c in T.Parallel(HB, KH):
@@ -598,7 +612,7 @@ def sparse_window_fwd_balanced_kernel(
             p_shared = T.alloc_shared([HB, BK], bf16)
             max_x = T.alloc_shared([2, HB], f32)
             sum_x = T.alloc_shared([2, HB], f32)
-            idx_s = T.alloc_shared([MAX_SELECTED if by_index else 1], i32)
+            idx_s = T.alloc_shared([MAX_SELECTED if by_index else 1], i32, scope="shared")  # static: see NO_COPY_WAIT
             full = T.alloc_barrier([128] * num_stages)  # producer threads (cp.async noinc)
             empty = T.alloc_barrier([256] * num_stages)  # both consumers
 
