@@ -8,8 +8,11 @@ past the kernel's register cache (8192 keys) and past 65536 keys; bf16 rows whos
 below the row's maximum decides and rows it cannot (the generic passes), each also through the
 window-less kernel; candidate-block masks applied inside the select (unordered, repeated, -1 and
 out-of-row blocks, block sizes 3 / 4 / 8) against masking the scores first; V4.1 candidate blocks
-(block maxima + the select over blocks) against their reference. Outputs are poisoned before the
-kernel writes them.
+(block maxima + the select over blocks) against their reference. The opt-in vector variant (bf16,
+NEMO_DSA_SELECT_VECTOR=1): ranges of ragged lengths from odd keys (16-byte loads straddling both
+ends, large finite scores outside the range that it must ignore), T in {1, 64, 512, 2048}, both
+orders, window and generic passes, candidate blocks, rows past 65536 keys, and the scalar fallback
+for rows not on 16-byte boundaries. Outputs are poisoned before the kernel writes them.
 """
 
 import zlib
@@ -233,3 +236,133 @@ def test_block_maxima_kernel_equals_brute_force(dtype, block_size):
     want = torch.full((rows, num_blocks), float("-inf"), device="cuda").scatter_reduce(1, block, values, "amax")
     assert got.dtype == dtype and torch.equal(got.float(), want)
     assert bool(torch.isfinite(got).any())
+
+
+# ----------------------------------------------------------------------------------------------
+# The opt-in vector variant of the bf16 select (16-byte loads, packed images, scan gather)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def vector_select(monkeypatch):
+    """Switch the vector variant on (NEMO_DSA_SELECT_VECTOR=1); returns the ``vector_loads`` of
+    every kernel the wrapper builds or reuses, to check which path ran."""
+    monkeypatch.setenv(topk_kernels.VECTOR_ENV, "1")
+    built = []
+    real = topk_kernels.compile_cached
+
+    def spy(factory, **config):
+        built.append(config.get("vector_loads"))
+        return real(factory, **config)
+
+    monkeypatch.setattr(topk_kernels, "compile_cached", spy)
+    return built
+
+
+def _odd_ranges(rows: int, width: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ranges of ragged lengths (1, 7, 9, 255, 4099, 32771, random) starting at odd keys where
+    they fit, so that 16-byte loads straddle both ends; a whole row, an empty one, the last key."""
+    g = torch.Generator().manual_seed(seed + 2)
+    lengths = torch.tensor([0, 1, 7, 9, 255, 4099, 32771, width])
+    length = lengths[torch.randint(0, len(lengths), (rows,), generator=g)].clamp(max=width)
+    length[::3] = torch.randint(0, width + 1, (len(length[::3]),), generator=g)
+    ks = (torch.rand(rows, generator=g) * (width - length + 1)).long().clamp(max=width - length)
+    ks = torch.where((ks % 2 == 0) & (ks + length < width), ks + 1, ks)
+    ke = ks + length
+    ks[0], ke[0] = 0, width
+    ks[1], ke[1] = 5, 5
+    ks[2], ke[2] = width - 1, width
+    ks[3], ke[3] = 1, width  # all -inf (below)
+    ks[4], ke[4] = 3, width  # three finite keys (below)
+    return ks.int().cuda(), ke.int().cuda()
+
+
+def _vector_case(kind: str, rows: int, width: int, seed: int):
+    """(scores as the kernel gets them, the same with -inf outside [ks, ke), ks, ke): outside
+    the ranges the kernel's scores are 100, larger than any inside, so a key read by a 16-byte
+    load but outside its row's range would win if the variant did not mask it."""
+    ks, ke = _odd_ranges(rows, width, seed)
+    scores = _rows(kind, rows, width, torch.bfloat16, seed)
+    scores[3] = float("-inf")
+    scores[4] = float("-inf")
+    scores[4, 3], scores[4, width // 2], scores[4, width - 1] = 1.0, 2.0, 1.0
+    masked = _mask_outside(scores, ks, ke)
+    cols = torch.arange(width, device="cuda")
+    inside = (cols >= ks[:, None].long()) & (cols < ke[:, None].long())
+    return scores.masked_fill(~inside, 100.0), masked, ks, ke
+
+
+@pytest.mark.parametrize("window", [False, True], ids=["generic", "window"])
+@pytest.mark.parametrize("order", ["score", "index"])
+@pytest.mark.parametrize("kind", ["continuous", "quantised", "special"])
+# Widths are multiples of 8 (the variant's rows start on 16-byte boundaries); past 16384 keys the
+# steps past the register cache are read again in every walk.
+@pytest.mark.parametrize("count,width", [(1, 40), (64, 264), (512, 4104), (2048, 8200), (512, 20_008),
+                                         (64, 32_776), (2048, 32_776)])
+def test_vector_select_equals_reference(window, order, kind, count, width, vector_select, monkeypatch):
+    use_bf16_window(monkeypatch, window)
+    rows = 67 if width < 30_000 else 29
+    seed = zlib.crc32(f"vector{order}{kind}{count}{width}".encode()) % 1000
+    scores, masked, ks, ke = _vector_case(kind, rows, width, seed)
+    assert topk_kernels.vector_loads_fit(scores)
+    index, picked = select_rows_tilelang(scores, count, order, ks, ke, offset=0, out=_poisoned(rows, count, torch.bfloat16))
+    assert vector_select == [True]
+    want_index, want_picked = _expected(masked, count, order)
+    assert torch.equal(index, want_index)
+    assert torch.equal(picked, want_picked)
+
+
+@pytest.mark.parametrize("window", [False, True], ids=["generic", "window"])
+@pytest.mark.parametrize("kind", ["quantised", "special"])
+@pytest.mark.parametrize("count,width,block_size", [(64, 1000, 4), (512, 20_000, 8), (100, 3000, 3), (2048, 32_776, 8)])
+def test_vector_select_with_candidate_blocks(window, kind, count, width, block_size, vector_select, monkeypatch):
+    """Candidate-block masks inside the vector variant (index order, as V4.1 reindex layers)
+    equal masking the scores first."""
+    use_bf16_window(monkeypatch, window)
+    from nemo_dsa.ops.topk import blocks_to_mask
+
+    rows = 41
+    seed = zlib.crc32(f"vector-mask{kind}{count}{width}".encode()) % 1000
+    scores, masked, ks, ke = _vector_case(kind, rows, width, seed)
+    blocks = _random_blocks(rows, width, block_size, seed)
+    keep = blocks_to_mask(blocks[None], ks[None], ke[None], block_size, width)[0]
+    out = _poisoned(rows, count, torch.bfloat16)
+    index, picked = select_rows_tilelang(scores, count, "index", ks, ke, out=out, blocks=blocks, block_size=block_size)
+    assert vector_select == [True]
+    want_index, want_picked = _expected(masked.masked_fill(~keep, float("-inf")), count, "index")
+    assert torch.equal(index, want_index)
+    assert torch.equal(picked, want_picked)
+
+
+@pytest.mark.parametrize("order", ["score", "index"])
+def test_vector_select_rows_past_65536_keys_and_offset(order, vector_select):
+    rows, width, count = 5, 70_008, 512
+    scores = _rows("quantised", rows, width, torch.bfloat16, 11)  # ties at the cut span the whole row
+    index, picked = select_rows_tilelang(scores, count, order, offset=1000, out=_poisoned(rows, count, torch.bfloat16))
+    assert vector_select == [True]
+    want_index, want_picked = _expected(scores, count, order)
+    assert torch.equal(index, torch.where(want_index >= 0, want_index + 1000, -1))
+    assert torch.equal(picked, want_picked)
+
+
+@pytest.mark.parametrize("width", [1, 7, 9, 255, 4099, 32_771])
+def test_vector_select_falls_back_on_unaligned_rows(width, vector_select):
+    """Rows that do not start on 16-byte boundaries (a width not a multiple of 8, or data 2 bytes
+    past one) take the scalar kernel, with the same results."""
+    rows, count = 23, min(64, width)
+    seed = zlib.crc32(f"vector-fallback{width}".encode()) % 1000
+    ks, ke = (x.clamp(max=width) for x in _ranges(rows, width, seed))
+    scores = _mask_outside(_rows("quantised", rows, width, torch.bfloat16, seed), ks, ke)
+    for order in ("score", "index"):
+        index, picked = select_rows_tilelang(scores, count, order, ks, ke, out=_poisoned(rows, count, torch.bfloat16))
+        want_index, want_picked = _expected(scores, count, order)
+        assert torch.equal(index, want_index) and torch.equal(picked, want_picked), order
+    assert vector_select == [False, False]
+    aligned = 8 * max(1, width // 8)
+    storage = torch.full((rows * aligned + 1,), float("-inf"), dtype=torch.bfloat16, device="cuda")
+    shifted = storage[1:].view(rows, aligned)  # contiguous, 2 bytes past a 16-byte boundary
+    shifted.copy_(_rows("quantised", rows, aligned, torch.bfloat16, seed))
+    assert not topk_kernels.vector_loads_fit(shifted)
+    index, _ = select_rows_tilelang(shifted, min(64, aligned), "index", out=_poisoned(rows, min(64, aligned), torch.bfloat16))
+    assert torch.equal(index, select_topk_reference(shifted, min(64, aligned), "index"))
+    assert vector_select[-1] is False
