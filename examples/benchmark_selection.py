@@ -19,9 +19,7 @@ and k), T=512, causal, B=1, each ratio of ``--v41-ratios`` (1: K = S, 2: K = S/2
 blocks of 8, 2048 kept. Rows: the scores alone; streamed (the default selector, with the window
 below the row maximum, and the generic passes); streamed reindex layers masked by candidate
 blocks (the default: blocks applied inside the window select; then the generic passes; then the
-torch block mask over the scores); the same streamed and reindex rows with the opt-in vector
-variant of the bf16 select (``, vector select``: NEMO_DSA_SELECT_VECTOR=1); the select alone
-on the materialised scores, default and vector (``select only``, S <= 65,536); the streamed
+torch block mask over the scores); the streamed
 candidate-source layer (S <= 65,536); materialised; built-in ``indexer_scores`` + torch.topk
 (S <= ``--builtin-max-seq``).
 Times are medians of CUDA-event timings after one warm-up call (compiles): "ms" synchronises
@@ -35,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 
 import torch
@@ -99,48 +96,6 @@ def _v41_rows(chunk_bytes: int):
         with mock.patch.dict(topk_kernels.TOP_WINDOW, {"bfloat16": False}):
             return reindex(inputs, blocks, allowed)
 
-    def vector(fn):
-        """``fn`` with the vector variant of the bf16 select (topk.kernels, opt-in). The select
-        falls back to the scalar kernel for windows whose rows are not 16-byte aligned: the
-        first call on new inputs (the warm-up) prints how many launches took which path."""
-        fits = topk_kernels.vector_loads_fit
-        seen = []  # the inputs already counted
-
-        def run(inputs, blocks, allowed):
-            launches = []
-
-            def counted(scores):
-                launches.append(fits(scores))
-                return launches[-1]
-
-            first = not any(x is inputs for x in seen)
-            with mock.patch.dict(os.environ, {topk_kernels.VECTOR_ENV: "1"}), \
-                    mock.patch.object(topk_kernels, "vector_loads_fit", counted):  # fmt: skip
-                result = fn(inputs, blocks, allowed)
-            if first:
-                seen[:] = [inputs]
-                print(json.dumps({"vector_launches": sum(launches), "scalar_fallbacks": len(launches) - sum(launches)}))
-            return result
-
-        return run
-
-    materialised = {}  # the scores of the current inputs, for the select-only rows
-
-    def select_only(vector_loads: bool):
-        def run(inputs, blocks, allowed):
-            q, _, k, w, _, ks, ke = inputs
-            if materialised.get("inputs") is not inputs:
-                materialised.clear()
-                scores = v41_scores_tilelang(q, k, w, ks, ke)
-                materialised.update(inputs=inputs, scores=scores.view(-1, scores.shape[-1]),
-                                    ks=ks.reshape(-1).contiguous(), ke=ke.reshape(-1).contiguous())  # fmt: skip
-            with mock.patch.dict(os.environ, {topk_kernels.VECTOR_ENV: "1" if vector_loads else "0"}):
-                return topk_kernels.select_rows_tilelang(
-                    materialised["scores"], min(TOPK, k.shape[1]), "index", materialised["ks"], materialised["ke"]
-                )[0]
-
-        return run
-
     def reindex_torch_mask(inputs, blocks, allowed):
         with mock.patch.object(fused, "SELECT_APPLIES_BLOCKS", False):
             return reindex_generic(inputs, blocks, allowed)
@@ -177,18 +132,13 @@ def _v41_rows(chunk_bytes: int):
         "nemo_dsa stream v41": (stream, False, None),
         "nemo_dsa stream v41, 1 GiB chunks": (lambda *a: stream(*a, budget=2**30), False, None),
         "nemo_dsa stream v41, generic select": (stream_generic, False, None),
-        "nemo_dsa stream v41, vector select": (vector(stream), False, None),
-        "nemo_dsa stream v41, generic vector select": (vector(stream_generic), False, None),
         "nemo_dsa stream v41 reindex": (reindex, False, None),
         "nemo_dsa stream v41 reindex, generic select": (reindex_generic, False, None),
-        "nemo_dsa stream v41 reindex, vector select": (vector(reindex), False, None),
         "nemo_dsa stream v41 reindex, torch block mask": (reindex_torch_mask, False, 32768),
         "nemo_dsa stream v41 candidate source": (source, False, 65536),
         "nemo_dsa stream v41 candidate source, maxima kernel": (source_maxima(True), False, 65536),
         "nemo_dsa stream v41 candidate source, torch maxima": (source_maxima(False), False, 65536),
         "nemo_dsa materialise v41": (full, False, 65536),
-        "nemo_dsa select only v41": (select_only(False), False, 65536),
-        "nemo_dsa select only v41, vector select": (select_only(True), False, 65536),
         "built-in v41 + torch.topk": (builtin, True, None),
     }
 
@@ -244,15 +194,6 @@ def _v41_check(rows, inputs, blocks, seq: int, ratio: int) -> dict:
     reindex = rows["nemo_dsa stream v41 reindex"][0](inputs, blocks, None)
     same["reindex_equals_torch_mask"] = torch.equal(reindex, rows["nemo_dsa stream v41 reindex, torch block mask"][0](inputs, blocks, None))
     same["reindex_generic_equal"] = torch.equal(reindex, rows["nemo_dsa stream v41 reindex, generic select"][0](inputs, blocks, None))
-    # The opt-in vector select (bf16): the same indices as the default one.
-    same["vector_select_equal"] = torch.equal(stream, rows["nemo_dsa stream v41, vector select"][0](inputs, blocks, None))
-    same["generic_vector_select_equal"] = torch.equal(stream, rows["nemo_dsa stream v41, generic vector select"][0](inputs, blocks, None))
-    same["reindex_vector_equal"] = torch.equal(reindex, rows["nemo_dsa stream v41 reindex, vector select"][0](inputs, blocks, None))
-    if seq <= 65536:  # the select-only rows' limit
-        same["select_only_vector_equal"] = torch.equal(
-            rows["nemo_dsa select only v41"][0](inputs, blocks, None),
-            rows["nemo_dsa select only v41, vector select"][0](inputs, blocks, None),
-        )
     keep = blocks_to_mask(blocks, ks, ke, V41_BLOCK_SIZE, k.shape[1])
     masked = v41_scores_tilelang(q2, k, w2, ks, ke).masked_fill(~keep, float("-inf"))
     same["reindex_equals_reference"] = torch.equal(reindex, select_topk_reference(masked, TOPK, order="index"))

@@ -4,10 +4,7 @@ histogram with no barrier inside the passes' key loops, an ordered warp-ballot g
 under a thread-dependent branch (that hangs the GPU); bf16 rows first try the window below the
 row's maximum (a max walk and a per-warp histogram walk, the gather's counts from those
 histograms); candidate-block masks live in static shared memory and add no barrier; one compiles
-to a cubin with nvcc; the wrapper and the dispatcher validate their inputs. The opt-in vector
-variant (bf16): every build lowers with only 16-byte score loads in its walks, two images a cached
-register, a scan gather without ballots, the same barrier structure; the env switch and the
-wrapper's alignment test choose it."""
+to a cubin with nvcc; the wrapper and the dispatcher validate their inputs."""
 
 import re
 import shutil
@@ -28,8 +25,6 @@ from nemo_dsa.ops.topk.kernels import (
     SELECT_PASS_CONFIGS,
     TOP_WINDOW,
     UNROLL,
-    VECTOR_CACHED_STEPS,
-    VECTOR_ENV,
     WINDOW_BINS,
     SelectConfig,
     dispatched_configs,
@@ -38,8 +33,6 @@ from nemo_dsa.ops.topk.kernels import (
     select_config,
     select_rows_tilelang,
     sort_slots,
-    vector_configs,
-    vector_loads_fit,
 )
 
 
@@ -218,75 +211,3 @@ def test_block_mask_limits_and_arguments():
     with pytest.raises(ValueError, match="blocks and block_size"):
         select_rows_tilelang(scores, 4, "index", block_size=8)
 
-
-
-# The vector variant: every bf16 build the wrapper can make, and the window-less / masked ones.
-VECTOR_EXTRA = [
-    SelectConfig("bfloat16", 128, "index", False, 0, True),
-    SelectConfig("bfloat16", 128, "index", True, 8, True),
-    SelectConfig("bfloat16", 128, "index", False, 3, True),
-    SelectConfig("bfloat16", 512, "score", False, 8, True),
-]
-
-
-def test_vector_configs_lower_with_16_byte_loads():
-    configs = vector_configs()
-    assert configs and all(c.vector_loads and c.score_dtype == "bfloat16" for c in configs)
-    assert {c.order for c in configs} == {"score", "index"}
-    for config, source, smem in map_in_workers(_lower, configs + VECTOR_EXTRA):
-        assert smem >= config.shared_memory_bytes(), f"{config}: the kernel needs more than {smem} bytes"
-        static = MASK_BLOCKS if config.block_size else 0
-        assert smem + static <= HOPPER_SMEM_LIMIT, f"{config}: {smem} + {static} bytes of shared memory"
-        # Two images a register: the cache of VECTOR_CACHED_STEPS steps in as many registers as
-        # the scalar path's 4 steps.
-        assert f"uint cached[{VECTOR_CACHED_STEPS * UNROLL // 2}];" in source, config
-        # Every walk's score loads are 16-byte ones (the first load, and one reload per walk
-        # past the cache); the only scalar reads are of the selected keys' scores (Picked).
-        assert source.count("*(int4*)(Scores + ") >= 2, config
-        scalar_reads = [line for line in source.splitlines() if "Scores[" in line]
-        assert len(scalar_reads) == 1 and "ushort v_" in scalar_reads[0], (config, scalar_reads)
-        # The gather: per-lane counts and a warp scan (shuffles), no ballot; histograms as before.
-        assert "__ballot_sync" not in source and "__shfl_up_sync" in source and "__shfl_sync" in source, config
-        assert "AtomicAdd((&(((int*)hist)" in source and "AtomicAddRet" not in source, config
-        blocks = MIN_BLOCKS_PER_SM if max(config.slots, 256) // 256 <= 8 else 1
-        assert f"__launch_bounds__(256, {blocks})" in source, config
-        window, passes, counting, writing = _step_loops(config, source)
-        assert len(passes) == len(DIGIT_BITS["bfloat16"]), config
-        assert not any(window) and not any(passes) and counting == 0, (config, window, passes, counting)
-        assert writing == (1 if config.order == "score" else 0), config
-        assert (f"__shared__ __align__(16) uchar kept[{MASK_BLOCKS}];" in source) == bool(config.block_size), config
-        assert not _barriers_under_thread_branches(source), config
-
-
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found: cannot build cubins")
-def test_a_vector_config_compiles_to_cubin():
-    from nemo_dsa.ops._tilelang import compile_cubin
-
-    config = select_config(torch.bfloat16, 512, "index", vector_loads=True)
-    kernel = compile_cubin(radix_select_kernel(**asdict(config)), pass_configs=SELECT_PASS_CONFIGS)
-    assert "*(int4*)(Scores + " in kernel.get_kernel_source()
-
-
-def test_vector_choice(monkeypatch):
-    monkeypatch.delenv(VECTOR_ENV, raising=False)
-    assert not select_config(torch.bfloat16, 512, "index").vector_loads  # off by default
-    monkeypatch.setenv(VECTOR_ENV, "1")
-    assert select_config(torch.bfloat16, 512, "index") == SelectConfig("bfloat16", 128, "index", TOP_WINDOW["bfloat16"], 0, True)
-    assert select_config(torch.bfloat16, 512, "score", block_size=8).vector_loads
-    assert not select_config(torch.float32, 512, "index").vector_loads  # bf16 only
-    assert not select_config(torch.bfloat16, 512, "index", vector_loads=False).vector_loads
-    monkeypatch.setenv(VECTOR_ENV, "0")
-    assert not select_config(torch.bfloat16, 512, "index").vector_loads
-    with pytest.raises(ValueError, match="vector_loads"):
-        radix_select_kernel("float32", 128, "index", vector_loads=True)
-
-
-def test_vector_loads_fit_only_aligned_rows():
-    scores = torch.zeros(4, 24, dtype=torch.bfloat16)
-    assert vector_loads_fit(scores)
-    assert not vector_loads_fit(scores[:, :20].contiguous())  # rows of 20 keys: row 1 starts at 40 bytes
-    assert not vector_loads_fit(scores.view(-1)[1:89].view(4, 22))  # width 22, data 2 bytes past a boundary
-    assert not vector_loads_fit(scores.view(-1)[8:].view(4, 22)[:, :16])  # not contiguous
-    assert vector_loads_fit(scores.view(-1)[24:].view(3, 24))  # 48 bytes in: still aligned
-    assert not vector_loads_fit(scores.view(-1)[4:76].view(3, 24))  # 8 bytes in
-    assert not vector_loads_fit(scores.float())

@@ -30,20 +30,6 @@ falls back to the generic passes. Candidate blocks (V4.1 reindex layers): with `
 row's kept blocks go into a byte map in static shared memory and keys of other blocks get image 0,
 so the select applies the mask while it reads the scores (no [rows, W] mask, no rewrite).
 
-The vector variant (opt-in, bf16 only: ``SelectConfig.vector_loads``, or NEMO_DSA_SELECT_VECTOR=1
-in the environment, read by :func:`select_config`) answers the v14 profile (the select is bound by
-instruction issue: reloading the keys past the register cache was 43 % of its instructions, the
-ballot gather 26 %). Lane l of a warp step loads keys 8l .. 8l + 7 of the step's 256 in one
-16-byte load; images are computed two at a time on the 32-bit words and kept two to a register,
-so the cache holds VECTOR_CACHED_STEPS steps (16384 keys a row) in the scalar path's 32
-registers; and the gather ranks a key by the warp's counts before the step + an exclusive warp
-scan of the lanes' counts (shuffles) + the lane's own keys before it, instead of two ballots per
-key. A row's first and last loads may cover keys outside [ks, ke) (never outside the row): they
-get image 0. It serves every bf16 configuration (both orders, every sort width, the window, the
-generic passes, candidate blocks); :func:`select_rows_tilelang` runs it only where every row
-starts on a 16-byte boundary (:func:`vector_loads_fit`: W % 8 == 0, aligned data) and takes the
-scalar kernel otherwise. Unmeasured on the GPU so far: off by default.
-
 Cost at S = 32768, K = 8192 causal (4096 visible keys a row on average), T = 512: one read of the
 row (256 MiB bf16 / 512 MiB fp32 for the whole matrix, ~0.1 ms of HBM), 2 histogram passes for
 bf16 and 3-4 for fp32 and the two gather walks from registers, and for score order the sort (45
@@ -54,8 +40,7 @@ more passes whenever equal scores straddled the cut (for bf16 scores nearly ever
 the rest goes (probe variants): the first pass's shared atomics ~0.2 ms, the gather ~0.4 ms.
 """
 
-import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -98,18 +83,6 @@ MASK_BLOCKS = 16384
 # outputs below count, block maps within MASK_BLOCKS), so TileLang's per-access bound checks are
 # off: they were two compares and a branch on every score load (ncu, docs/performance.md v14).
 SELECT_PASS_CONFIGS = {"tl.disable_safe_memory_legalize": True}
-# The vector variant (bf16 only, opt-in: ``vector_loads``, NEMO_DSA_SELECT_VECTOR=1): a step is one
-# 16-byte load of VECTOR consecutive keys per lane (lane l of a warp step reads keys 8l .. 8l + 7
-# of 256), images are kept two to a register, so VECTOR_CACHED_STEPS steps (64 keys a thread,
-# 16384 a row) fit the 32 registers of the scalar path's cache, and the gather ranks keys by
-# per-lane counts and one warp scan per step instead of two ballots per key. The profile it
-# answers (docs/performance.md v14): the select is bound by instruction issue, and the reloads
-# past the register cache and the ballot gather were 69 % of its instructions. At 4 blocks an SM
-# (64 registers) ptxas spills 20-32 bytes in the index-order builds (ptxas -v on the CPU; none at
-# 3 blocks, ``min_blocks=3``); the GPU has to say which is faster.
-VECTOR = 8
-VECTOR_CACHED_STEPS = 8
-VECTOR_ENV = "NEMO_DSA_SELECT_VECTOR"
 
 
 # The sort widths a kernel is built for: T is a runtime size, so one build serves every T up to
@@ -127,7 +100,6 @@ class SelectConfig:
     order: str  # "score" | "index"
     top_window: bool = False  # bf16: the cut from one histogram below the row's maximum
     block_size: int = 0  # > 0: keys outside the row's kept candidate blocks are never selected
-    vector_loads: bool = False  # bf16: 16-byte loads, packed images, scan gather (module docstring)
 
     def shared_memory_bytes(self) -> int:
         """Dynamic shared memory: the buffers live together during the gather: the per-warp
@@ -143,19 +115,9 @@ def sort_slots(count: int) -> int:
     return max(MIN_SLOTS, 1 << (count - 1).bit_length())
 
 
-def vector_loads_requested() -> bool:
-    """Whether NEMO_DSA_SELECT_VECTOR asks for the vector variant of the bf16 select ("1", "true")."""
-    return os.environ.get(VECTOR_ENV, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def select_config(
-    score_dtype: torch.dtype, count: int, order: str, block_size: int = 0, vector_loads: bool | None = None
-) -> SelectConfig:
+def select_config(score_dtype: torch.dtype, count: int, order: str, block_size: int = 0) -> SelectConfig:
     """The selector for scores of ``score_dtype`` keeping ``count`` per row in ``order``
-    (``block_size`` > 0: masked by candidate blocks of that many keys). ``vector_loads`` (None:
-    NEMO_DSA_SELECT_VECTOR) picks the vector variant; it applies to bf16 only (every order, sort
-    width, window and block mask), fp32 keeps the scalar kernel. The wrapper still falls back to
-    the scalar kernel for scores it cannot load 16 bytes at a time (:func:`vector_loads_fit`)."""
+    (``block_size`` > 0: masked by candidate blocks of that many keys)."""
     name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(score_dtype)
     if name is None:
         raise TypeError(f"scores must be float32 or bfloat16 for the TileLang selector, got {score_dtype}")
@@ -165,8 +127,7 @@ def select_config(
         raise ValueError(f"count must be in [1, {MAX_COUNT}] for the TileLang selector, got {count}")
     check_positive_int("block_size", block_size, minimum=0)
     slots = sort_slots(count) if order == "score" else MIN_SLOTS
-    vector = vector_loads_requested() if vector_loads is None else bool(vector_loads)
-    return SelectConfig(name, slots, order, TOP_WINDOW[name], block_size, vector and name == "bfloat16")
+    return SelectConfig(name, slots, order, TOP_WINDOW[name], block_size)
 
 
 def dispatched_configs() -> list[SelectConfig]:
@@ -176,11 +137,6 @@ def dispatched_configs() -> list[SelectConfig]:
         SelectConfig(dtype, slots, order, TOP_WINDOW[dtype])
         for dtype in SCORE_BITS for order in ORDERS for slots in widths[order]
     ]  # fmt: skip
-
-
-def vector_configs() -> list[SelectConfig]:
-    """The vector variant of every bf16 configuration the wrapper can build (opt-in)."""
-    return [replace(c, vector_loads=True) for c in dispatched_configs() if c.score_dtype == "bfloat16"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -194,9 +150,8 @@ def radix_select_kernel(
     order: str,
     top_window: bool | None = None,
     block_size: int = 0,
-    vector_loads: bool = False,
     *,
-    cached_steps: int | None = None,
+    cached_steps: int = CACHED_STEPS,
     min_blocks: int | None = None,
     digit_bits: tuple[int, ...] | None = None,
 ):
@@ -210,12 +165,8 @@ def radix_select_kernel(
     numbered from ks in blocks of ``block_size`` keys, -1 padded; keys of other blocks are never
     selected (as if -inf). ``top_window`` (bf16 only; None = ``TOP_WINDOW``): the cut from one
     per-warp histogram of the images' distances below the row's largest image when the T-th key
-    lies within WINDOW_BINS images of it, else the generic passes. ``vector_loads`` (bf16 only):
-    the vector variant (module docstring); its Scores are the bf16 rows viewed as int32 words
-    [rows, width / 8, 4] (the wrapper's :func:`vector_loads_fit`), and keys outside [ks, ke)
-    that share a 16-byte load with keys inside are read (never past the row) and get image 0.
-    ``cached_steps`` (default CACHED_STEPS; VECTOR_CACHED_STEPS in the vector variant),
-    ``min_blocks`` (blocks an SM must hold: caps the registers) and
+    lies within WINDOW_BINS images of it, else the generic passes.
+    ``cached_steps``, ``min_blocks`` (blocks an SM must hold: caps the registers) and
     ``digit_bits`` (the passes' digit widths) are tuning knobs; the defaults are the measured
     best (docs/performance.md v7).
     """
@@ -229,13 +180,6 @@ def radix_select_kernel(
     digit_bits = DIGIT_BITS[score_dtype] if digit_bits is None else tuple(digit_bits)
     if sum(digit_bits) != score_bits or not all(1 <= bits <= MAX_DIGIT_BITS for bits in digit_bits):
         raise ValueError(f"digit_bits must add up to {score_bits} bits, each in [1, {MAX_DIGIT_BITS}], got {digit_bits}")
-    vector = bool(vector_loads)
-    if vector and score_dtype != "bfloat16":
-        raise ValueError("vector_loads needs bfloat16 scores (8 keys a 16-byte load, two images a register)")
-    if vector and UNROLL != VECTOR:
-        raise ValueError("the vector variant's step is one 16-byte load per lane: UNROLL must be VECTOR")
-    if cached_steps is None:
-        cached_steps = VECTOR_CACHED_STEPS if vector else CACHED_STEPS
     if cached_steps < 1:
         raise ValueError(f"cached_steps must be >= 1, got {cached_steps}")
     top_window = TOP_WINDOW[score_dtype] if top_window is None else bool(top_window)
@@ -252,17 +196,7 @@ def radix_select_kernel(
     per_thread = held_keys // THREADS
     if min_blocks is None:  # sorts of more than 2048 keys hold 32+ registers of keys a thread
         min_blocks = MIN_BLOCKS_PER_SM if per_thread <= 8 else 1
-    rows, count = T.dynamic("rows"), T.dynamic("count")
-    if vector:
-        # The bf16 scores as int32 words [rows, width / 8, 4] (two keys a word, the earlier one
-        # in the low half): TileLang proves the 4 words of a vector 16-byte aligned (one uint4
-        # load), and the images are computed two at a time on the words.
-        vectors = T.dynamic("vectors")
-        width = vectors * VECTOR
-        score_shape, score_type = [rows, vectors, VECTOR // 2], i32
-    else:
-        width = T.dynamic("width")
-        score_shape, score_type = [rows, width], dtype
+    rows, width, count = T.dynamic("rows"), T.dynamic("width"), T.dynamic("count")
     block_rows, kept_width = T.dynamic("block_rows"), T.dynamic("kept_width")
 
     def image_of(x):
@@ -272,13 +206,6 @@ def radix_select_kernel(
         image = bits ^ (((bits >> (score_bits - 1)) * magnitude) | sign)
         image = image + T.cast(bits == sign, u32)
         return image * T.cast((bits & exponent) != exponent, u32)
-
-    def score_at(Scores, row, j):
-        """The score of key ``j`` of ``row`` (either layout of Scores)."""
-        if vector:
-            word = T.cast(Scores[row, j // VECTOR, (j % VECTOR) // 2], u32)
-            return T.reinterpret(T.cast((word >> T.cast((j % 2) * 16, u32)) & T.uint32(0xFFFF), T.uint16), dtype)
-        return Scores[row, j]
 
     @T.macro
     def load_step(Scores, row, first_key, segment_end, step, raw, base):
@@ -298,78 +225,10 @@ def radix_select_kernel(
         return image_of(x) * T.cast(kept[block], u32)
 
     @T.macro
-    def load_vector(Scores, row, vec, segment_end, raw, base):
-        """raw[base + w] = word w (keys vec * 8 + 2w, + 1) of vector ``vec``: one 16-byte load (0
-        from ``segment_end`` on, masked later: a warp's vectors lie wholly inside or past the
-        row's, which end on a multiple of 8 keys)."""
-        if vec < segment_end:
-            for w in T.vectorized(VECTOR // 2):
-                raw[base + w] = Scores[row, vec, w]
-        else:
-            for w in T.vectorized(VECTOR // 2):
-                raw[base + w] = 0
-
-    def packed_images(word):
-        """image_of for the two bf16 scores of a word at once (a 16-bit image per half; no carry
-        crosses the halves: every sum below stays under 0x10000 per half)."""
-        word = T.cast(word, u32)
-        # -0 -> +0: bit 15 of a half of (magnitude + 0x7FFF) is set iff the magnitude is not 0.
-        nonzero = ((word & T.uint32(0x7FFF7FFF)) + T.uint32(0x7FFF7FFF)) & T.uint32(0x80008000)
-        word = word & (nonzero | T.uint32(0x7FFF7FFF))
-        # negatives flip every bit, non-negatives set the sign bit
-        negative = (word >> T.uint32(15)) & T.uint32(0x00010001)
-        image = word ^ ((negative * T.uint32(0x7FFF)) | T.uint32(0x80008000))
-        # NaN/+-inf (exponent all ones) -> 0: bit 15 of a half is set iff its exponent is not all ones
-        finite = (((word & T.uint32(0x7F807F80)) ^ T.uint32(0x7F807F80)) + T.uint32(0x7FFF7FFF)) & T.uint32(0x80008000)
-        return image & ((finite >> T.uint32(15)) * T.uint32(0xFFFF))
-
-    def half_mask(keep_low, keep_high):
-        """0xFFFF in each half of a word whose key is kept."""
-        return T.if_then_else(keep_low, T.uint32(0xFFFF), T.uint32(0)) | T.if_then_else(
-            keep_high, T.uint32(0xFFFF0000), T.uint32(0)
-        )
-
-    def vector_word(word, j, start, end, kept):
-        """The packed images of keys j, j + 1 (a word as loaded): 0 outside [start, end) (a
-        16-byte load also reads the keys sharing it with the row's first and last ones) and,
-        with a block map, outside the kept blocks (keys below start clamp to block 0, masked)."""
-        inside = half_mask(
-            T.cast(j - start, u32) < T.cast(end - start, u32), T.cast(j + 1 - start, u32) < T.cast(end - start, u32)
-        )
-        image = packed_images(word) & inside
-        if not masked:
-            return image
-        block = T.min(T.cast(T.max(j - start, 0) // block_size, i32), MASK_BLOCKS - 1)
-        block_next = T.min(T.cast(T.max(j + 1 - start, 0) // block_size, i32), MASK_BLOCKS - 1)
-        return image & half_mask(kept[block] != T.uint8(0), kept[block_next] != T.uint8(0))
-
-    @T.macro
-    def fetch_step(Scores, row, first_key, segment_end, step, raw, cached, images, start, end, kept):
+    def fetch_step(Scores, row, first_key, segment_end, step, raw, cached, images, start, kept):
         """images[u] for the keys of ``step``: from the registers for the first ``cached_steps``
-        steps, loaded again for later ones (all loads issued before the first image). Vector
-        variant: ``first_key`` / ``segment_end`` count vectors of 8 keys; the cache holds two
-        images a register (key u in bits 16 * (u % 2) of word u // 2)."""
-        if vector:
-            # The step's 4 words of packed images into images[0:4], then unpacked from the top
-            # (images[w] is read before it is overwritten).
-            if step < cached_steps:
-                for c in T.unroll(cached_steps):
-                    if step == c:
-                        for w in T.unroll(UNROLL // 2):
-                            images[w] = cached[c * (UNROLL // 2) + w]
-            else:
-                load_vector(Scores, row, first_key + step * WARP, segment_end, raw, 0)
-                j = (first_key + step * WARP) * VECTOR
-                if masked or j < start or j + VECTOR > end:
-                    for w in T.unroll(UNROLL // 2):
-                        images[w] = vector_word(raw[w], j + 2 * w, start, end, kept)
-                else:  # the whole vector inside the row's range (all but its ends): no range mask
-                    for w in T.unroll(UNROLL // 2):
-                        images[w] = packed_images(raw[w])
-            for w in tuple(range(UNROLL // 2 - 1, -1, -1)):
-                images[2 * w + 1] = images[w] >> T.uint32(16)
-                images[2 * w] = images[w] & T.uint32(0xFFFF)
-        elif step < cached_steps:
+        steps, loaded again for later ones (all loads issued before the first image)."""
+        if step < cached_steps:
             for c in T.unroll(cached_steps):
                 if step == c:
                     for u in T.unroll(UNROLL):
@@ -381,7 +240,7 @@ def radix_select_kernel(
 
     @T.prim_func
     def radix_select(
-        Scores: T.Tensor(score_shape, score_type),
+        Scores: T.Tensor([rows, width], dtype),
         KS: T.Tensor([rows], i32),
         KE: T.Tensor([rows], i32),
         Index: T.Tensor([rows, count], i32),
@@ -415,10 +274,9 @@ def radix_select_kernel(
             whist = T.alloc_shared([WARPS * WINDOW_BINS if top_window else 1], i32)  # per-warp window counts
             warp_best = T.alloc_shared([WARPS], u32)
             window_hit = T.alloc_shared([1], i32)  # the window decided the cut
-            cached = T.alloc_local([cached_steps * UNROLL // (2 if vector else 1)], u32)
+            cached = T.alloc_local([cached_steps * UNROLL], u32)
             images = T.alloc_local([UNROLL], u32)
-            # scores as loaded, before their images (vector variant: int32 words of two)
-            raw = T.alloc_local([cached_steps * UNROLL // 2], i32) if vector else T.alloc_local([cached_steps * UNROLL], dtype)
+            raw = T.alloc_local([cached_steps * UNROLL], dtype)  # scores as loaded, before their images
             held = T.alloc_local([per_thread], u64)  # sort: key r * THREADS + tx of the network
             start = T.alloc_var(i32)
             end = T.alloc_var(i32)
@@ -441,8 +299,6 @@ def radix_select_kernel(
             take_equal = T.alloc_var(i32)
             taken_above = T.alloc_var(i32)  # keys before this slot taken for image >= above_cut
             seen_equal = T.alloc_var(i32)  # keys before this slot with image == equal_cut
-            rank_above = T.alloc_var(i32)  # vector gather: the two counts before the lane's next key
-            rank_equal = T.alloc_var(i32)
             first = T.alloc_var(u64)  # the two keys a bitonic step compares
             second = T.alloc_var(u64)
             top = T.alloc_var(u32)  # the row's largest image (window)
@@ -451,19 +307,10 @@ def radix_select_kernel(
             end = T.max(T.min(KE[row], width), start)
             # Warp w owns the ``segment`` keys from start + w * segment (a multiple of 32, so
             # every load of a warp reads 32 consecutive keys); lane l its keys l, l + 32, ...
-            if vector:
-                # The same in vectors of 8 keys: the row's vectors [start // 8, ceil(end / 8))
-                # (within the row: width is a multiple of 8), warp w owns ``segment`` of them (a
-                # multiple of 32), lane l vectors l, l + 32, ...: a warp step reads 256 keys.
-                segment = T.ceildiv(T.ceildiv(end, VECTOR) - start // VECTOR, WARPS * WARP) * WARP
-                first_key = start // VECTOR + warp * segment + lane
-                segment_end = T.min(T.ceildiv(end, VECTOR), start // VECTOR + (warp + 1) * segment)
-                steps = segment // WARP
-            else:
-                segment = T.ceildiv(end - start, WARPS * WARP) * WARP
-                first_key = start + warp * segment + lane
-                segment_end = T.min(end, start + (warp + 1) * segment)
-                steps = T.ceildiv(segment, UNROLL * WARP)
+            segment = T.ceildiv(end - start, WARPS * WARP) * WARP
+            first_key = start + warp * segment + lane
+            segment_end = T.min(end, start + (warp + 1) * segment)
+            steps = T.ceildiv(segment, UNROLL * WARP)
             if tx == 0:
                 decided[0] = 0
                 above[0] = 0
@@ -487,18 +334,10 @@ def radix_select_kernel(
                 for r in T.serial(per_thread):
                     keys[r * THREADS + tx] = T.uint64(0)  # 0 sorts last: the -1 padding
             # The row's first CACHED_KEYS keys, read once: 32 loads in flight per thread.
-            if vector:
-                # 16-byte loads, images packed two a register (key 2i low, 2i + 1 high).
-                for s in T.unroll(cached_steps):
-                    load_vector(Scores, row, first_key + s * WARP, segment_end, raw, s * (UNROLL // 2))
-                for i in T.unroll(cached_steps * UNROLL // 2):
-                    j = (first_key + (i // (UNROLL // 2)) * WARP) * VECTOR + 2 * (i % (UNROLL // 2))
-                    cached[i] = vector_word(raw[i], j, start, end, kept)
-            else:
-                for s in T.unroll(cached_steps):
-                    load_step(Scores, row, first_key, segment_end, s, raw, s * UNROLL)
-                for i in T.unroll(cached_steps * UNROLL):
-                    cached[i] = kept_image(raw[i], first_key + i * WARP, start, kept)
+            for s in T.unroll(cached_steps):
+                load_step(Scores, row, first_key, segment_end, s, raw, s * UNROLL)
+            for i in T.unroll(cached_steps * UNROLL):
+                cached[i] = kept_image(raw[i], first_key + i * WARP, start, kept)
             T.sync_threads()
 
             if top_window:
@@ -506,14 +345,10 @@ def radix_select_kernel(
                 # shuffles, the warps' maxima), then one histogram per warp of the distances below
                 # it, for the keys within WINDOW_BINS.
                 top = T.uint32(0)
-                if vector:
-                    for i in T.unroll(cached_steps * UNROLL // 2):
-                        top = T.max(top, T.max(cached[i] & T.uint32(0xFFFF), cached[i] >> T.uint32(16)))
-                else:
-                    for i in T.unroll(cached_steps * UNROLL):
-                        top = T.max(top, cached[i])
+                for i in T.unroll(cached_steps * UNROLL):
+                    top = T.max(top, cached[i])
                 for s in T.serial(cached_steps, T.max(steps, cached_steps)):
-                    fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, end, kept)
+                    fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, kept)
                     for u in T.unroll(UNROLL):
                         top = T.max(top, images[u])
                 for d in (16, 8, 4, 2, 1):
@@ -526,7 +361,7 @@ def radix_select_kernel(
                 for w in range(WARPS):
                     top = T.max(top, warp_best[w])
                 for s in T.serial(steps):
-                    fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, end, kept)
+                    fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, kept)
                     for u in T.unroll(UNROLL):
                         if (images[u] != 0) & (top - images[u] < WINDOW_BINS):
                             T.atomic_add(whist[warp * WINDOW_BINS + T.cast(top - images[u], i32)], 1)
@@ -571,7 +406,7 @@ def radix_select_kernel(
                     T.sync_threads()
                     prefix = decided[0]
                     for s in T.serial(steps):
-                        fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, end, kept)
+                        fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, kept)
                         for u in T.unroll(UNROLL):
                             hit = images[u] != 0
                             if p > 0:
@@ -648,19 +483,9 @@ def radix_select_kernel(
                 for d in (16, 8, 4, 2, 1):
                     taken_above = taken_above + T.shfl_xor(taken_above, d)
                     seen_equal = seen_equal + T.shfl_xor(seen_equal, d)
-            elif vector:
-                # Per-lane counts, then the warp's sums (no ballot per key).
-                for s in T.serial(steps):
-                    fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, end, kept)
-                    for u in T.unroll(UNROLL):
-                        taken_above = taken_above + T.cast((images[u] >= above_cut) & (images[u] != 0), i32)
-                        seen_equal = seen_equal + T.cast((images[u] == equal_cut) & (images[u] != 0), i32)
-                for d in (16, 8, 4, 2, 1):
-                    taken_above = taken_above + T.shfl_xor(taken_above, d)
-                    seen_equal = seen_equal + T.shfl_xor(seen_equal, d)
             else:
                 for s in T.serial(steps):
-                    fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, end, kept)
+                    fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, kept)
                     for u in T.unroll(UNROLL):
                         above_mask = T.cast(T.ballot_sync((images[u] >= above_cut) & (images[u] != 0)), u32)
                         equal_mask = T.cast(T.ballot_sync((images[u] == equal_cut) & (images[u] != 0)), u32)
@@ -672,66 +497,27 @@ def radix_select_kernel(
             T.sync_threads()
             taken_above = sum(T.if_then_else(w < warp, warp_taken[w], 0) for w in range(WARPS))
             seen_equal = sum(T.if_then_else(w < warp, warp_taken[WARPS + w], 0) for w in range(WARPS))
-            if vector:
-                # Lane l's 8 keys of a step are consecutive and follow lane l - 1's, and the step's
-                # 256 keys follow the previous step's: a key's rank is the warp's counts before
-                # this step + an exclusive scan over the lanes (taken-above count in the low 16
-                # bits, equal count in the high: at most 256 each) + the lane's keys before it.
-                for s in T.serial(steps):
-                    fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, end, kept)
-                    lane_counts = sum(
-                        T.cast((images[u] >= above_cut) & (images[u] != 0), i32)
-                        + T.shift_left(T.cast((images[u] == equal_cut) & (images[u] != 0), i32), 16)
-                        for u in range(UNROLL)
-                    )
-                    running = lane_counts
-                    for d in (1, 2, 4, 8, 16):
-                        other = T.shfl_up(running, d)
-                        if lane >= d:
-                            running = running + other
-                    step_total = T.shfl_sync(running, WARP - 1)
-                    rank_above = taken_above + ((running - lane_counts) & 0xFFFF)
-                    rank_equal = seen_equal + T.shift_right(running - lane_counts, 16)
-                    for u in T.unroll(UNROLL):
-                        j = (first_key + s * WARP) * VECTOR + u
-                        is_above = (images[u] >= above_cut) & (images[u] != 0)
-                        is_equal = (images[u] == equal_cut) & (images[u] != 0)
-                        take = is_above | (is_equal & (rank_equal < take_equal))
-                        rank = rank_above + T.min(rank_equal, take_equal)
-                        if take and rank < count:
-                            if order == "score":
-                                keys[rank] = T.shift_left(T.cast(images[u], u64), 32) | T.cast(
-                                    T.uint32(0xFFFFFFFF) - T.cast(j, u32), u64
-                                )
-                            else:
-                                Index[row, rank] = j + offset
-                                Picked[row, rank] = score_at(Scores, row, j)
-                        rank_above = rank_above + T.cast(is_above, i32)
-                        rank_equal = rank_equal + T.cast(is_equal, i32)
-                    taken_above = taken_above + (step_total & 0xFFFF)
-                    seen_equal = seen_equal + T.shift_right(step_total, 16)
-            else:
-                for s in T.serial(steps):
-                    fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, end, kept)
-                    for u in T.unroll(UNROLL):
-                        j = first_key + (s * UNROLL + u) * WARP
-                        above_mask = T.cast(T.ballot_sync((images[u] >= above_cut) & (images[u] != 0)), u32)
-                        equal_mask = T.cast(T.ballot_sync((images[u] == equal_cut) & (images[u] != 0)), u32)
-                        above_before = taken_above + T.cast(T.popcount(above_mask & lanes_below), i32)
-                        equal_before = seen_equal + T.cast(T.popcount(equal_mask & lanes_below), i32)
-                        is_above = (images[u] >= above_cut) & (images[u] != 0)
-                        take = is_above | ((images[u] == equal_cut) & (images[u] != 0) & (equal_before < take_equal))
-                        rank = above_before + T.min(equal_before, take_equal)
-                        if take and rank < count:
-                            if order == "score":
-                                keys[rank] = T.shift_left(T.cast(images[u], u64), 32) | T.cast(
-                                    T.uint32(0xFFFFFFFF) - T.cast(j, u32), u64
-                                )
-                            else:
-                                Index[row, rank] = j + offset
-                                Picked[row, rank] = Scores[row, j]
-                        taken_above = taken_above + T.cast(T.popcount(above_mask), i32)
-                        seen_equal = seen_equal + T.cast(T.popcount(equal_mask), i32)
+            for s in T.serial(steps):
+                fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, kept)
+                for u in T.unroll(UNROLL):
+                    j = first_key + (s * UNROLL + u) * WARP
+                    above_mask = T.cast(T.ballot_sync((images[u] >= above_cut) & (images[u] != 0)), u32)
+                    equal_mask = T.cast(T.ballot_sync((images[u] == equal_cut) & (images[u] != 0)), u32)
+                    above_before = taken_above + T.cast(T.popcount(above_mask & lanes_below), i32)
+                    equal_before = seen_equal + T.cast(T.popcount(equal_mask & lanes_below), i32)
+                    is_above = (images[u] >= above_cut) & (images[u] != 0)
+                    take = is_above | ((images[u] == equal_cut) & (images[u] != 0) & (equal_before < take_equal))
+                    rank = above_before + T.min(equal_before, take_equal)
+                    if take and rank < count:
+                        if order == "score":
+                            keys[rank] = T.shift_left(T.cast(images[u], u64), 32) | T.cast(
+                                T.uint32(0xFFFFFFFF) - T.cast(j, u32), u64
+                            )
+                        else:
+                            Index[row, rank] = j + offset
+                            Picked[row, rank] = Scores[row, j]
+                    taken_above = taken_above + T.cast(T.popcount(above_mask), i32)
+                    seen_equal = seen_equal + T.cast(T.popcount(equal_mask), i32)
 
             if order == "index":
                 # After the walk, the last warp's counters hold the row's totals.
@@ -791,7 +577,7 @@ def radix_select_kernel(
                     if s < count:
                         j = T.cast(T.uint32(0xFFFFFFFF) - T.cast(key & T.uint64(0xFFFFFFFF), u32), i32)
                         Index[row, s] = T.if_then_else(key != 0, j + offset, -1)
-                        Picked[row, s] = T.if_then_else(key != 0, score_at(Scores, row, T.max(T.min(j, width - 1), 0)), -T.infinity(dtype))
+                        Picked[row, s] = T.if_then_else(key != 0, Scores[row, T.max(T.min(j, width - 1), 0)], -T.infinity(dtype))
 
     return radix_select
 
@@ -822,8 +608,7 @@ def select_rows_tilelang(
     ``blocks`` int32 [N, NBk] with ``block_size`` C: the row's kept candidate blocks (numbered
     from ks, -1 padded; blocks past the row are ignored); keys of other blocks are treated as -inf
     (docs/semantics.md, candidate blocks). Needs ``ceil(W / C) <= MASK_BLOCKS``
-    (:func:`fits_block_mask`). The vector variant (bf16, NEMO_DSA_SELECT_VECTOR=1) runs where
-    :func:`vector_loads_fit`; other calls take the scalar kernel (same results).
+    (:func:`fits_block_mask`).
     """
     check_tensor("scores", scores, ndim=2, dtypes=(torch.float32, torch.bfloat16))
     if (blocks is None) != (block_size == 0):
@@ -856,27 +641,9 @@ def select_rows_tilelang(
     check_tensor("out[1]", picked, dtypes=(scores.dtype,), shape=(rows, count), device=scores.device)
     if rows:
         config = select_config(scores.dtype, count, order, block_size)
-        scores = scores.contiguous()
-        if config.vector_loads:
-            if vector_loads_fit(scores):
-                scores = scores.view(torch.int32).view(rows, width // VECTOR, VECTOR // 2)
-            else:
-                config = replace(config, vector_loads=False)
         kernel = compile_cached(radix_select_kernel, pass_configs=SELECT_PASS_CONFIGS, **asdict(config))
-        kernel(scores, ks.contiguous(), ke.contiguous(), index, picked, offset, blocks.contiguous())
+        kernel(scores.contiguous(), ks.contiguous(), ke.contiguous(), index, picked, offset, blocks.contiguous())
     return index, picked
-
-
-def vector_loads_fit(scores: torch.Tensor) -> bool:
-    """Whether the vector variant can read contiguous bf16 ``scores [N, W]`` 16 bytes at a time:
-    every row starts on a 16-byte boundary (W a multiple of 8, the data 16-byte aligned), so a
-    load of the 8 keys around a row's first or last one never leaves the row."""
-    return (
-        scores.dtype == torch.bfloat16
-        and scores.is_contiguous()
-        and scores.shape[-1] % VECTOR == 0
-        and scores.data_ptr() % 16 == 0
-    )
 
 
 def fits_block_mask(width: int, block_size: int) -> bool:
