@@ -54,12 +54,8 @@ def sparse_window_fwd_alternating_kernel(
     consumer0_registers: int,
     consumer1_registers: int,
     producer_registers: int,
-    overlap: bool = False,
 ):
-    """PrimFunc of the alternating forward (``num_stages`` must be 2: one stage per consumer).
-    ``overlap``: issue the P V products without waiting for each (wgmma without an implicit
-    wait), consumer 0's next S right behind its last P V, and consumer 1's copy of P(B) to shared
-    memory while its first P V runs."""
+    """PrimFunc of the alternating forward (``num_stages`` must be 2: one stage per consumer)."""
     if num_stages != 2:
         raise ValueError(f"the alternating forward takes num_stages=2 (one stage per consumer), got {num_stages}")
     T = tilelang().language
@@ -243,8 +239,7 @@ def sparse_window_fwd_alternating_kernel(
                 T.fill(acc_o0, 0)
                 for r in T.serial(rounds):
                     phase = r % 2
-                    if not overlap or r == 0:  # overlapped: later rounds' S was issued in the round before
-                        score(q_l, q_r, k_l, k_r, 0, acc_s0, full_l, full_r, phase)
+                    score(q_l, q_r, k_l, k_r, 0, acc_s0, full_l, full_r, phase)
                     masked_logits(acc_s0, 2 * r, window_tiles, lo, own, n_sel, idx_s, scale_log2)
                     T.copy(m_i0, m_new0)
                     T.reduce_max(acc_s0, m_new0, dim=1, clear=False)
@@ -278,28 +273,8 @@ def sparse_window_fwd_alternating_kernel(
                     for h, d in T.Parallel(HB, half):
                         acc_o0[h, d] *= alpha0[h]
                     T.mbarrier_wait_parity(p_b[0], phase)
-                    if overlap:
-                        # O[:, :D/2] += P(B) V(B)[:, :D/2], issued; the next round's S follows it
-                        # on the tensor cores (no wait in between).
-                        T.wgmma_gemm(p_shared[1, :, :], k_l[1, :, :], acc_o0)
-                        if r + 1 < rounds:
-                            T.mbarrier_wait_parity(full_l[0], phase ^ 1)
-                            T.fence_proxy_async()
-                            T.wgmma_gemm(q_l, k_l[0, :, :], acc_s0, transpose_B=True, clear_accum=True)
-                            T.wait_wgmma(1)
-                            T.mbarrier_arrive(free_l[1])
-                            T.mbarrier_wait_parity(full_r[0], phase ^ 1)
-                            T.fence_proxy_async()
-                            T.wgmma_gemm(q_r, k_r[0, :, :], acc_s0, transpose_B=True)
-                            T.wait_wgmma(0)
-                            T.warpgroup_fence_operand(acc_s0)
-                        else:
-                            T.wait_wgmma(0)
-                            T.mbarrier_arrive(free_l[1])
-                        T.warpgroup_fence_operand(acc_o0)
-                    else:
-                        T.gemm(p_shared[1, :, :], k_l[1, :, :], acc_o0)  # O[:, :D/2] += P(B) V(B)[:, :D/2]
-                        T.mbarrier_arrive(free_l[1])
+                    T.gemm(p_shared[1, :, :], k_l[1, :, :], acc_o0)  # O[:, :D/2] += P(B) V(B)[:, :D/2]
+                    T.mbarrier_arrive(free_l[1])
                 finish(0, acc_o0, m_i0, row_sum0, alpha0, sink_f0, sum_x, q_l, has_sink, Sink, Out, Lse, b, s, h0)
             else:
                 T.set_max_nreg(consumer1_registers, 1)
@@ -330,30 +305,14 @@ def sparse_window_fwd_alternating_kernel(
                     for h, d in T.Parallel(HB, half):
                         acc_o1[h, d] *= alpha1[h]
                     T.copy(acc_s1, p_reg1)
-                    if overlap:
-                        # Both P V products issued back to back; P(B) goes to shared memory
-                        # while the first runs.
-                        T.wgmma_gemm(p_reg1, k_r[1, :, :], acc_o1)  # O[:, D/2:] += P(B) V(B)[:, D/2:]
-                        T.copy(acc_s1, p_shared[1, :, :])
-                        T.fence_proxy_async()
-                        T.mbarrier_arrive(p_b[0])
-                        T.mbarrier_wait_parity(p_a[0], phase)
-                        T.wgmma_gemm(p_shared[0, :, :], k_r[0, :, :], acc_o1)  # O[:, D/2:] += P(A) V(A)[:, D/2:]
-                        T.wait_wgmma(1)
-                        T.mbarrier_arrive(free_r[1])
-                        T.wait_wgmma(0)
-                        T.warpgroup_fence_operand(acc_o1)
-                        T.warpgroup_fence_operand(p_reg1)
-                        T.mbarrier_arrive(free_r[0])
-                    else:
-                        T.gemm(p_reg1, k_r[1, :, :], acc_o1)  # O[:, D/2:] += P(B) V(B)[:, D/2:]
-                        T.mbarrier_arrive(free_r[1])
-                        T.copy(acc_s1, p_shared[1, :, :])
-                        T.fence_proxy_async()
-                        T.mbarrier_arrive(p_b[0])
-                        T.mbarrier_wait_parity(p_a[0], phase)
-                        T.gemm(p_shared[0, :, :], k_r[0, :, :], acc_o1)  # O[:, D/2:] += P(A) V(A)[:, D/2:]
-                        T.mbarrier_arrive(free_r[0])
+                    T.gemm(p_reg1, k_r[1, :, :], acc_o1)  # O[:, D/2:] += P(B) V(B)[:, D/2:]
+                    T.mbarrier_arrive(free_r[1])
+                    T.copy(acc_s1, p_shared[1, :, :])
+                    T.fence_proxy_async()
+                    T.mbarrier_arrive(p_b[0])
+                    T.mbarrier_wait_parity(p_a[0], phase)
+                    T.gemm(p_shared[0, :, :], k_r[0, :, :], acc_o1)  # O[:, D/2:] += P(A) V(A)[:, D/2:]
+                    T.mbarrier_arrive(free_r[0])
                 finish(1, acc_o1, m_i1, row_sum1, alpha1, sink_f1, sum_x, q_r, has_sink, Sink, Out, Lse, b, s, h0)
 
     return sparse_window_fwd_alternating

@@ -65,17 +65,16 @@ BWD_PASS_CONFIGS = {"tl.disable_warp_specialized": True, "tl.disable_tma_lower":
 # Balanced is the default: 6-7 % faster forward at V4-Flash shapes on the H200 (9.94 against
 # 10.61 ms at S=32768, 19.26 against 20.68 ms at S=65536; docs/performance.md v12).
 # NEMO_DSA_ATTN_FWD overrides the default (for A/B measurements).
-# "alternating" (forward_alternating.py: the consumers take turns on whole tiles; "-async" with
-# the P V products issued without waiting) is an opt-in until it is timed on the H200.
-FWD_SCHEDULES = ("split-pv", "balanced", "alternating", "alternating-async")
-ALTERNATING = ("alternating", "alternating-async")
+# "alternating" (forward_alternating.py: the consumers take turns on whole tiles, FlashMLA's
+# schedule) measured within 3 % of balanced at S >= 32768 and 9 % slower at 16384 (v18): opt-in.
+FWD_SCHEDULES = ("split-pv", "balanced", "alternating")
 DEFAULT_FWD_SCHEDULE = "balanced"
 # setmaxnreg (consumer 0, consumer 1, producer) per schedule. The warpgroups trade registers
 # inside the block's launch allocation (168 a thread at 384 threads: 504 per thread-triple), so
 # the three must sum to <= 504: a setmaxnreg.inc beyond it waits forever (the first balanced
 # version asked for 208 + 208 + 96 = 512 and hung on the GPU).
 LAUNCH_REGISTERS = 168  # 65536 / 384, rounded down to a multiple of 8
-FWD_REGISTERS = {"split-pv": (240, 168, 96), "balanced": (208, 200, 96), "alternating": (216, 216, 72), "alternating-async": (216, 216, 72)}
+FWD_REGISTERS = {"split-pv": (240, 168, 96), "balanced": (208, 200, 96), "alternating": (216, 216, 72)}
 
 
 @dataclass(frozen=True)
@@ -100,12 +99,12 @@ class ForwardConfig:
     def shared_memory_bytes(self) -> int:
         """Dynamic shared memory: Q [64, D] + key ring [stages, 64, D] (bf16) + P [64, 64] (two
         for "alternating")."""
-        p_tiles = 2 if self.schedule in ALTERNATING else 1
+        p_tiles = 2 if self.schedule == "alternating" else 1
         return 2 * self.dim * (BLOCK_HEADS + self.num_stages * BLOCK_KEYS) + p_tiles * 2 * BLOCK_HEADS * BLOCK_KEYS
 
     def static_shared_memory_bytes(self) -> int:
         """The index row (indices mode), in static shared memory (see NO_COPY_WAIT)."""
-        return 4 * MAX_SELECTED if self.mode == "indices" else 4
+        return 4 * MAX_SELECTED if self.mode == "indices" else 0
 
 
 @dataclass(frozen=True)
@@ -161,7 +160,7 @@ def forward_config(dim: int, mode: str, schedule: str | None = None) -> ForwardC
     if schedule not in FWD_SCHEDULES:
         raise ValueError(f"schedule must be one of {FWD_SCHEDULES}, got {schedule!r}")
     c0, c1, producer = FWD_REGISTERS[schedule]
-    stages = 2 if dim == 512 or schedule in ALTERNATING else 4  # alternating: a stage per consumer
+    stages = 2 if dim == 512 or schedule == "alternating" else 4  # alternating: a stage per consumer
     return ForwardConfig(dim, mode, stages, c0, c1, producer, schedule)
 
 
@@ -324,12 +323,11 @@ def sparse_window_fwd_kernel(
         return sparse_window_fwd_balanced_kernel(
             dim, mode, num_stages, consumer0_registers, consumer1_registers, producer_registers
         )
-    if schedule in ALTERNATING:
+    if schedule == "alternating":
         from nemo_dsa.ops.sparse_attention.forward_alternating import sparse_window_fwd_alternating_kernel
 
         return sparse_window_fwd_alternating_kernel(
-            dim, mode, num_stages, consumer0_registers, consumer1_registers, producer_registers,
-            overlap=schedule == "alternating-async",
+            dim, mode, num_stages, consumer0_registers, consumer1_registers, producer_registers
         )
     T = tilelang().language
     bf16, f32, i32 = T.bfloat16, T.float32, T.int32
