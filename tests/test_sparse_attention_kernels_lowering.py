@@ -178,7 +178,9 @@ def test_representative_configs_compile_to_cubin():
     )
     for config, source in ((fwd, fwd_source), (balanced, balanced_source), (alternating, alternating_source)):
         assert not _forward_problems(config, source)
-        for role_id in kernels.ROLE_BARRIER_IDS:  # the post-processing hook ran before nvcc
+        # The post-processing hook ran before nvcc: the consumers' barriers carry their role ids
+        # (the producer has none left: it never waits for its own copies).
+        for role_id in kernels.ROLE_BARRIER_IDS[1:]:
             assert f"__sync_thread_partial({role_id}, 128)" in source
     assert "AtomicAdd" in bwd_source
     _check_window_dkv(window_dkv, window_source)
