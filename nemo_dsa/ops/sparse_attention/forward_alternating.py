@@ -39,7 +39,7 @@ from nemo_dsa.ops.sparse_attention.kernels import (
     LOG2E,
     M_FLOOR,
     MAX_SELECTED,
-    _tile_plan,
+    _query_plan,
 )
 
 # The producer does not wait for its own copies: each thread's cp.async arrive on the stage's
@@ -65,6 +65,7 @@ def sparse_window_fwd_alternating_kernel(
     n_raw, n_comp, n_slots = T.dynamic("n_raw"), T.dynamic("n_comp"), T.dynamic("n_slots")
     by_index = mode == "indices"
     idx_shape = [batch, seq_len, n_slots] if by_index else [batch, seq_len]
+    query_plan = _query_plan(T, by_index)
 
     @T.macro
     def load_half(Raw, Comp, idx_s, dst, stage, col0, t, b, window_tiles, lo, own, n_sel, ks):
@@ -115,6 +116,21 @@ def sparse_window_fwd_alternating_kernel(
         T.mbarrier_wait_parity(ready_second[stage], phase)
         T.fence_proxy_async()
         T.gemm(q_second, k_second[stage, :, :], acc_s, transpose_B=True)
+
+    @T.macro
+    def softmax_at(acc_s, m_new, m_i, alpha, tile_sum, row_sum, acc_o):
+        """Move this consumer to the running max ``m_new``: rescale its row sums and O, and turn
+        the tile's logits into P (unnormalised, in place) with their row sums added."""
+        for h in T.Parallel(HB):
+            alpha[h] = T.exp2(m_i[h] - m_new[h])
+            m_i[h] = m_new[h]
+        for h, c in T.Parallel(HB, BK):
+            acc_s[h, c] = T.exp2(acc_s[h, c] - m_i[h])
+        T.reduce_sum(acc_s, tile_sum, dim=1)
+        for h in T.Parallel(HB):
+            row_sum[h] = row_sum[h] * alpha[h] + tile_sum[h]
+        for h, d in T.Parallel(HB, half):
+            acc_o[h, d] *= alpha[h]
 
     @T.macro
     def finish(me, acc_o, m_i, row_sum, alpha, sink_f, sum_x, q_half, has_sink, Sink, Out, Lse, b, s, h0):
@@ -197,18 +213,7 @@ def sparse_window_fwd_alternating_kernel(
             scale_log2 = Params[0] * LOG2E
             has_sink = Params[1] > 0.5
             window = Window[0]
-            if by_index:
-                for j in T.Parallel(MAX_SELECTED):
-                    if j < n_slots:
-                        idx_s[j] = Indices[b, s, j]
-            T.sync_threads()
-            if by_index:
-                ks = 0
-                n_sel = T.max(T.min(KE[b, s], n_slots), 0)
-            else:
-                ks = Indices[b, s]
-                n_sel = T.max(KE[b, s] - ks, 0)
-            lo, window_tiles, tiles = _tile_plan(T, own, WindowStart[b, s], window, n_sel)
+            ks, n_sel, lo, window_tiles, tiles = query_plan(idx_s, Indices, KE, WindowStart, window, b, s, own, n_slots)
             rounds = T.ceildiv(tiles, 2)
 
             if tx < 128:
@@ -245,16 +250,7 @@ def sparse_window_fwd_alternating_kernel(
                     T.reduce_max(acc_s0, m_new0, dim=1, clear=False)
                     T.copy(m_new0, max_s)
                     T.mbarrier_arrive(max_a[0])
-                    for h in T.Parallel(HB):
-                        alpha0[h] = T.exp2(m_i0[h] - m_new0[h])
-                        m_i0[h] = m_new0[h]
-                    for h, c in T.Parallel(HB, BK):
-                        acc_s0[h, c] = T.exp2(acc_s0[h, c] - m_i0[h])
-                    T.reduce_sum(acc_s0, tile_sum0, dim=1)
-                    for h in T.Parallel(HB):
-                        row_sum0[h] = row_sum0[h] * alpha0[h] + tile_sum0[h]
-                    for h, d in T.Parallel(HB, half):
-                        acc_o0[h, d] *= alpha0[h]
+                    softmax_at(acc_s0, m_new0, m_i0, alpha0, tile_sum0, row_sum0, acc_o0)
                     T.copy(acc_s0, p_reg0)
                     T.gemm(p_reg0, k_l[0, :, :], acc_o0)  # O[:, :D/2] += P(A) V(A)[:, :D/2]
                     T.mbarrier_arrive(free_l[0])
@@ -294,16 +290,7 @@ def sparse_window_fwd_alternating_kernel(
                     T.reduce_max(acc_s1, m_new1, dim=1, clear=False)
                     T.copy(m_new1, max_s)
                     T.mbarrier_arrive(max_ab[0])
-                    for h in T.Parallel(HB):
-                        alpha1[h] = T.exp2(m_i1[h] - m_new1[h])
-                        m_i1[h] = m_new1[h]
-                    for h, c in T.Parallel(HB, BK):
-                        acc_s1[h, c] = T.exp2(acc_s1[h, c] - m_i1[h])
-                    T.reduce_sum(acc_s1, tile_sum1, dim=1)
-                    for h in T.Parallel(HB):
-                        row_sum1[h] = row_sum1[h] * alpha1[h] + tile_sum1[h]
-                    for h, d in T.Parallel(HB, half):
-                        acc_o1[h, d] *= alpha1[h]
+                    softmax_at(acc_s1, m_new1, m_i1, alpha1, tile_sum1, row_sum1, acc_o1)
                     T.copy(acc_s1, p_reg1)
                     T.gemm(p_reg1, k_r[1, :, :], acc_o1)  # O[:, D/2:] += P(B) V(B)[:, D/2:]
                     T.mbarrier_arrive(free_r[1])

@@ -194,6 +194,33 @@ def _tile_plan(T, own, window_start, window, n_sel):
     return lo, window_tiles, window_tiles + T.ceildiv(n_sel, BLOCK_KEYS)
 
 
+def _query_plan(T, by_index: bool):
+    """The forwards' macro for one query's keys: in indices mode the query's index row into
+    shared memory ``idx_s`` first (every thread reads it for its mask), then
+    (ks, n_sel, lo, window_tiles, tiles): the compressed slots' start (range mode) and count, and
+    :func:`_tile_plan`."""
+
+    @T.macro
+    def query_plan(idx_s, Indices, KE, WindowStart, window, b, s, own, n_slots):
+        if by_index:
+            for j in T.Parallel(MAX_SELECTED):
+                if j < n_slots:
+                    idx_s[j] = Indices[b, s, j]
+        T.sync_threads()
+        if by_index:
+            # KE holds 1 + the last valid slot in this mode: the -1 tails of the early queries'
+            # selections are never loaded nor scored.
+            ks = 0
+            n_sel = T.max(T.min(KE[b, s], n_slots), 0)
+        else:
+            ks = Indices[b, s]
+            n_sel = T.max(KE[b, s] - ks, 0)
+        lo, window_tiles, tiles = _tile_plan(T, own, WindowStart[b, s], window, n_sel)
+        return ks, n_sel, lo, window_tiles, tiles
+
+    return query_plan
+
+
 # TileLang 0.1.15 numbers the named barriers of each warpgroup's shared-memory syncs itself, and
 # the barrier it puts after the producer's cp.async wait can take the id of a consumer's barrier
 # (seen in the range-mode forward): two roles on one 128-thread barrier deadlock or race. The
@@ -337,6 +364,7 @@ def sparse_window_fwd_kernel(
     by_index = mode == "indices"
     idx_shape = [batch, seq_len, n_slots] if by_index else [batch, seq_len]
     produce_key_tiles = _key_tile_producer(T, by_index, num_stages, half)
+    query_plan = _query_plan(T, by_index)
 
     @T.prim_func
     def sparse_window_fwd(
@@ -383,20 +411,7 @@ def sparse_window_fwd_kernel(
             scale_log2 = Params[0] * LOG2E
             has_sink = Params[1] > 0.5
             window = Window[0]
-            if by_index:
-                for j in T.Parallel(MAX_SELECTED):
-                    if j < n_slots:
-                        idx_s[j] = Indices[b, s, j]
-            T.sync_threads()
-            if by_index:
-                # KE holds 1 + the last valid slot in this mode: the -1 tails of the early
-                # queries' selections are never loaded nor scored.
-                ks = 0
-                n_sel = T.max(T.min(KE[b, s], n_slots), 0)
-            else:
-                ks = Indices[b, s]
-                n_sel = T.max(KE[b, s] - ks, 0)
-            lo, window_tiles, tiles = _tile_plan(T, own, WindowStart[b, s], window, n_sel)
+            ks, n_sel, lo, window_tiles, tiles = query_plan(idx_s, Indices, KE, WindowStart, window, b, s, own, n_slots)
 
             if tx < 128:
                 T.set_max_nreg(producer_registers, 0)
@@ -514,6 +529,7 @@ def sparse_window_fwd_balanced_kernel(
     by_index = mode == "indices"
     idx_shape = [batch, seq_len, n_slots] if by_index else [batch, seq_len]
     produce_key_tiles = _key_tile_producer(T, by_index, num_stages, half)
+    query_plan = _query_plan(T, by_index)
 
     @T.macro
     def consumer(me, q_l, q_r, k_l, k_r, k_mine, p_shared, max_x, sum_x, full, empty, acc_s, acc_o, m_i, m_prev,
@@ -638,18 +654,7 @@ def sparse_window_fwd_balanced_kernel(
             scale_log2 = Params[0] * LOG2E
             has_sink = Params[1] > 0.5
             window = Window[0]
-            if by_index:
-                for j in T.Parallel(MAX_SELECTED):
-                    if j < n_slots:
-                        idx_s[j] = Indices[b, s, j]
-            T.sync_threads()
-            if by_index:
-                ks = 0
-                n_sel = T.max(T.min(KE[b, s], n_slots), 0)
-            else:
-                ks = Indices[b, s]
-                n_sel = T.max(KE[b, s] - ks, 0)
-            lo, window_tiles, tiles = _tile_plan(T, own, WindowStart[b, s], window, n_sel)
+            ks, n_sel, lo, window_tiles, tiles = query_plan(idx_s, Indices, KE, WindowStart, window, b, s, own, n_slots)
 
             if tx < 128:
                 T.set_max_nreg(producer_registers, 0)
