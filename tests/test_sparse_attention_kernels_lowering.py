@@ -70,6 +70,10 @@ def _forward_problems(config: ForwardConfig, source: str) -> list[str]:
             problems.append(f"consumer setmaxnreg.inc {registers}")
     if "cp_async_gs_conditional<16>" not in source:
         problems.append("16-byte zero-filling cp.async gathers")
+    # The producer never waits for its own copies: they arrive on the stage's mbarrier themselves.
+    producer = re.search(r"warpgroup_reg_dealloc<\d+>(.*?)warpgroup_reg_alloc<", source, re.S)
+    if "mbarrier_cp_async_arrive_noinc" not in source or producer is None or "cp_async_wait" in producer.group(1):
+        problems.append("a producer whose cp.async arrive on the stage mbarrier (no wait on its own copies)")
     # Each role synchronises only among itself: one named-barrier id per role, none shared (a
     # producer barrier with a consumer's id deadlocks the block).
     marks = [m.start() for m in re.finditer(r"warpgroup_reg_(?:alloc|dealloc)<", source)] + [len(source)]

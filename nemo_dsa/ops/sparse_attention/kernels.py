@@ -281,12 +281,11 @@ NO_COPY_WAIT = {"parallel_async_without_async_commit_wait": True}
 
 
 def _key_tile_producer(T, by_index: bool, num_stages: int, half: int):
-    """The forwards' producer warpgroup (both schedules): each tile's 64 key rows into the ring
-    stage's two D halves (k_l, k_r), by 16-byte cp.async with a zero source size for rows the
-    query must not see, then a signal to the consumers (``full``) once the stage is free again
-    (``empty``) by each thread's cp.async arriving on ``full`` as they land (the
-    producer never waits for its own copies). Window tiles read raw rows by position, the others compressed rows by index
-    (``idx_s``) or from the range's start ``ks``."""
+    """The producer warpgroup of "split-pv" and "balanced": once a ring stage is free again
+    (``empty``), each tile's 64 key rows go into its two D halves (k_l, k_r) by 16-byte cp.async
+    with a zero source size for rows the query must not see; the copies themselves signal the
+    consumers (``full``) as they land (NO_COPY_WAIT). Window tiles read raw rows by position, the
+    others compressed rows by index (``idx_s``) or from the range's start ``ks``."""
     bf16, BK = T.bfloat16, BLOCK_KEYS
 
     @T.macro
