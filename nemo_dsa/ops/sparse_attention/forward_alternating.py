@@ -27,7 +27,9 @@ max comes after each consumer's S.) An odd tile count gets one more tile, every 
 unseen (zero-filled, scored -inf), so every round has two tiles.
 
 Same arguments, grid, outputs and edge behaviour (zero output and -inf lse for a query that
-sees nothing) as :func:`kernels.sparse_window_fwd_kernel`.
+sees nothing) as :func:`kernels.sparse_window_fwd_kernel`. Measured on the H200 (docs/performance.md
+v18): within 3 % of the default "balanced" at S >= 32768, 9 % slower at 16384, so it is an opt-in
+(``NEMO_DSA_ATTN_FWD=alternating``).
 """
 
 from nemo_dsa.ops._tilelang import tilelang
@@ -39,12 +41,9 @@ from nemo_dsa.ops.sparse_attention.kernels import (
     LOG2E,
     M_FLOOR,
     MAX_SELECTED,
+    NO_COPY_WAIT,
     _query_plan,
 )
-
-# The producer does not wait for its own copies: each thread's cp.async arrive on the stage's
-# mbarrier when they land (cp.async.mbarrier.arrive.noinc), so it goes on to the next half at once.
-NO_COPY_WAIT = {"parallel_async_without_async_commit_wait": True}
 
 
 def sparse_window_fwd_alternating_kernel(
