@@ -194,6 +194,16 @@ def _tile_plan(T, own, window_start, window, n_sel):
     return lo, window_tiles, window_tiles + T.ceildiv(n_sel, BLOCK_KEYS)
 
 
+def _compressed_span(T, by_index: bool, Indices, KE, b, s, n_slots):
+    """(ks, n_sel) of query s: where its compressed slots start (range mode) and how many there
+    are. In indices mode KE holds 1 + the last valid slot, so the -1 tails of the early queries'
+    selections are never loaded nor scored."""
+    if by_index:
+        return 0, T.max(T.min(KE[b, s], n_slots), 0)
+    ks = Indices[b, s]
+    return ks, T.max(KE[b, s] - ks, 0)
+
+
 def _query_plan(T, by_index: bool):
     """The forwards' macro for one query's keys: in indices mode the query's index row into
     shared memory ``idx_s`` first (every thread reads it for its mask), then
@@ -207,14 +217,7 @@ def _query_plan(T, by_index: bool):
                 if j < n_slots:
                     idx_s[j] = Indices[b, s, j]
         T.sync_threads()
-        if by_index:
-            # KE holds 1 + the last valid slot in this mode: the -1 tails of the early queries'
-            # selections are never loaded nor scored.
-            ks = 0
-            n_sel = T.max(T.min(KE[b, s], n_slots), 0)
-        else:
-            ks = Indices[b, s]
-            n_sel = T.max(KE[b, s] - ks, 0)
+        ks, n_sel = _compressed_span(T, by_index, Indices, KE, b, s, n_slots)
         lo, window_tiles, tiles = _tile_plan(T, own, WindowStart[b, s], window, n_sel)
         return ks, n_sel, lo, window_tiles, tiles
 
@@ -800,12 +803,7 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int):
             scale_log2 = Params[0] * LOG2E
             window = Window[0]
             need_dq, need_d_raw, need_d_comp = Needs[0] > 0, Needs[1] > 0, Needs[2] > 0
-            if by_index:  # tiles stop at the last valid slot (KE), as in the forward
-                ks = 0
-                n_sel = T.max(T.min(KE[b, s], n_slots), 0)
-            else:
-                ks = Indices[b, s]
-                n_sel = T.max(KE[b, s] - ks, 0)
+            ks, n_sel = _compressed_span(T, by_index, Indices, KE, b, s, n_slots)  # as in the forward
             lo, window_tiles, tiles = _tile_plan(T, own, WindowStart[b, s], window, n_sel)
 
             T.copy(Q[b, s, h0 : h0 + HB, :], q_s, disable_tma=True)
