@@ -10,8 +10,9 @@ writes JSON (``--json``).
 
     python examples/benchmark_attention.py --seq 4096 16384 32768 65536 --json out.json
 
-``--variants split-pv/atomic balanced/key-major`` times nemo_dsa once per kernel variant
-(forward schedule / how the window keys' dkv is summed, see ``ops/sparse_attention/kernels.py``);
+``--variants split-pv/atomic balanced/key-major/pipelined`` times nemo_dsa once per kernel variant
+(forward schedule / how the window keys' dkv is summed [/ backward schedule], see
+``ops/sparse_attention/kernels.py``);
 the first is the table's, the others are printed after it; without it, the defaults run. ``--parts`` also times the backward's
 pieces alone (the kernels asked for only some gradients), to show where its time goes.
 """
@@ -91,10 +92,15 @@ def peak_mib(fn) -> float:
 
 @contextlib.contextmanager
 def variant(name: str):
-    """Select a kernel variant "<forward schedule>/<window dkv>" through the environment."""
-    schedule, window_dkv = name.split("/")
-    saved = {k: os.environ.get(k) for k in ("NEMO_DSA_ATTN_FWD", "NEMO_DSA_WINDOW_DKV")}
-    os.environ["NEMO_DSA_ATTN_FWD"], os.environ["NEMO_DSA_WINDOW_DKV"] = schedule, window_dkv
+    """Select a kernel variant "<forward schedule>/<window dkv>[/<backward schedule>]" through
+    the environment."""
+    from nemo_dsa.ops.sparse_attention import kernels
+
+    schedule, window_dkv, *backward = name.split("/")
+    keys = ("NEMO_DSA_ATTN_FWD", "NEMO_DSA_WINDOW_DKV", "NEMO_DSA_ATTN_BWD")
+    saved = {k: os.environ.get(k) for k in keys}
+    for key, value in zip(keys, (schedule, window_dkv, backward[0] if backward else kernels.DEFAULT_BWD_SCHEDULE)):
+        os.environ[key] = value
     try:
         yield
     finally:
@@ -119,6 +125,9 @@ def backward_parts(q, raw, comp, sink, indices, window_start, grad, iters: int) 
         "window dkv key-major alone": ("key-major", (False, True, False)),
         "delta alone": ("atomic", (False, False, False)),
     }
+    for schedule in kernels.BWD_SCHEDULES:
+        parts[f"all, {schedule} backward"] = (f"atomic/{schedule}", (True, True, True))
+        parts[f"dq only, {schedule} backward"] = (f"atomic/{schedule}", (True, False, False))
     result = {}
     for name, (window_dkv, (dq, d_raw, d_comp)) in parts.items():
         with variant(f"{kernels.DEFAULT_FWD_SCHEDULE}/{window_dkv}"):
@@ -132,7 +141,7 @@ def backward_parts(q, raw, comp, sink, indices, window_start, grad, iters: int) 
 def default_variant() -> str:
     from nemo_dsa.ops.sparse_attention import kernels
 
-    return f"{kernels.DEFAULT_FWD_SCHEDULE}/{kernels.DEFAULT_WINDOW_DKV}"
+    return f"{kernels.DEFAULT_FWD_SCHEDULE}/{kernels.DEFAULT_WINDOW_DKV}/{kernels.DEFAULT_BWD_SCHEDULE}"
 
 
 def run(seq: int, iters: int, variants: tuple[str, ...], ours_only: bool = False, parts: bool = False) -> dict:
@@ -214,14 +223,17 @@ def main():
     parser.add_argument("--json", default=None)
     parser.add_argument("--ours-only", action="store_true", help="skip the built-in (and its compile)")
     parser.add_argument("--variants", nargs="+", default=None,
-                        help="<forward schedule>/<window dkv>: split-pv|balanced|alternating / atomic|key-major")
+                        help="<forward schedule>/<window dkv>[/<backward schedule>]: split-pv|balanced|alternating"
+                             " / atomic|key-major / serial|pipelined")
     parser.add_argument("--parts", action="store_true", help="also time the backward's pieces")
     args = parser.parse_args()
     args.variants = args.variants or [default_variant()]
     for name in args.variants:
-        schedule, _, window_dkv = name.partition("/")
-        if schedule not in kernels.FWD_SCHEDULES or window_dkv not in kernels.WINDOW_DKV_MODES:
-            parser.error(f"--variants: {name!r} is not <{'|'.join(kernels.FWD_SCHEDULES)}>/<{'|'.join(kernels.WINDOW_DKV_MODES)}>")
+        fields = name.split("/")
+        choices = (kernels.FWD_SCHEDULES, kernels.WINDOW_DKV_MODES, kernels.BWD_SCHEDULES)
+        if len(fields) not in (2, 3) or any(f not in c for f, c in zip(fields, choices)):
+            parser.error(f"--variants: {name!r} is not <{'|'.join(kernels.FWD_SCHEDULES)}>/<{'|'.join(kernels.WINDOW_DKV_MODES)}>"
+                         f"[/<{'|'.join(kernels.BWD_SCHEDULES)}>]")
     rows = []
     for seq in args.seq:
         rows.append(run(seq, args.iters, tuple(args.variants), args.ours_only, args.parts))

@@ -43,3 +43,27 @@ def pingpong_problems(source: str, rows: int, producer_registers: int, consumer_
         if at < 0:
             problems.append(f"consumer {me}: turn, issue, hand over, wait")
     return problems
+
+
+def ptxas_report(source: str) -> str:
+    """What ``nvcc -Xptxas -v`` says while building ``source`` (TileLang's generated CUDA) into
+    an sm_90a cubin: registers, spills, and remarks such as C7514 (wgmmas serialised)."""
+    import os
+    import subprocess
+    import tempfile
+
+    import tilelang
+
+    root = os.path.dirname(tilelang.__file__)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cu")
+        with open(path, "w") as f:
+            f.write(source)
+        proc = subprocess.run(
+            ["nvcc", "-std=c++20", f"-I{root}/src", f"-I{root}/3rdparty/cutlass/include", "-arch=sm_90a", "-cubin",
+             "-Xptxas", "-v", "-diag-suppress", "1444,20012,1046", path, "-o", os.path.join(tmp, "kernel.cubin")],
+            capture_output=True, text=True,
+        )  # fmt: skip
+    if proc.returncode != 0:
+        raise RuntimeError(f"nvcc failed:\n{proc.stderr[-3000:]}")
+    return proc.stderr

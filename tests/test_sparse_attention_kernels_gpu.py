@@ -102,8 +102,15 @@ def _sees_nothing(q, raw, ws, window, comp, kw):
     return ~(torch.cat(lists, -1) >= 0).any(-1)
 
 
+@pytest.fixture(params=kernels.BWD_SCHEDULES)
+def bwd_schedule(request, monkeypatch):
+    """Each backward schedule (NEMO_DSA_ATTN_BWD), the default included."""
+    monkeypatch.setenv("NEMO_DSA_ATTN_BWD", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
-def test_forward_and_backward_match_reference(case):
+def test_forward_and_backward_match_reference(case, bwd_schedule):
     gen = torch.Generator().manual_seed(stable_seed(case))
     q, raw, ws, window, comp, kw, scale = _case_inputs(case, gen)
     sink = kw.pop("sink")
@@ -112,6 +119,7 @@ def test_forward_and_backward_match_reference(case):
     out_p = torch.full_like(inputs.q, float("nan"))
     lse_p = torch.full(inputs.q.shape[:3], float("nan"), device=q.device)
     out_k, lse_k = kernels.sparse_window_forward(inputs, out=out_p, lse=lse_p)
+    assert kernels.backward_config(inputs.kdim, inputs.mode).schedule == bwd_schedule
 
     leaves = [t.float().requires_grad_(True) for t in (q, raw)] + [
         None if comp is None else comp.float().requires_grad_(True),
@@ -161,7 +169,7 @@ def test_forward_and_backward_match_reference(case):
         assert (error <= budget + 1e-6).all(), f"d_sink: error {error.max():.3e} against a rounding budget {budget.min():.3e}"
 
 
-def test_nan_in_unseen_rows_reaches_nothing():
+def test_nan_in_unseen_rows_reaches_nothing(bwd_schedule):
     gen = torch.Generator().manual_seed(7)
     case = (1, 200, 0, 64, 512, 128, 100, "indices", 64, True)
     q, raw, ws, window, comp, kw, scale = _case_inputs(case, gen)
@@ -189,7 +197,7 @@ def test_nan_in_unseen_rows_reaches_nothing():
 
 
 @pytest.mark.parametrize("wanted", [("raw_kv",), ("q", "compressed_kv"), ("sink",)])
-def test_backward_computes_only_what_inputs_need(wanted):
+def test_backward_computes_only_what_inputs_need(wanted, bwd_schedule):
     """Frozen inputs (e.g. compressed kv, or q) get no gradient, and the wanted gradients equal
     those of the full backward (up to the order of the fp32 atomic adds)."""
     gen = torch.Generator().manual_seed(23)
@@ -257,7 +265,7 @@ def test_key_major_window_dkv_matches_reference(case, one_run, monkeypatch):
         assert row["rel_norm"] <= 1e-2, f"{row['name']}: {row}"
 
 
-def test_minus_one_tails_are_skipped_exactly():
+def test_minus_one_tails_are_skipped_exactly(bwd_schedule):
     """Selections with -1 tails of every length (the early queries' case, whole tiles of -1
     included): the kernels stop at each query's last valid slot and agree with the reference."""
     gen = torch.Generator().manual_seed(31)

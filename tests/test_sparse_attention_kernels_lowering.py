@@ -92,10 +92,31 @@ def _check_window_dkv(config: WindowDkvConfig, source: str) -> None:
     assert 0 < last_gemm < first_atomic, f"{config}: an atomic inside the query loop"
 
 
+def _pipelined_backward_problems(config: BackwardConfig, source: str) -> list[str]:
+    """What the pipelined backward's CUDA lacks: S and dP issued before one wait, and each dkv
+    chunk's GEMMs issued into the other accumulator before this chunk's atomics."""
+    problems = []
+    tile_loop = source[source.index("for (int t = 0; t < tiles; ++t)"):]
+    first_wait = tile_loop.find("wait_wgmma<")
+    if first_wait < 0 or tile_loop[:first_wait].count("warpgroup_commit_batch") != 2:
+        problems.append("S and dP committed before the first wait")
+    if "warpgroup_wait<" in tile_loop:
+        problems.append("an implicit wait after a GEMM (T.gemm instead of T.wgmma_gemm)")
+    # In the source: chunk 0's wait before the key prefetch, then in the (unrolled) loop over
+    # chunk pairs one wait<2> per chunk issued ahead; the last chunk's wait<0>.
+    if tile_loop.count("wait_wgmma<2>") < 2 or "wait_wgmma<0>" not in tile_loop:
+        problems.append("a wait that leaves the next chunk's GEMMs running (wait_wgmma<2>)")
+    if not re.search(r"wait_wgmma<2>\(\);\s*tl::warpgroup_fence_operand\(reinterpret_cast<float\*>\(acc_kv \+ 0\)", tile_loop):
+        problems.append("chunk atomics fenced behind the wait")
+    if "acc_kv1" not in tile_loop:
+        problems.append("a second dkv accumulator")
+    return problems
+
+
 def test_every_dispatched_config_lowers_with_wgmma_and_fits_shared_memory():
     configs = dispatched_configs()
-    forwards_and_backward = len(kernels.FWD_SCHEDULES) + 1
-    assert len(configs) == len(set(configs)) == (forwards_and_backward * len(kernels.MODES) + 1) * len(kernels.KERNEL_DIMS)
+    forwards_and_backwards = len(kernels.FWD_SCHEDULES) + len(kernels.BWD_SCHEDULES)
+    assert len(configs) == len(set(configs)) == (forwards_and_backwards * len(kernels.MODES) + 1) * len(kernels.KERNEL_DIMS)
     results = map_in_workers(_lower, configs + list(kernels.KERNEL_DIMS))
     for config, source, smem in results:
         assert smem <= HOPPER_SMEM_LIMIT, f"{config}: {smem} bytes of dynamic shared memory"
@@ -117,7 +138,11 @@ def test_every_dispatched_config_lowers_with_wgmma_and_fits_shared_memory():
             # tile's dkv GEMMs (a commit before the loop and one inside it), not waited for at once.
             tile_loop = source[source.index("for (int t = 0; t < tiles; ++t)"):]
             assert source.count("cp_async_wait<0>") == 1 and tile_loop.count("cp_async_wait<0>") == 1, config
-            assert source.count("cp_async_commit") == 2 and tile_loop.count("cp_async_commit") == 1, config
+            # (The pipelined schedule prefetches in each of its two dkv branches.)
+            commits = 2 if config.schedule == "pipelined" else 1
+            assert source.count("cp_async_commit") == 1 + commits and tile_loop.count("cp_async_commit") == commits, config
+            if config.schedule == "pipelined":
+                assert not _pipelined_backward_problems(config, source), f"{config}: {_pipelined_backward_problems(config, source)}"
             assert smem > 0
         elif isinstance(config, WindowDkvConfig):
             _check_window_dkv(config, source)
@@ -188,6 +213,21 @@ def test_representative_configs_compile_to_cubin():
             assert f"__sync_thread_partial({role_id}, 128)" in source
     assert "AtomicAdd" in bwd_source
     _check_window_dkv(window_dkv, window_source)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found: cannot run ptxas")
+def test_pipelined_backward_keeps_its_wgmmas_asynchronous():
+    """ptxas serialises every wgmma of a kernel (remark C7514) when it cannot prove that no
+    accumulator is read while its wgmma runs; that would undo the pipeline silently. The serial
+    backward is the control: same registers budget, no spills either."""
+    from _lowering import ptxas_report
+
+    configs = [backward_config(512, "indices", "pipelined"), backward_config(128, "range", "pipelined"),
+               backward_config(512, "indices", "serial")]  # fmt: skip
+    for config, source, _ in map_in_workers(_lower, configs):
+        report = ptxas_report(source)
+        assert "C7514" not in report and "C7517" not in report, f"{config}: {report[-2000:]}"
+        assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", report), f"{config}: {report[-2000:]}"
 
 
 def test_dims_and_modes_map_to_kernels():

@@ -69,6 +69,10 @@ BWD_PASS_CONFIGS = {"tl.disable_warp_specialized": True, "tl.disable_tma_lower":
 # schedule) measured within 3 % of balanced at S >= 32768 and 9 % slower at 16384 (v18): opt-in.
 FWD_SCHEDULES = ("split-pv", "balanced", "alternating")
 DEFAULT_FWD_SCHEDULE = "balanced"
+# Backward: "serial" waits for every GEMM; "pipelined" overlaps each dkv chunk's atomics with the
+# next chunk's GEMMs (NEMO_DSA_ATTN_BWD selects).
+BWD_SCHEDULES = ("serial", "pipelined")
+DEFAULT_BWD_SCHEDULE = "serial"
 # setmaxnreg (consumer 0, consumer 1, producer) per schedule. The warpgroups trade registers
 # inside the block's launch allocation (168 a thread at 384 threads: 504 per thread-triple), so
 # the three must sum to <= 504: a setmaxnreg.inc beyond it waits forever (the first balanced
@@ -112,6 +116,7 @@ class BackwardConfig:
     dim: int
     mode: str
     dkv_chunk: int  # columns of dkv computed (and added) at a time: bounds its registers
+    schedule: str  # one of BWD_SCHEDULES
 
     def kernel_kwargs(self) -> dict:
         return asdict(self)
@@ -164,19 +169,31 @@ def forward_config(dim: int, mode: str, schedule: str | None = None) -> ForwardC
     return ForwardConfig(dim, mode, stages, c0, c1, producer, schedule)
 
 
-def backward_config(dim: int, mode: str) -> BackwardConfig:
+def backward_schedule() -> str:
+    """The backward schedule in use: NEMO_DSA_ATTN_BWD if set, else DEFAULT_BWD_SCHEDULE."""
+    schedule = os.environ.get("NEMO_DSA_ATTN_BWD", DEFAULT_BWD_SCHEDULE)
+    if schedule not in BWD_SCHEDULES:
+        raise ValueError(f"NEMO_DSA_ATTN_BWD must be one of {BWD_SCHEDULES}, got {schedule!r}")
+    return schedule
+
+
+def backward_config(dim: int, mode: str, schedule: str | None = None) -> BackwardConfig:
+    """``schedule`` None: :func:`backward_schedule`."""
     if dim not in KERNEL_DIMS:
         raise ValueError(f"dim must be one of {KERNEL_DIMS} for a kernel, got {dim}")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    return BackwardConfig(dim, mode, dkv_chunk=64)
+    schedule = backward_schedule() if schedule is None else schedule
+    if schedule not in BWD_SCHEDULES:
+        raise ValueError(f"schedule must be one of {BWD_SCHEDULES}, got {schedule!r}")
+    return BackwardConfig(dim, mode, dkv_chunk=64, schedule=schedule)
 
 
 def dispatched_configs() -> list:
     """Every forward, backward and key-major window-dkv configuration the wrappers can compile."""
     return (
         [forward_config(d, m, sched) for sched in FWD_SCHEDULES for d in KERNEL_DIMS for m in MODES]
-        + [backward_config(d, m) for d in KERNEL_DIMS for m in MODES]
+        + [backward_config(d, m, sched) for sched in BWD_SCHEDULES for d in KERNEL_DIMS for m in MODES]
         + [WindowDkvConfig(d) for d in KERNEL_DIMS]
     )
 
@@ -719,7 +736,7 @@ def attention_delta_kernel(dim: int):
     return attention_delta
 
 
-def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int):
+def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str = "serial"):
     """PrimFunc of the backward for one configuration. Grid: (S, H / 64, B), 256 threads; H a
     multiple of 64 (zero q and dO rows in padded heads contribute exact zeros).
 
@@ -728,6 +745,10 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int):
     (written only if wanted) and dKV [B, N_raw + K, D] fp32 (raw rows first, then compressed),
     which must hold zeros on entry in the wanted rows (the tiles' contributions are added
     atomically; unwanted rows are never touched).
+
+    ``schedule`` (BWD_SCHEDULES): "serial" waits for each wgmma before the next step; "pipelined"
+    issues S and dP together, and each dkv chunk's GEMMs before the previous chunk's atomics (two
+    accumulators), so the atomics overlap the tensor cores.
     """
     T = tilelang().language
     bf16, f32, i32 = T.bfloat16, T.float32, T.int32
@@ -766,6 +787,31 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int):
                 )
         T.ptx_commit_group()
 
+    pipelined = schedule == "pipelined"
+    n_chunks = D // dkv_chunk
+    if pipelined and n_chunks % 2:
+        raise ValueError(f"the pipelined backward needs an even number of dkv chunks, got {n_chunks}")
+    # Accumulator registers per thread, for the fences that keep nvcc from reading an accumulator
+    # before its wgmma's wait.
+    pair_regs, dq_regs, kv_regs = HB * BK // BWD_THREADS, HB * D // BWD_THREADS, BK * dkv_chunk // BWD_THREADS
+
+    @T.macro
+    def next_keys(k_s, Raw, Comp, Indices, b, s, t, tiles, lo, own, window_tiles, n_sel, ks, n_raw, n_comp, n_slots):
+        if t + 1 < tiles:
+            load_keys(k_s, Raw, Comp, Indices, b, s, t + 1, lo, own, window_tiles, n_sel, ks, n_raw, n_comp, n_slots)
+
+    @T.macro
+    def issue_dkv(ds_s, p_s, q_s, do_s, acc, c):
+        """acc = dS^T Q + P^T dO for columns of chunk ``c``, issued and not waited for."""
+        T.wgmma_gemm(ds_s, q_s[:, c * dkv_chunk : (c + 1) * dkv_chunk], acc, transpose_A=True, clear_accum=True)
+        T.wgmma_gemm(p_s, do_s[:, c * dkv_chunk : (c + 1) * dkv_chunk], acc, transpose_A=True)
+
+    @T.macro
+    def add_dkv(dKV, acc, rows_s, b, c):
+        for r, d in T.Parallel(BK, dkv_chunk):
+            if rows_s[r] >= 0:
+                T.atomic_add(dKV[b, rows_s[r], c * dkv_chunk + d], acc[r, d])
+
     @T.prim_func
     def sparse_window_bwd(
         Q: T.Tensor([batch, seq_len, heads, D], bf16),
@@ -794,6 +840,7 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int):
             acc_dp = T.alloc_fragment([HB, BK], f32)
             acc_dq = T.alloc_fragment([HB, D], f32)
             acc_kv = T.alloc_fragment([BK, dkv_chunk], f32)
+            acc_kv1 = T.alloc_fragment([BK, dkv_chunk], f32)  # pipelined: the other chunk
             lse2 = T.alloc_fragment([HB], f32)
             delta = T.alloc_fragment([HB], f32)
 
@@ -830,8 +877,15 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int):
                 # tile's dkv GEMMs): wait for them here.
                 T.ptx_wait_group(0)
                 T.sync_threads()
-                T.gemm(q_s, k_s, acc_s, transpose_B=True, clear_accum=True)
-                T.gemm(do_s, k_s, acc_dp, transpose_B=True, clear_accum=True)
+                if pipelined:
+                    T.wgmma_gemm(q_s, k_s, acc_s, transpose_B=True, clear_accum=True)
+                    T.wgmma_gemm(do_s, k_s, acc_dp, transpose_B=True, clear_accum=True)
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(acc_s, num_regs=pair_regs)
+                    T.warpgroup_fence_operand(acc_dp, num_regs=pair_regs)
+                else:
+                    T.gemm(q_s, k_s, acc_s, transpose_B=True, clear_accum=True)
+                    T.gemm(do_s, k_s, acc_dp, transpose_B=True, clear_accum=True)
                 for h, c in T.Parallel(HB, BK):
                     acc_s[h, c] = T.if_then_else(
                         rows_s[c] >= 0, T.exp2(acc_s[h, c] * scale_log2 - lse2[h]), T.cast(0, f32)
@@ -839,20 +893,51 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int):
                     acc_dp[h, c] = acc_s[h, c] * (acc_dp[h, c] - delta[h]) * scale
                 T.copy(acc_s, p_s)
                 T.copy(acc_dp, ds_s)
+                if pipelined:
+                    T.fence_proxy_async()  # P and dS are written by st.shared and read by wgmma
                 T.sync_threads()
                 # Uniform branches: gradients nobody asked for are neither computed nor added.
-                if need_dq:
-                    T.gemm(ds_s, k_s, acc_dq)
-                T.sync_threads()  # every warp is done with k_s
-                if t + 1 < tiles:
-                    load_keys(k_s, Raw, Comp, Indices, b, s, t + 1, lo, own, window_tiles, n_sel, ks, n_raw, n_comp, n_slots)
-                if ((t < window_tiles) & need_d_raw) | ((t >= window_tiles) & need_d_comp):
-                    for c in T.serial(D // dkv_chunk):
-                        T.gemm(ds_s, q_s[:, c * dkv_chunk : (c + 1) * dkv_chunk], acc_kv, transpose_A=True, clear_accum=True)
-                        T.gemm(p_s, do_s[:, c * dkv_chunk : (c + 1) * dkv_chunk], acc_kv, transpose_A=True)
-                        for r, d in T.Parallel(BK, dkv_chunk):
-                            if rows_s[r] >= 0:
-                                T.atomic_add(dKV[b, rows_s[r], c * dkv_chunk + d], acc_kv[r, d])
+                want_dkv = ((t < window_tiles) & need_d_raw) | ((t >= window_tiles) & need_d_comp)
+                if pipelined:
+                    if need_dq:
+                        T.wgmma_gemm(ds_s, k_s, acc_dq)
+                    # One branch holds every wgmma of the dkv chunks, so ptxas sees each wait
+                    # on every path (it serialises all wgmmas when it cannot).
+                    if want_dkv:
+                        issue_dkv(ds_s, p_s, q_s, do_s, acc_kv, 0)
+                        T.wait_wgmma(2)  # dq's GEMM (the only reader of k_s) is done; chunk 0 runs on
+                        T.warpgroup_fence_operand(acc_dq, num_regs=dq_regs)
+                        T.sync_threads()  # every warp is done with k_s
+                        next_keys(k_s, Raw, Comp, Indices, b, s, t, tiles, lo, own, window_tiles, n_sel, ks, n_raw, n_comp, n_slots)
+                        # Chunks in pairs (n_chunks is even): acc_kv holds the even ones, acc_kv1
+                        # the odd ones; chunk c + 1's GEMMs run while chunk c is added.
+                        for j in T.unroll(n_chunks // 2):
+                            issue_dkv(ds_s, p_s, q_s, do_s, acc_kv1, 2 * j + 1)
+                            T.wait_wgmma(2)
+                            T.warpgroup_fence_operand(acc_kv, num_regs=kv_regs)
+                            add_dkv(dKV, acc_kv, rows_s, b, 2 * j)
+                            if 2 * j + 2 < n_chunks:
+                                issue_dkv(ds_s, p_s, q_s, do_s, acc_kv, 2 * j + 2)
+                                T.wait_wgmma(2)
+                            else:
+                                T.wait_wgmma(0)
+                            T.warpgroup_fence_operand(acc_kv1, num_regs=kv_regs)
+                            add_dkv(dKV, acc_kv1, rows_s, b, 2 * j + 1)
+                    else:
+                        T.wait_wgmma(0)
+                        T.warpgroup_fence_operand(acc_dq, num_regs=dq_regs)
+                        T.sync_threads()
+                        next_keys(k_s, Raw, Comp, Indices, b, s, t, tiles, lo, own, window_tiles, n_sel, ks, n_raw, n_comp, n_slots)
+                else:
+                    if need_dq:
+                        T.gemm(ds_s, k_s, acc_dq)
+                    T.sync_threads()  # every warp is done with k_s
+                    next_keys(k_s, Raw, Comp, Indices, b, s, t, tiles, lo, own, window_tiles, n_sel, ks, n_raw, n_comp, n_slots)
+                    if want_dkv:
+                        for c in T.serial(n_chunks):
+                            T.gemm(ds_s, q_s[:, c * dkv_chunk : (c + 1) * dkv_chunk], acc_kv, transpose_A=True, clear_accum=True)
+                            T.gemm(p_s, do_s[:, c * dkv_chunk : (c + 1) * dkv_chunk], acc_kv, transpose_A=True)
+                            add_dkv(dKV, acc_kv, rows_s, b, c)
                 T.sync_threads()
             if need_dq:
                 T.copy(acc_dq, q_s)
@@ -1171,6 +1256,7 @@ def compile_all(dim: int, mode: str) -> None:
     forward schedules), e.g. in parallel processes before a first training step."""
     for schedule in FWD_SCHEDULES:
         compile_config(forward_config(dim, mode, schedule))
-    compile_config(backward_config(dim, mode))
+    for schedule in BWD_SCHEDULES:
+        compile_config(backward_config(dim, mode, schedule))
     compile_config(dim)
     compile_config(WindowDkvConfig(dim))
