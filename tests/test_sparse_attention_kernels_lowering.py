@@ -240,6 +240,17 @@ def test_dims_and_modes_map_to_kernels():
         backward_config(512, "dense")
 
 
+@pytest.mark.parametrize("variable, reader", [
+    ("NEMO_DSA_ATTN_FWD", lambda: forward_config(512, "indices")),
+    ("NEMO_DSA_ATTN_BWD", lambda: backward_config(512, "indices")),
+    ("NEMO_DSA_WINDOW_DKV", kernels.window_dkv_mode),
+])  # fmt: skip
+def test_schedule_variables_reject_unknown_values(variable, reader, monkeypatch):
+    monkeypatch.setenv(variable, "fastest")
+    with pytest.raises(ValueError, match=f"{variable} must be one of .* got 'fastest'"):
+        reader()
+
+
 def _cuda_like_args(**change):
     q = torch.zeros(1, 4, 8, 64, dtype=torch.bfloat16)
     args = dict(q=q, raw_kv=torch.zeros(1, 4, 64, dtype=torch.bfloat16), window_start=torch.zeros(1, 4, dtype=torch.int32),

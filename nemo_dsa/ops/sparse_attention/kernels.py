@@ -147,12 +147,17 @@ def kernel_dim(dim: int) -> int:
     raise ValueError(f"head_dim must be <= {MAX_DIM}, got {dim}")
 
 
+def _choice_from_env(variable: str, default: str, choices: tuple) -> str:
+    """``variable``'s value if set (one of ``choices``, else a ValueError), else ``default``."""
+    value = os.environ.get(variable, default)
+    if value not in choices:
+        raise ValueError(f"{variable} must be one of {choices}, got {value!r}")
+    return value
+
+
 def forward_schedule() -> str:
     """The forward schedule in use: NEMO_DSA_ATTN_FWD if set, else DEFAULT_FWD_SCHEDULE."""
-    schedule = os.environ.get("NEMO_DSA_ATTN_FWD", DEFAULT_FWD_SCHEDULE)
-    if schedule not in FWD_SCHEDULES:
-        raise ValueError(f"NEMO_DSA_ATTN_FWD must be one of {FWD_SCHEDULES}, got {schedule!r}")
-    return schedule
+    return _choice_from_env("NEMO_DSA_ATTN_FWD", DEFAULT_FWD_SCHEDULE, FWD_SCHEDULES)
 
 
 def forward_config(dim: int, mode: str, schedule: str | None = None) -> ForwardConfig:
@@ -172,10 +177,7 @@ def forward_config(dim: int, mode: str, schedule: str | None = None) -> ForwardC
 
 def backward_schedule() -> str:
     """The backward schedule in use: NEMO_DSA_ATTN_BWD if set, else DEFAULT_BWD_SCHEDULE."""
-    schedule = os.environ.get("NEMO_DSA_ATTN_BWD", DEFAULT_BWD_SCHEDULE)
-    if schedule not in BWD_SCHEDULES:
-        raise ValueError(f"NEMO_DSA_ATTN_BWD must be one of {BWD_SCHEDULES}, got {schedule!r}")
-    return schedule
+    return _choice_from_env("NEMO_DSA_ATTN_BWD", DEFAULT_BWD_SCHEDULE, BWD_SCHEDULES)
 
 
 def backward_config(dim: int, mode: str, schedule: str | None = None) -> BackwardConfig:
@@ -1162,10 +1164,7 @@ def attention_delta(out: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
 
 def window_dkv_mode() -> str:
     """The window-dkv summation in use: NEMO_DSA_WINDOW_DKV if set, else DEFAULT_WINDOW_DKV."""
-    mode = os.environ.get("NEMO_DSA_WINDOW_DKV", DEFAULT_WINDOW_DKV)
-    if mode not in WINDOW_DKV_MODES:
-        raise ValueError(f"NEMO_DSA_WINDOW_DKV must be one of {WINDOW_DKV_MODES}, got {mode!r}")
-    return mode
+    return _choice_from_env("NEMO_DSA_WINDOW_DKV", DEFAULT_WINDOW_DKV, WINDOW_DKV_MODES)
 
 
 _split_cache: dict[tuple, torch.Tensor] = {}
