@@ -90,17 +90,26 @@ def peak_mib(fn) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-@contextlib.contextmanager
-def variant(name: str):
-    """Select a kernel variant "<forward schedule>/<window dkv>[/<backward schedule>]" through
-    the environment."""
+VARIANT_VARIABLES = ("NEMO_DSA_ATTN_FWD", "NEMO_DSA_WINDOW_DKV", "NEMO_DSA_ATTN_BWD")
+
+
+def parse_variant(name: str) -> tuple[str, str, str] | None:
+    """(forward schedule, window dkv, backward schedule) of "<fwd>/<window dkv>[/<bwd>]" (the
+    default backward if left out), or None if ``name`` is not one."""
     from nemo_dsa.ops.sparse_attention import kernels
 
-    schedule, window_dkv, *backward = name.split("/")
-    keys = ("NEMO_DSA_ATTN_FWD", "NEMO_DSA_WINDOW_DKV", "NEMO_DSA_ATTN_BWD")
-    saved = {k: os.environ.get(k) for k in keys}
-    for key, value in zip(keys, (schedule, window_dkv, backward[0] if backward else kernels.DEFAULT_BWD_SCHEDULE)):
-        os.environ[key] = value
+    fields = name.split("/")
+    choices = (kernels.FWD_SCHEDULES, kernels.WINDOW_DKV_MODES, kernels.BWD_SCHEDULES)
+    if len(fields) not in (2, 3) or any(f not in c for f, c in zip(fields, choices)):
+        return None
+    return fields[0], fields[1], fields[2] if len(fields) == 3 else kernels.DEFAULT_BWD_SCHEDULE
+
+
+@contextlib.contextmanager
+def variant(name: str):
+    """Select a kernel variant (see :func:`parse_variant`) through the environment."""
+    saved = {k: os.environ.get(k) for k in VARIANT_VARIABLES}
+    os.environ.update(zip(VARIANT_VARIABLES, parse_variant(name)))
     try:
         yield
     finally:
@@ -229,9 +238,7 @@ def main():
     args = parser.parse_args()
     args.variants = args.variants or [default_variant()]
     for name in args.variants:
-        fields = name.split("/")
-        choices = (kernels.FWD_SCHEDULES, kernels.WINDOW_DKV_MODES, kernels.BWD_SCHEDULES)
-        if len(fields) not in (2, 3) or any(f not in c for f, c in zip(fields, choices)):
+        if parse_variant(name) is None:
             parser.error(f"--variants: {name!r} is not <{'|'.join(kernels.FWD_SCHEDULES)}>/<{'|'.join(kernels.WINDOW_DKV_MODES)}>"
                          f"[/<{'|'.join(kernels.BWD_SCHEDULES)}>]")
     rows = []
