@@ -256,3 +256,29 @@ def test_rank_0s_other_work_failing_stops_every_rank_naming_it(tmp_path, fail_in
                                    "intact: fix the cause and run again to resume from the newest"]
     (line,) = _error_lines(rank1)
     assert line.startswith(f"{ERROR}rank 1: rank 0 failed while {during} ({cause}); every rank stops."), line
+
+
+EXITING = textwrap.dedent("""
+    import atexit, sys
+    import nemo_dsa.recipe.parallel as parallel
+
+    atexit.register(lambda: print("atexit ran", flush=True))
+    parallel._ended_process_group = sys.argv[1] == "ended"
+    parallel.exit_process(3, error=ValueError("the run's bug") if sys.argv[2] == "error" else None)
+    print("returned", flush=True)
+""")
+
+
+@pytest.mark.parametrize("ended,error", [("ended", "none"), ("ended", "error"), ("single", "error")])
+def test_a_rank_whose_process_group_ended_exits_at_once_after_its_atexit_handlers(tmp_path, ended, error):
+    """``exit_process``: once the process group is destroyed the process ends with the code given
+    (its error's traceback first), its atexit handlers run; a single-process run returns."""
+    script = tmp_path / "exiting.py"
+    script.write_text(EXITING)
+    proc = subprocess.run([sys.executable, str(script), ended, error], cwd=ROOT, capture_output=True, text=True,
+                          timeout=CHILD_DEADLINE_S)  # fmt: skip
+    if ended == "single":
+        assert (proc.returncode, proc.stdout) == (0, "returned\natexit ran\n") and proc.stderr == "", proc.stderr
+        return
+    assert (proc.returncode, proc.stdout) == (3, "atexit ran\n"), proc.stderr
+    assert ("ValueError: the run's bug" in proc.stderr) == (error == "error"), proc.stderr

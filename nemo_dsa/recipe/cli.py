@@ -201,10 +201,25 @@ def _is_user_error(error: BaseException) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Console entry point (``nemo-dsa-train`` / ``python -m nemo_dsa.train``)."""
-    from nemo_dsa.recipe.parallel import RanksStopped
+    """Console entry point (``nemo-dsa-train`` / ``python -m nemo_dsa.train``).
+
+    A rank of a multi-rank run does not return: it exits here (``parallel.exit_process``)."""
+    from nemo_dsa.recipe.parallel import exit_process
 
     args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        code = _reported(args)
+    except Exception as e:
+        exit_process(1, error=e)  # a multi-rank run's bug: its traceback, then exit 1
+        raise
+    exit_process(code)
+    return code
+
+
+def _reported(args: list[str]) -> int:
+    """``_main``'s exit code, an expected error printed as one line (all of it with ``--verbose``)."""
+    from nemo_dsa.recipe.parallel import RanksStopped
+
     verbose = "--verbose" in args or os.environ.get("HYDRA_FULL_ERROR") == "1"
     _log_warnings_to_stderr()
     try:

@@ -4,6 +4,7 @@ rank 0's failure shared with every rank (so all stop together)."""
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,6 +94,11 @@ def wait_for_all(par: Parallel) -> None:
         dist.barrier()
 
 
+# Set once this process destroyed the process group it initialised: ``exit_process`` then ends it
+# without interpreter finalization (see there).
+_ended_process_group = False
+
+
 def finish_parallel(par: Parallel) -> None:
     """End a finished multi-rank run together: a barrier (rank 0's last save is done before any
     rank leaves), then the process group this run initialised destroyed, so no rank exits with
@@ -101,7 +107,9 @@ def finish_parallel(par: Parallel) -> None:
         return
     from nemo_dsa.distributed import shutdown
 
+    global _ended_process_group
     wait_for_all(par)
+    _ended_process_group = True
     shutdown()
 
 
@@ -112,10 +120,39 @@ def abandon_parallel(par: Parallel) -> None:
         return
     from nemo_dsa.distributed import shutdown
 
+    global _ended_process_group
+    _ended_process_group = True
     try:
         shutdown()
     except Exception:  # noqa: BLE001 - the run's own error is the one to report
         pass
+
+
+def exit_process(code: int, error: BaseException | None = None) -> None:
+    """End a process whose multi-rank run is over with ``code`` (``error``'s traceback printed
+    first, as Python would), skipping interpreter finalization.
+
+    A gloo worker thread can still be dropping its last reference to a tensor of the final
+    collectives (which needs the GIL) when the main thread returns; once finalization has begun
+    CPython ends such a thread with ``pthread_exit``, whose unwinding through C++ aborts the whole
+    process (``terminate called without an active exception``, exit -6) after it reported success
+    or its one-line error. So the ``atexit`` handlers (logging, loggers' flushes) run here, with
+    the interpreter whole, and the process exits at once. A single-process run returns normally.
+    """
+    if not _ended_process_group:
+        return
+    import atexit
+    import traceback
+
+    if error is not None:
+        traceback.print_exception(error)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe: nothing more can be said on it
+            pass
+    os._exit(code)
 
 
 def shard_model(model: torch.nn.Module, par: Parallel) -> torch.nn.Module:
