@@ -234,7 +234,7 @@ def test_pipelined_backward_keeps_its_wgmmas_asynchronous():
 def test_forwards_keep_their_wgmmas_asynchronous():
     """The same ptxas check for every forward schedule at D = 512: no wgmma serialised (C7514 /
     C7517) in either mode, and no spill with per-query indices, the V4 indexer layers' mode.
-    (Range mode spills 32-44 bytes in the producer's address arithmetic: measured, left alone.)"""
+    (Range mode spills a few bytes, 32 or 4-40: measured in docs/performance.md v19, left alone.)"""
     from _lowering import ptxas_report
 
     configs = [forward_config(512, mode, schedule) for schedule in kernels.FWD_SCHEDULES for mode in ("indices", "range")]
