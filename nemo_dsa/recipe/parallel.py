@@ -99,18 +99,22 @@ def wait_for_all(par: Parallel) -> None:
 _ended_process_group = False
 
 
-def finish_parallel(par: Parallel) -> None:
-    """End a finished multi-rank run together: a barrier (rank 0's last save is done before any
-    rank leaves), then the process group this run initialised destroyed, so no rank exits with
-    gloo's threads running (which can abort it with ``terminate called without an active exception``)."""
-    if par.size == 1 or not par.owns_process_group:
-        return
+def _end_process_group() -> None:
+    """Destroy the process group this run initialised; the process then leaves by ``exit_process``."""
     from nemo_dsa.distributed import shutdown
 
     global _ended_process_group
-    wait_for_all(par)
     _ended_process_group = True
     shutdown()
+
+
+def finish_parallel(par: Parallel) -> None:
+    """End a finished multi-rank run together: a barrier (rank 0's last save is done before any
+    rank leaves), then the process group this run initialised destroyed (see ``exit_process``)."""
+    if par.size == 1 or not par.owns_process_group:
+        return
+    wait_for_all(par)
+    _end_process_group()
 
 
 def abandon_parallel(par: Parallel) -> None:
@@ -118,12 +122,8 @@ def abandon_parallel(par: Parallel) -> None:
     other ranks may be stopped or gone), for the same reason as ``finish_parallel``."""
     if par.size == 1 or not par.owns_process_group:
         return
-    from nemo_dsa.distributed import shutdown
-
-    global _ended_process_group
-    _ended_process_group = True
     try:
-        shutdown()
+        _end_process_group()
     except Exception:  # noqa: BLE001 - the run's own error is the one to report
         pass
 
