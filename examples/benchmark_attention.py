@@ -233,7 +233,7 @@ def main():
     parser.add_argument("--ours-only", action="store_true", help="skip the built-in (and its compile)")
     parser.add_argument("--variants", nargs="+", default=None,
                         help="<forward schedule>/<window dkv>[/<backward schedule>]: split-pv|balanced|alternating"
-                             " / atomic|key-major / serial|pipelined")
+                             " / atomic|key-major / serial|pipelined|staged")
     parser.add_argument("--parts", action="store_true", help="also time the backward's pieces")
     args = parser.parse_args()
     args.variants = args.variants or [default_variant()]

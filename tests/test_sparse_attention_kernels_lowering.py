@@ -131,7 +131,12 @@ def test_every_dispatched_config_lowers_with_wgmma_and_fits_shared_memory():
             assert smem + config.static_shared_memory_bytes() <= HOPPER_SMEM_LIMIT, config
         elif isinstance(config, BackwardConfig):
             assert "wgmma_ss<" in source, f"{config}: no wgmma"
-            assert "AtomicAdd" in source, f"{config}: dkv is not accumulated atomically"
+            if config.schedule == "staged":
+                # Each chunk staged in shared memory, then added by 16-byte atomics, each warp's
+                # covering whole 128-byte lines of two key rows.
+                assert "AtomicAddx4(" in source and "AtomicAddx2(" not in source, f"{config}: not 16-byte atomics"
+            else:
+                assert "AtomicAdd" in source, f"{config}: dkv is not accumulated atomically"
             # The key rows come by zero-filling cp.async, not through registers (LDG, then STS).
             assert "cp_async_gs_conditional<16>" in source, f"{config}: key rows not gathered by cp.async"
             # One wait, at the top of each tile: the next tile's rows are copied during this
@@ -139,9 +144,9 @@ def test_every_dispatched_config_lowers_with_wgmma_and_fits_shared_memory():
             tile_loop = source[source.index("for (int t = 0; t < tiles; ++t)"):]
             assert source.count("cp_async_wait<0>") == 1 and tile_loop.count("cp_async_wait<0>") == 1, config
             # (The pipelined schedule prefetches in each of its two dkv branches.)
-            commits = 2 if config.schedule == "pipelined" else 1
+            commits = 1 if config.schedule == "serial" else 2
             assert source.count("cp_async_commit") == 1 + commits and tile_loop.count("cp_async_commit") == commits, config
-            if config.schedule == "pipelined":
+            if config.schedule != "serial":
                 assert not _pipelined_backward_problems(config, source), f"{config}: {_pipelined_backward_problems(config, source)}"
             assert smem > 0
         elif isinstance(config, WindowDkvConfig):
@@ -223,6 +228,7 @@ def test_pipelined_backward_keeps_its_wgmmas_asynchronous():
     from _lowering import ptxas_report
 
     configs = [backward_config(512, "indices", "pipelined"), backward_config(128, "range", "pipelined"),
+               backward_config(512, "indices", "staged"), backward_config(512, "range", "staged"),
                backward_config(512, "indices", "serial")]  # fmt: skip
     for config, source, _ in map_in_workers(_lower, configs):
         report = ptxas_report(source)

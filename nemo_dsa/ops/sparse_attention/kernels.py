@@ -70,10 +70,16 @@ BWD_PASS_CONFIGS = {"tl.disable_warp_specialized": True, "tl.disable_tma_lower":
 FWD_SCHEDULES = ("split-pv", "balanced", "alternating")
 DEFAULT_FWD_SCHEDULE = "balanced"
 # Backward: "serial" waits for every GEMM; "pipelined" overlaps each dkv chunk's atomics with the
-# next chunk's GEMMs (NEMO_DSA_ATTN_BWD selects). Pipelined measured 2-4 % faster at S = 16K-65K
-# (v19): the default.
-BWD_SCHEDULES = ("serial", "pipelined")
-DEFAULT_BWD_SCHEDULE = "pipelined"
+# next chunk's GEMMs (NEMO_DSA_ATTN_BWD selects), 2-4 % faster than serial at S = 16K-65K (v19);
+# "staged" is pipelined with each chunk passed through shared memory so that a warp's atomics
+# cover whole 128-byte lines: fwd + bwd 34.9 against 37.5 ms at S = 32768, 69.0 against 74.5 ms
+# at 65536 (v20): the default. Adding the staged chunk by the TMA (cp.reduce.async.bulk, one
+# per key row) measured 35 % slower than pipelined (v20) and was removed.
+BWD_SCHEDULES = ("serial", "pipelined", "staged")
+DEFAULT_BWD_SCHEDULE = "staged"
+# Staging rows are padded by 8 floats: a warp writes 8 accumulator rows at once, and with the
+# pad its 256-byte store takes 2 shared-memory wavefronts (the minimum), not 8.
+STAGE_ROW_PAD = 8
 # setmaxnreg (consumer 0, consumer 1, producer) per schedule. The warpgroups trade registers
 # inside the block's launch allocation (168 a thread at 384 threads: 504 per thread-triple), so
 # the three must sum to <= 504: a setmaxnreg.inc beyond it waits forever (the first balanced
@@ -751,7 +757,9 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
 
     ``schedule`` (BWD_SCHEDULES): "serial" waits for each wgmma before the next step; "pipelined"
     issues S and dP together, and each dkv chunk's GEMMs before the previous chunk's atomics (two
-    accumulators), so the atomics overlap the tensor cores.
+    accumulators), so the atomics overlap the tensor cores; "staged" is pipelined and writes each
+    chunk to shared memory first, so that its atomics are 16 bytes wide and each warp's cover
+    two whole key rows of the chunk (the fragment layout gives 8-byte atomics spread over 8 rows).
     """
     T = tilelang().language
     bf16, f32, i32 = T.bfloat16, T.float32, T.int32
@@ -790,7 +798,8 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
                 )
         T.ptx_commit_group()
 
-    pipelined = schedule == "pipelined"
+    pipelined = schedule != "serial"
+    staged = schedule == "staged"
     n_chunks = D // dkv_chunk
     if pipelined and n_chunks % 2:
         raise ValueError(f"the pipelined backward needs an even number of dkv chunks, got {n_chunks}")
@@ -810,10 +819,22 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
         T.wgmma_gemm(p_s, do_s[:, c * dkv_chunk : (c + 1) * dkv_chunk], acc, transpose_A=True)
 
     @T.macro
-    def add_dkv(dKV, acc, rows_s, b, c):
+    def add_dkv_direct(dKV, acc, rows_s, stage_s, b, c):
         for r, d in T.Parallel(BK, dkv_chunk):
             if rows_s[r] >= 0:
                 T.atomic_add(dKV[b, rows_s[r], c * dkv_chunk + d], acc[r, d])
+
+    @T.macro
+    def add_dkv_staged(dKV, acc, rows_s, stage_s, b, c):
+        T.sync_threads()  # every thread has read the previous chunk's staging tile
+        for r, d in T.Parallel(BK, dkv_chunk):
+            stage_s[r, d] = acc[r, d]
+        T.sync_threads()
+        for r, d in T.Parallel(BK, dkv_chunk):
+            if rows_s[r] >= 0:
+                T.atomic_add(dKV[b, rows_s[r], c * dkv_chunk + d], stage_s[r, d])
+
+    add_dkv = add_dkv_staged if staged else add_dkv_direct
 
     @T.prim_func
     def sparse_window_bwd(
@@ -839,6 +860,7 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
             p_s = T.alloc_shared([HB, BK], bf16)
             ds_s = T.alloc_shared([HB, BK], bf16)
             rows_s = T.alloc_shared([BK], i32)  # dKV row of each key of the tile, -1 = unseen
+            stage_s = T.alloc_shared([BK, dkv_chunk + STAGE_ROW_PAD] if staged else [1, 8], f32)
             acc_s = T.alloc_fragment([HB, BK], f32)
             acc_dp = T.alloc_fragment([HB, BK], f32)
             acc_dq = T.alloc_fragment([HB, D], f32)
@@ -918,14 +940,14 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
                             issue_dkv(ds_s, p_s, q_s, do_s, acc_kv1, 2 * j + 1)
                             T.wait_wgmma(2)
                             T.warpgroup_fence_operand(acc_kv, num_regs=kv_regs)
-                            add_dkv(dKV, acc_kv, rows_s, b, 2 * j)
+                            add_dkv(dKV, acc_kv, rows_s, stage_s, b, 2 * j)
                             if 2 * j + 2 < n_chunks:
                                 issue_dkv(ds_s, p_s, q_s, do_s, acc_kv, 2 * j + 2)
                                 T.wait_wgmma(2)
                             else:
                                 T.wait_wgmma(0)
                             T.warpgroup_fence_operand(acc_kv1, num_regs=kv_regs)
-                            add_dkv(dKV, acc_kv1, rows_s, b, 2 * j + 1)
+                            add_dkv(dKV, acc_kv1, rows_s, stage_s, b, 2 * j + 1)
                     else:
                         T.wait_wgmma(0)
                         T.warpgroup_fence_operand(acc_dq, num_regs=dq_regs)
@@ -940,7 +962,7 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
                         for c in T.serial(n_chunks):
                             T.gemm(ds_s, q_s[:, c * dkv_chunk : (c + 1) * dkv_chunk], acc_kv, transpose_A=True, clear_accum=True)
                             T.gemm(p_s, do_s[:, c * dkv_chunk : (c + 1) * dkv_chunk], acc_kv, transpose_A=True)
-                            add_dkv(dKV, acc_kv, rows_s, b, c)
+                            add_dkv(dKV, acc_kv, rows_s, stage_s, b, c)
                 T.sync_threads()
             if need_dq:
                 T.copy(acc_dq, q_s)
