@@ -9,7 +9,8 @@
 ``select``: the radix select on one 4,096-row chunk of V4.1 scores (32 index heads of 128, R=1,
 S=32,768, top-512 in index order), the chunk the streamed selection hands it; it prints the
 chunk's key statistics. ``attention``: the sparse attention forward and backward at V4-Flash shapes
-(64 heads of 512, window 128 + top-512, S=32,768). docs/performance.md v14 has what these showed.
+(64 heads of 512, window 128 + top-512, S=32,768); ``-k regex:sparse_window_fwd`` takes the forward.
+docs/performance.md v14 and v20 have what these showed.
 """
 
 from __future__ import annotations
