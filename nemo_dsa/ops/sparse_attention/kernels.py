@@ -74,7 +74,7 @@ DEFAULT_FWD_SCHEDULE = "balanced"
 # "staged" is pipelined with each chunk passed through shared memory so that a warp's atomics
 # cover whole 128-byte lines: fwd + bwd 34.9 against 37.5 ms at S = 32768, 69.0 against 74.5 ms
 # at 65536 (v20): the default. Adding the staged chunk by the TMA (cp.reduce.async.bulk, one
-# per key row) measured 35 % slower than pipelined (v20) and was removed.
+# per key row) measured a 37 % slower backward than pipelined (v20) and was removed.
 BWD_SCHEDULES = ("serial", "pipelined", "staged")
 DEFAULT_BWD_SCHEDULE = "staged"
 # Staging rows are padded by 8 floats: a warp writes 8 accumulator rows at once, and with the
