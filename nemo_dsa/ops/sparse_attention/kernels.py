@@ -1272,13 +1272,3 @@ def compile_config(config) -> None:
     else:
         compile_cached(window_dkv_kernel, pass_configs=config.pass_configs(), **config.kernel_kwargs())
 
-
-def compile_all(dim: int, mode: str) -> None:
-    """Compile (or load from TileLang's disk cache) every kernel of one head dim and mode (both
-    forward schedules), e.g. in parallel processes before a first training step."""
-    for schedule in FWD_SCHEDULES:
-        compile_config(forward_config(dim, mode, schedule))
-    for schedule in BWD_SCHEDULES:
-        compile_config(backward_config(dim, mode, schedule))
-    compile_config(dim)
-    compile_config(WindowDkvConfig(dim))
