@@ -143,7 +143,7 @@ def test_every_dispatched_config_lowers_with_wgmma_and_fits_shared_memory():
             # tile's dkv GEMMs (a commit before the loop and one inside it), not waited for at once.
             tile_loop = source[source.index("for (int t = 0; t < tiles; ++t)"):]
             assert source.count("cp_async_wait<0>") == 1 and tile_loop.count("cp_async_wait<0>") == 1, config
-            # (The pipelined schedule prefetches in each of its two dkv branches.)
+            # (The pipelined schedules, staged included, prefetch in each of their two dkv branches.)
             commits = 1 if config.schedule == "serial" else 2
             assert source.count("cp_async_commit") == 1 + commits and tile_loop.count("cp_async_commit") == commits, config
             if config.schedule != "serial":
