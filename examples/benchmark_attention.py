@@ -29,7 +29,7 @@ from nemo_dsa.ops.sparse_attention import sparse_window_attention
 HEADS, DIM, WINDOW, TOPK, RATIO = 64, 512, 128, 512, 4
 
 
-def make_inputs(seq: int, seed: int = 0):
+def make_inputs(seq: int, seed: int = 0, topk: int = TOPK):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     dev = "cuda"
     num_comp = seq // RATIO
@@ -38,12 +38,14 @@ def make_inputs(seq: int, seed: int = 0):
     comp = torch.randn(1, num_comp, DIM, device=dev, generator=gen).bfloat16()
     sink = torch.randn(HEADS, device=dev, generator=gen)
     # Top-512 of random scores over each query's causally visible compressed rows (j < (i+1)/R).
-    indices = torch.full((1, seq, TOPK), -1, dtype=torch.int32, device=dev)
+    indices = torch.full((1, seq, max(topk, 1)), -1, dtype=torch.int32, device=dev)
     for start in range(0, seq, 4096):
         rows = torch.arange(start, min(seq, start + 4096), device=dev)
         visible = torch.arange(num_comp, device=dev)[None] < ((rows + 1) // RATIO)[:, None]
         scores = torch.rand(rows.numel(), num_comp, device=dev, generator=gen).masked_fill(~visible, -1.0)
-        k = min(TOPK, num_comp)
+        k = min(topk, num_comp)
+        if k == 0:
+            continue
         top = scores.topk(k, dim=-1)
         chosen = torch.where(top.values >= 0, top.indices, -1).to(torch.int32)
         indices[0, rows, :k] = chosen
@@ -153,10 +155,11 @@ def default_variant() -> str:
     return f"{kernels.DEFAULT_FWD_SCHEDULE}/{kernels.DEFAULT_WINDOW_DKV}/{kernels.DEFAULT_BWD_SCHEDULE}"
 
 
-def run(seq: int, iters: int, variants: tuple[str, ...], ours_only: bool = False, parts: bool = False) -> dict:
+def run(seq: int, iters: int, variants: tuple[str, ...], ours_only: bool = False, parts: bool = False,
+        topk: int = TOPK) -> dict:
     from nemo_automodel.components.models.deepseek_v4.kernels.sparse_attention import sparse_attn_tilelang
 
-    q, raw, comp, sink, indices, window_start = make_inputs(seq)
+    q, raw, comp, sink, indices, window_start = make_inputs(seq, topk=topk)
     scale = DIM**-0.5
     kv_cat = torch.cat((raw, comp), dim=1).contiguous()
     idx_cat = builtin_indices(seq, indices)
@@ -185,7 +188,7 @@ def run(seq: int, iters: int, variants: tuple[str, ...], ours_only: bool = False
             t.grad = None
         sparse_attn_tilelang(q_leaf, kv_leaf, sink_leaf, idx_cat, scale).backward(grad)
 
-    row = {"seq": seq, "visible_pairs": pairs}
+    row = {"seq": seq, "topk": topk, "visible_pairs": pairs}
     if not ours_only:  # same answer on the same inputs (bf16 both sides)
         ours_out = ours_fwd()[0].float()
         theirs_out = builtin_fwd().float()
@@ -235,6 +238,9 @@ def main():
                         help="<forward schedule>/<window dkv>[/<backward schedule>]: split-pv|balanced|alternating"
                              " / atomic|key-major / serial|pipelined|staged")
     parser.add_argument("--parts", action="store_true", help="also time the backward's pieces")
+    parser.add_argument("--topk", type=int, default=TOPK,
+                        help="compressed entries a query selects (0: window only): the forward's time against its"
+                             " tile count separates the per-query cost from the per-tile cost")
     args = parser.parse_args()
     args.variants = args.variants or [default_variant()]
     for name in args.variants:
@@ -243,7 +249,7 @@ def main():
                          f"[/<{'|'.join(kernels.BWD_SCHEDULES)}>]")
     rows = []
     for seq in args.seq:
-        rows.append(run(seq, args.iters, tuple(args.variants), args.ours_only, args.parts))
+        rows.append(run(seq, args.iters, tuple(args.variants), args.ours_only, args.parts, args.topk))
         print(json.dumps(rows[-1]), flush=True)
         torch.cuda.empty_cache()
     if args.json:

@@ -23,7 +23,8 @@ barrier TileLang puts after its cp.async wait is the producer's own named barrie
   shared memory (two mbarriers hand P over and back).
 Each consumer holds a [64, D/2] fp32 accumulator (128 registers a thread at D = 512).
 
-Backward: ``delta = rowsum(dO * O)`` (a small kernel), then one block per (query, 64 heads)
+Backward: one block per (query, 64 heads) first computes ``delta = rowsum(dO * O)`` (written out
+for the sink's gradient; a small kernel does it alone when no other gradient is wanted), then
 recomputes P from the saved lse, accumulates dq in registers and adds each tile's
 dkv = scale * dS^T Q + P^T dO into an fp32 [N_raw + K, D] buffer with 16-byte atomics
 (non-deterministic summation order: fp32 rounding only), converted to the input dtype after.
@@ -750,7 +751,8 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
     multiple of 64 (zero q and dO rows in padded heads contribute exact zeros).
 
     Arguments as the forward's inputs plus Needs [3] int32 (nonzero: dq, d raw rows, d compressed
-    rows wanted), dO [B, S, H, D] bf16, Lse and Delta [B, S, H] fp32; out: dQ [B, S, H, D] bf16
+    rows wanted), dO [B, S, H, D] bf16, Lse [B, S, H] fp32, the forward's O [B, S, H, D] bf16; out:
+    Delta [B, S, H] fp32 (rowsum(dO * O), every element written), dQ [B, S, H, D] bf16
     (written only if wanted) and dKV [B, N_raw + K, D] fp32 (raw rows first, then compressed),
     which must hold zeros on entry in the wanted rows (the tiles' contributions are added
     atomically; unwanted rows are never touched).
@@ -849,6 +851,7 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
         Needs: T.Tensor([3], i32),
         dO: T.Tensor([batch, seq_len, heads, D], bf16),
         Lse: T.Tensor([batch, seq_len, heads], f32),
+        O: T.Tensor([batch, seq_len, heads, D], bf16),
         Delta: T.Tensor([batch, seq_len, heads], f32),
         dQ: T.Tensor([batch, seq_len, heads, D], bf16),
         dKV: T.Tensor([batch, n_raw + n_comp, D], f32),
@@ -868,6 +871,9 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
             acc_kv1 = T.alloc_fragment([BK, dkv_chunk], f32)  # pipelined: the other chunk
             lse2 = T.alloc_fragment([HB], f32)
             delta = T.alloc_fragment([HB], f32)
+            o_do = T.alloc_fragment([HB, DELTA_CHUNK], f32)
+            o_do_sum = T.alloc_fragment([HB], f32)
+            delta_s = T.alloc_shared([HB], f32)
 
             h0 = g * HB
             own = s + n_raw - seq_len
@@ -878,14 +884,27 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
             ks, n_sel = _compressed_span(T, by_index, Indices, KE, b, s, n_slots)  # as in the forward
             lo, window_tiles, tiles = _tile_plan(T, own, WindowStart[b, s], window, n_sel)
 
-            T.copy(Q[b, s, h0 : h0 + HB, :], q_s, disable_tma=True)
-            T.copy(dO[b, s, h0 : h0 + HB, :], do_s, disable_tma=True)
-            for h in T.Parallel(HB):
-                lse2[h] = Lse[b, s, h0 + h] * LOG2E
-                delta[h] = Delta[b, s, h0 + h]
-            T.clear(acc_dq)
+            # The first key tile's cp.async go out before Q, dO and O are loaded (plain loads), so
+            # that the two kinds of load overlap.
             if tiles > 0:
                 load_keys(k_s, Raw, Comp, Indices, b, s, 0, lo, own, window_tiles, n_sel, ks, n_raw, n_comp, n_slots)
+            T.copy(Q[b, s, h0 : h0 + HB, :], q_s, disable_tma=True)
+            T.copy(dO[b, s, h0 : h0 + HB, :], do_s, disable_tma=True)
+            # delta = rowsum(dO * O) here, from dO already in shared memory (the separate delta
+            # kernel read dO a second time); written out for the sink's gradient.
+            T.clear(delta_s)
+            for c in T.unroll(D // DELTA_CHUNK):  # unrolled: all of O's loads in flight at once
+                for h, d in T.Parallel(HB, DELTA_CHUNK):
+                    o_do[h, d] = T.cast(O[b, s, h0 + h, c * DELTA_CHUNK + d], f32) * T.cast(do_s[h, c * DELTA_CHUNK + d], f32)
+                T.reduce_sum(o_do, o_do_sum, dim=1)
+                for h in T.Parallel(HB):
+                    delta_s[h] += o_do_sum[h]
+            for h in T.Parallel(HB):
+                lse2[h] = Lse[b, s, h0 + h] * LOG2E
+                delta[h] = delta_s[h]
+            for h in T.Parallel(HB):
+                Delta[b, s, h0 + h] = delta_s[h]
+            T.clear(acc_dq)
             for t in T.serial(tiles):
                 base = (t - window_tiles) * BK
                 for r in T.Parallel(BK):
@@ -1221,7 +1240,8 @@ def sparse_window_backward(inputs: KernelInputs, out, lse, grad_out, *, dq=None,
     batch, seq_len, heads, _ = q.shape
     # Padded heads: zero dO (so zero delta and gradients) and a finite lse of 0.
     grad_out = _pad_heads(_pad_dim(grad_out, inputs.kdim), inputs.kheads)
-    delta = attention_delta(_pad_heads(_pad_dim(out, inputs.kdim), inputs.kheads), grad_out)
+    out = _pad_heads(_pad_dim(out, inputs.kdim), inputs.kheads)
+    delta = None  # rowsum(dO * O): the main kernel writes it; the delta kernel when it does not run
     n_comp = inputs.comp.shape[1]
     key_major = need_d_raw and window_dkv_mode() == "key-major"
     atomic_d_raw = need_d_raw and not key_major  # window dkv added by the query-major kernel
@@ -1240,10 +1260,14 @@ def sparse_window_backward(inputs: KernelInputs, out, lse, grad_out, *, dq=None,
             elif need_d_comp:
                 dkv[:, inputs.n_raw :].zero_()
         if q.numel():
+            delta = torch.empty(out.shape[:-1], dtype=torch.float32, device=q.device)
             config = backward_config(inputs.kdim, inputs.mode)
             kernel = compile_cached(sparse_window_bwd_kernel, pass_configs=config.pass_configs(), **config.kernel_kwargs())
             kernel(q, inputs.raw, inputs.comp, inputs.window_start, inputs.selector, inputs.end, inputs.params,
-                   inputs.window, _needs(q.device, need_dq, atomic_d_raw, need_d_comp), grad_out, lse, delta, dq, dkv)
+                   inputs.window, _needs(q.device, need_dq, atomic_d_raw, need_d_comp), grad_out, lse, out, delta,
+                   dq, dkv)  # fmt: skip
+    if delta is None:
+        delta = attention_delta(out, grad_out)
     dim, heads = inputs.dim, inputs.heads
     d_raw = None
     if key_major:
