@@ -68,7 +68,7 @@ BWD_PASS_CONFIGS = {"tl.disable_warp_specialized": True, "tl.disable_tma_lower":
 # NEMO_DSA_ATTN_FWD overrides the default (for A/B measurements).
 # "alternating" (forward_alternating.py: the consumers take turns on whole tiles, FlashMLA's
 # schedule) measured within 3 % of balanced at S >= 32768 and 9 % slower at 16384 (v18): opt-in.
-FWD_SCHEDULES = ("split-pv", "balanced", "alternating")
+FWD_SCHEDULES = ("split-pv", "balanced", "balanced-lean", "alternating")
 DEFAULT_FWD_SCHEDULE = "balanced"
 # Backward: "serial" waits for every GEMM; "pipelined" overlaps each dkv chunk's atomics with the
 # next chunk's GEMMs (NEMO_DSA_ATTN_BWD selects), 2-4 % faster than serial at S = 16K-65K (v19);
@@ -84,9 +84,10 @@ STAGE_ROW_PAD = 8
 # setmaxnreg (consumer 0, consumer 1, producer) per schedule. The warpgroups trade registers
 # inside the block's launch allocation (168 a thread at 384 threads: 504 per thread-triple), so
 # the three must sum to <= 504: a setmaxnreg.inc beyond it waits forever (the first balanced
-# version asked for 208 + 208 + 96 = 512 and hung on the GPU).
+# version asked for 208 + 208 + 96 = 512 and hung on the GPU). Balanced-lean's producer has 112:
+# with 96 or fewer ptxas spilled there (docs/performance.md v21).
 LAUNCH_REGISTERS = 168  # 65536 / 384, rounded down to a multiple of 8
-FWD_REGISTERS = {"split-pv": (240, 168, 96), "balanced": (208, 200, 96), "alternating": (216, 216, 72)}
+FWD_REGISTERS = {"split-pv": (240, 168, 96), "balanced": (208, 200, 96), "balanced-lean": (200, 192, 112), "alternating": (216, 216, 72)}
 
 
 @dataclass(frozen=True)
@@ -375,9 +376,10 @@ def sparse_window_fwd_kernel(
     fp32, Params [2] fp32 (scale, has_sink),
     Window [1] int32; out: Out [B, S, H, D] bf16, Lse [B, S, H] fp32 (natural log).
     """
-    if schedule == "balanced":
+    if schedule in ("balanced", "balanced-lean"):
         return sparse_window_fwd_balanced_kernel(
-            dim, mode, num_stages, consumer0_registers, consumer1_registers, producer_registers
+            dim, mode, num_stages, consumer0_registers, consumer1_registers, producer_registers,
+            lean_softmax=schedule == "balanced-lean",
         )
     if schedule == "alternating":
         from nemo_dsa.ops.sparse_attention.forward_alternating import sparse_window_fwd_alternating_kernel
@@ -533,6 +535,10 @@ def sparse_window_fwd_kernel(
 
 EXCHANGE_BARRIER = 8  # named barriers of the two consumers of the balanced forward (256 threads)
 P_READY_BARRIER = 9
+# "balanced-lean": a row's reference max moves only when a logit exceeds it by more than this
+# (log2 units): P <= 2^8 in bf16 loses nothing (its relative rounding does not depend on scale),
+# and the sums stay far from fp32's range.
+LAZY_RESCALE_LOG2 = 8.0
 
 
 def sparse_window_fwd_balanced_kernel(
@@ -542,13 +548,20 @@ def sparse_window_fwd_balanced_kernel(
     consumer0_registers: int,
     consumer1_registers: int,
     producer_registers: int,
+    lean_softmax: bool = False,
 ):
     """The forward with FlashMLA's balance: consumer ``me`` (0, 1) scores keys [32 me, 32 me + 32)
     of each tile (S = Q K^T over all of D), the two exchange their row maxima through shared
     memory (named barrier 8), each writes its P half, and after named barrier 9 each adds
     P V[:, its D half] over all 64 keys. Both keep the same running max and their own partial
     row sums (added at the end), so each warpgroup does half of every GEMM. Same arguments,
-    grid and producer as :func:`sparse_window_fwd_kernel`."""
+    grid and producer as :func:`sparse_window_fwd_kernel`.
+
+    ``lean_softmax`` ("balanced-lean", opt-in) shortens the per-tile section between S and P V,
+    which a clock64 trace measured at 58 % of a tile (docs/performance.md v21): consumer 0 writes
+    each tile's 64 column flags once (``seen_s``), so the mask is a load and a select per logit,
+    and a row's reference max (and O, the sums with it) moves only when a logit exceeds it by
+    more than 2^LAZY_RESCALE_LOG2 (a warp's vote: both consumers' warp w hold the same rows)."""
     T = tilelang().language
     bf16, f32, i32 = T.bfloat16, T.float32, T.int32
     HB, BK, D, half = BLOCK_HEADS, BLOCK_KEYS, dim, dim // 2
@@ -561,9 +574,24 @@ def sparse_window_fwd_balanced_kernel(
     query_plan = _query_plan(T, by_index)
 
     @T.macro
-    def consumer(me, q_l, q_r, k_l, k_r, k_mine, p_shared, max_x, sum_x, full, empty, acc_s, acc_o, m_i, m_prev,
-                 row_sum, tile_max, tile_sum, alpha, sink_f, tiles, window_tiles, lo, own, n_sel, n_comp_, idx_s,
-                 scale_log2, has_sink, Sink, Out, Lse, b, s, h0):
+    def tile_columns_seen(seen_s, tt, window_tiles, lo, own, n_sel, n_comp_, idx_s):
+        """seen_s[tt % 2, c] = 1 where key c of tile ``tt`` is visible, else 0: computed once per
+        column (by consumer 0), so that the consumers' mask is one shared load and a select per
+        logit instead of each thread's own per-logit index arithmetic and branches."""
+        for c in T.Parallel(BK):
+            slot = T.max((tt - window_tiles) * BK + c, 0)
+            if by_index:
+                key = idx_s[T.min(slot, MAX_SELECTED - 1)]
+                comp_seen = (slot < n_sel) & (key >= 0) & (key < n_comp_)
+            else:
+                comp_seen = slot < n_sel
+            seen = T.if_then_else(tt < window_tiles, lo + tt * BK + c <= own, comp_seen)
+            seen_s[tt % 2, c] = T.if_then_else(seen, T.float32(1), T.float32(0))
+
+    @T.macro
+    def consumer(me, q_l, q_r, k_l, k_r, k_mine, p_shared, max_x, sum_x, seen_s, full, empty, acc_s, acc_o, m_i,
+                 m_prev, row_sum, tile_max, tile_sum, alpha, sink_f, tiles, window_tiles, lo, own, n_sel, n_comp_,
+                 idx_s, scale_log2, has_sink, Sink, Out, Lse, b, s, h0):
         c0 = me * KH
         T.fill(m_i, M_FLOOR)
         T.fill(row_sum, 0)
@@ -574,32 +602,64 @@ def sparse_window_fwd_balanced_kernel(
             T.fence_proxy_async()  # rows written by cp.async (generic proxy), read by wgmma
             T.gemm(q_l, k_l[stage, c0 : c0 + KH, :], acc_s, transpose_B=True, clear_accum=True)
             T.gemm(q_r, k_r[stage, c0 : c0 + KH, :], acc_s, transpose_B=True)
-            for h, c in T.Parallel(HB, KH):
-                col = c0 + c
-                slot = T.max((t - window_tiles) * BK + col, 0)
-                if by_index:
-                    key = idx_s[T.min(slot, MAX_SELECTED - 1)]
-                    comp_seen = (slot < n_sel) & (key >= 0) & (key < n_comp_)
-                else:
-                    comp_seen = slot < n_sel
-                seen = T.if_then_else(t < window_tiles, lo + t * BK + col <= own, comp_seen)
-                acc_s[h, c] = T.if_then_else(seen, acc_s[h, c] * scale_log2, -T.infinity(f32))
+            if lean_softmax:
+                for h, c in T.Parallel(HB, KH):
+                    acc_s[h, c] = T.if_then_else(seen_s[t % 2, c0 + c] > 0.5, acc_s[h, c] * scale_log2, -T.infinity(f32))
+            else:
+                for h, c in T.Parallel(HB, KH):
+                    col = c0 + c
+                    slot = T.max((t - window_tiles) * BK + col, 0)
+                    if by_index:
+                        key = idx_s[T.min(slot, MAX_SELECTED - 1)]
+                        comp_seen = (slot < n_sel) & (key >= 0) & (key < n_comp_)
+                    else:
+                        comp_seen = slot < n_sel
+                    seen = T.if_then_else(t < window_tiles, lo + t * BK + col <= own, comp_seen)
+                    acc_s[h, c] = T.if_then_else(seen, acc_s[h, c] * scale_log2, -T.infinity(f32))
             T.reduce_max(acc_s, tile_max, dim=1, clear=True)
             for h in T.Parallel(HB):
                 max_x[me, h] = tile_max[h]
             T.sync_threads(EXCHANGE_BARRIER, 256)  # both halves' maxima written
-            T.copy(m_i, m_prev)
-            for h in T.Parallel(HB):
-                m_i[h] = T.max(m_prev[h], T.max(max_x[0, h], max_x[1, h]))
-                alpha[h] = T.exp2(m_prev[h] - m_i[h])
-            for h, c in T.Parallel(HB, KH):
-                acc_s[h, c] = T.exp2(acc_s[h, c] - m_i[h])
-            T.reduce_sum(acc_s, tile_sum, dim=1)
-            for h in T.Parallel(HB):
-                row_sum[h] = row_sum[h] * alpha[h] + tile_sum[h]
-            for h, d in T.Parallel(HB, half):
-                acc_o[h, d] *= alpha[h]
+            if lean_softmax:
+                # m_i only moves (and O, the sums with it) when some row of this warp's 16 would
+                # otherwise see a logit above 2^LAZY_RESCALE_LOG2 times its reference; both
+                # consumers' warp w hold the same rows and maxima, so they decide alike.
+                need = T.alloc_var(i32)
+                need = 0
+                for h in T.Parallel(HB):
+                    m_prev[h] = T.max(m_i[h], T.max(max_x[0, h], max_x[1, h]))
+                    need = need | T.if_then_else(m_prev[h] > m_i[h] + LAZY_RESCALE_LOG2, 1, 0)
+                if T.call_extern(i32, "__any_sync", T.uint32(0xFFFFFFFF), need) != 0:
+                    for h in T.Parallel(HB):
+                        alpha[h] = T.exp2(m_i[h] - m_prev[h])
+                        m_i[h] = m_prev[h]
+                        row_sum[h] = row_sum[h] * alpha[h]
+                    for h, d in T.Parallel(HB, half):
+                        acc_o[h, d] *= alpha[h]
+                for h, c in T.Parallel(HB, KH):
+                    acc_s[h, c] = T.exp2(acc_s[h, c] - m_i[h])
+                T.reduce_sum(acc_s, tile_sum, dim=1)
+                for h in T.Parallel(HB):
+                    row_sum[h] = row_sum[h] + tile_sum[h]
+            else:
+                T.copy(m_i, m_prev)
+                for h in T.Parallel(HB):
+                    m_i[h] = T.max(m_prev[h], T.max(max_x[0, h], max_x[1, h]))
+                    alpha[h] = T.exp2(m_prev[h] - m_i[h])
+                for h, c in T.Parallel(HB, KH):
+                    acc_s[h, c] = T.exp2(acc_s[h, c] - m_i[h])
+                T.reduce_sum(acc_s, tile_sum, dim=1)
+                for h in T.Parallel(HB):
+                    row_sum[h] = row_sum[h] * alpha[h] + tile_sum[h]
+                for h, d in T.Parallel(HB, half):
+                    acc_o[h, d] *= alpha[h]
             T.copy(acc_s, p_shared[:, c0 : c0 + KH])
+            # The next tile's columns, into the other seen_s row: both consumers read this tile's
+            # row before the exchange barrier, and read the next one after P_READY below. (Here,
+            # with the logits dead, it takes no registers the consumer lacks: before, it spilled.)
+            if lean_softmax and me == 0:
+                if t + 1 < tiles:
+                    tile_columns_seen(seen_s, t + 1, window_tiles, lo, own, n_sel, n_comp_, idx_s)
             T.fence_proxy_async()
             T.sync_threads(P_READY_BARRIER, 256)  # both P halves written (and both maxima read)
             T.gemm(p_shared, k_mine[stage, :, :], acc_o)
@@ -655,6 +715,7 @@ def sparse_window_fwd_balanced_kernel(
             p_shared = T.alloc_shared([HB, BK], bf16)
             max_x = T.alloc_shared([2, HB], f32)
             sum_x = T.alloc_shared([2, HB], f32)
+            seen_s = T.alloc_shared([2, BK] if lean_softmax else [1, 1], f32)  # lean: key c of tile t seen (row t % 2)
             idx_s = T.alloc_shared([MAX_SELECTED if by_index else 1], i32, scope="shared")  # static: see NO_COPY_WAIT
             full = T.alloc_barrier([128] * num_stages)  # producer threads (cp.async noinc)
             empty = T.alloc_barrier([256] * num_stages)  # both consumers
@@ -692,19 +753,22 @@ def sparse_window_fwd_balanced_kernel(
             elif tx < 256:
                 T.set_max_nreg(consumer0_registers, 1)
                 T.copy(Q[b, s, h0 : h0 + HB, 0:half], q_l, disable_tma=True)  # each consumer loads half of Q
+                if lean_softmax:
+                    if tiles > 0:
+                        tile_columns_seen(seen_s, 0, window_tiles, lo, own, n_sel, n_comp, idx_s)
                 T.fence_proxy_async()
                 T.sync_threads(EXCHANGE_BARRIER, 256)
-                consumer(0, q_l, q_r, k_l, k_r, k_l, p_shared, max_x, sum_x, full, empty, acc_s0, acc_o0, m_i0, m_prev0,
-                         row_sum0, tile_max0, tile_sum0, alpha0, sink_f0, tiles, window_tiles, lo, own, n_sel, n_comp,
-                         idx_s, scale_log2, has_sink, Sink, Out, Lse, b, s, h0)
+                consumer(0, q_l, q_r, k_l, k_r, k_l, p_shared, max_x, sum_x, seen_s, full, empty, acc_s0, acc_o0, m_i0,
+                         m_prev0, row_sum0, tile_max0, tile_sum0, alpha0, sink_f0, tiles, window_tiles, lo,
+                         own, n_sel, n_comp, idx_s, scale_log2, has_sink, Sink, Out, Lse, b, s, h0)
             else:
                 T.set_max_nreg(consumer1_registers, 1)
                 T.copy(Q[b, s, h0 : h0 + HB, half:D], q_r, disable_tma=True)
                 T.fence_proxy_async()
                 T.sync_threads(EXCHANGE_BARRIER, 256)
-                consumer(1, q_l, q_r, k_l, k_r, k_r, p_shared, max_x, sum_x, full, empty, acc_s1, acc_o1, m_i1, m_prev1,
-                         row_sum1, tile_max1, tile_sum1, alpha1, sink_f1, tiles, window_tiles, lo, own, n_sel, n_comp,
-                         idx_s, scale_log2, has_sink, Sink, Out, Lse, b, s, h0)
+                consumer(1, q_l, q_r, k_l, k_r, k_r, p_shared, max_x, sum_x, seen_s, full, empty, acc_s1, acc_o1, m_i1,
+                         m_prev1, row_sum1, tile_max1, tile_sum1, alpha1, sink_f1, tiles, window_tiles, lo,
+                         own, n_sel, n_comp, idx_s, scale_log2, has_sink, Sink, Out, Lse, b, s, h0)
 
     return sparse_window_fwd_balanced
 
