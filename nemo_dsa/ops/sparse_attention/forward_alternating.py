@@ -28,7 +28,7 @@ unseen (zero-filled, scored -inf), so every round has two tiles.
 
 Same arguments, grid, outputs and edge behaviour (zero output and -inf lse for a query that
 sees nothing) as :func:`kernels.sparse_window_fwd_kernel`. Measured on the H200 (docs/performance.md
-v18): within 3 % of the default "balanced" at S >= 32768, 9 % slower at 16384, so it is an opt-in
+v18): within 3 % of "balanced" at S >= 32768, 9 % slower at 16384, so it is an opt-in
 (``NEMO_DSA_ATTN_FWD=alternating``).
 """
 

@@ -68,8 +68,11 @@ BWD_PASS_CONFIGS = {"tl.disable_warp_specialized": True, "tl.disable_tma_lower":
 # NEMO_DSA_ATTN_FWD overrides the default (for A/B measurements).
 # "alternating" (forward_alternating.py: the consumers take turns on whole tiles, FlashMLA's
 # schedule) measured within 3 % of balanced at S >= 32768 and 9 % slower at 16384 (v18): opt-in.
+# "balanced-lean" (balanced with per-tile column flags for the mask and lazy rescaling of O) is
+# the default: 13-17 % faster than balanced at S = 16K-65K in the same run (8.17 against 9.43 ms
+# at S=32768; docs/performance.md v21); "balanced" stays as the control.
 FWD_SCHEDULES = ("split-pv", "balanced", "balanced-lean", "alternating")
-DEFAULT_FWD_SCHEDULE = "balanced"
+DEFAULT_FWD_SCHEDULE = "balanced-lean"
 # Backward: "serial" waits for every GEMM; "pipelined" overlaps each dkv chunk's atomics with the
 # next chunk's GEMMs (NEMO_DSA_ATTN_BWD selects), 2-4 % faster than serial at S = 16K-65K (v19);
 # "staged" is pipelined with each chunk passed through shared memory so that a warp's atomics
@@ -87,7 +90,12 @@ STAGE_ROW_PAD = 8
 # version asked for 208 + 208 + 96 = 512 and hung on the GPU). Balanced-lean's producer has 112:
 # with 96 or fewer ptxas spilled there (docs/performance.md v21).
 LAUNCH_REGISTERS = 168  # 65536 / 384, rounded down to a multiple of 8
-FWD_REGISTERS = {"split-pv": (240, 168, 96), "balanced": (208, 200, 96), "balanced-lean": (200, 192, 112), "alternating": (216, 216, 72)}
+FWD_REGISTERS = {
+    "split-pv": (240, 168, 96),
+    "balanced": (208, 200, 96),
+    "balanced-lean": (200, 192, 112),
+    "alternating": (216, 216, 72),
+}
 
 
 @dataclass(frozen=True)
@@ -557,7 +565,7 @@ def sparse_window_fwd_balanced_kernel(
     row sums (added at the end), so each warpgroup does half of every GEMM. Same arguments,
     grid and producer as :func:`sparse_window_fwd_kernel`.
 
-    ``lean_softmax`` ("balanced-lean", opt-in) shortens the per-tile section between S and P V,
+    ``lean_softmax`` ("balanced-lean", the default) shortens the per-tile section between S and P V,
     which a clock64 trace measured at 58 % of a tile (docs/performance.md v21): consumer 0 writes
     each tile's 64 column flags once (``seen_s``), so the mask is a load and a select per logit,
     and a row's reference max (and O, the sums with it) moves only when a logit exceeds it by
