@@ -27,23 +27,15 @@ max comes after each consumer's S.) An odd tile count gets one more tile, every 
 unseen (zero-filled, scored -inf), so every round has two tiles.
 
 Same arguments, grid, outputs and edge behaviour (zero output and -inf lse for a query that
-sees nothing) as :func:`kernels.sparse_window_fwd_kernel`. Measured on the H200 (docs/performance.md
+sees nothing) as :func:`forward.sparse_window_fwd_balanced_kernel`. Measured on the H200 (docs/performance.md
 v18): within 3 % of "balanced" at S >= 32768, 9 % slower at 16384, so it is an opt-in
 (``NEMO_DSA_ATTN_FWD=alternating``).
 """
 
 from nemo_dsa.ops._tilelang import tilelang
-from nemo_dsa.ops.sparse_attention.kernels import (
-    BLOCK_HEADS,
-    BLOCK_KEYS,
-    EXCHANGE_BARRIER,
-    FWD_THREADS,
-    LOG2E,
-    M_FLOOR,
-    MAX_SELECTED,
-    NO_COPY_WAIT,
-    _query_plan,
-)
+from nemo_dsa.ops.sparse_attention.configs import BLOCK_HEADS, BLOCK_KEYS, FWD_THREADS, LOG2E, M_FLOOR, MAX_SELECTED
+from nemo_dsa.ops.sparse_attention.forward import EXCHANGE_BARRIER, NO_COPY_WAIT
+from nemo_dsa.ops.sparse_attention.tiles import query_plan_macro
 
 
 def sparse_window_fwd_alternating_kernel(
@@ -64,7 +56,7 @@ def sparse_window_fwd_alternating_kernel(
     n_raw, n_comp, n_slots = T.dynamic("n_raw"), T.dynamic("n_comp"), T.dynamic("n_slots")
     by_index = mode == "indices"
     idx_shape = [batch, seq_len, n_slots] if by_index else [batch, seq_len]
-    query_plan = _query_plan(T, by_index)
+    query_plan = query_plan_macro(T, by_index)
 
     @T.macro
     def load_half(Raw, Comp, idx_s, dst, stage, col0, t, b, window_tiles, lo, own, n_sel, ks):
@@ -178,7 +170,7 @@ def sparse_window_fwd_alternating_kernel(
             p_shared = T.alloc_shared([2, HB, BK], bf16)  # P of A (consumer 0), of B (consumer 1)
             max_s = T.alloc_shared([HB], f32)  # the running max handed over within a round
             sum_x = T.alloc_shared([2, HB], f32)
-            idx_s = T.alloc_shared([MAX_SELECTED if by_index else 1], i32, scope="shared")  # static: see kernels.NO_COPY_WAIT
+            idx_s = T.alloc_shared([MAX_SELECTED if by_index else 1], i32, scope="shared")  # static: see forward.NO_COPY_WAIT
             full_l = T.alloc_barrier([128, 128])  # producer threads, per stage
             full_r = T.alloc_barrier([128, 128])
             free_l = T.alloc_barrier([128, 128])  # the half's last reader (table above)

@@ -13,7 +13,7 @@ import torch
 from nemo_dsa._checks import INT32_MAX, check_finite_float, check_has_data, check_index_range, check_positive_int, check_tensor
 from nemo_dsa.ops.dispatch import resolve_backend
 from nemo_dsa.visibility import check_ks_ke
-from nemo_dsa.ops.sparse_attention.kernels import MAX_DIM, MAX_HEADS, MAX_SELECTED
+from nemo_dsa.ops.sparse_attention.configs import MAX_DIM, MAX_HEADS, MAX_SELECTED
 from nemo_dsa.ops.sparse_attention.naive import window_compressed_attention_reference
 
 # Limits of the kernels (the reference has none).

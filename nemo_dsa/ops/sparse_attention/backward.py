@@ -1,0 +1,376 @@
+"""The backward kernels: the query-major backward (dq, dkv and delta), the key-major window dkv,
+and the delta kernel for when no other gradient is wanted.
+
+One block per (query, 64 heads) first computes ``delta = rowsum(dO * O)`` (written out for the
+sink's gradient), then recomputes P from the saved lse, accumulates dq in registers and adds
+each tile's dkv = scale * dS^T Q + P^T dO into an fp32 [N_raw + K, D] buffer with 16-byte
+atomics (non-deterministic summation order: fp32 rounding only), converted to the input dtype
+after.
+"""
+
+from nemo_dsa.ops._tilelang import tilelang
+from nemo_dsa.ops.sparse_attention.configs import (
+    BLOCK_HEADS,
+    BLOCK_KEYS,
+    BWD_THREADS,
+    LOG2E,
+    STAGE_ROW_PAD,
+)
+from nemo_dsa.ops.sparse_attention.tiles import compressed_span, tile_plan
+
+DELTA_ROWS = 32
+DELTA_CHUNK = 128
+
+
+def attention_delta_kernel(dim: int):
+    """PrimFunc of delta[r] = sum_d O[r, d] * dO[r, d] in fp32 over rows r of [R, D] bf16."""
+    T = tilelang().language
+    rows = T.dynamic("rows")
+
+    @T.prim_func
+    def attention_delta(
+        O: T.Tensor([rows, dim], T.bfloat16),
+        dO: T.Tensor([rows, dim], T.bfloat16),
+        Delta: T.Tensor([rows], T.float32),
+    ):
+        with T.Kernel(T.ceildiv(rows, DELTA_ROWS), threads=128) as bx:
+            acc = T.alloc_fragment([DELTA_ROWS, DELTA_CHUNK], T.float32)
+            total = T.alloc_fragment([DELTA_ROWS], T.float32)
+            T.clear(acc)
+            for c in T.serial(dim // DELTA_CHUNK):
+                for r, d in T.Parallel(DELTA_ROWS, DELTA_CHUNK):
+                    row = T.min(bx * DELTA_ROWS + r, rows - 1)
+                    acc[r, d] += T.cast(O[row, c * DELTA_CHUNK + d], T.float32) * T.cast(
+                        dO[row, c * DELTA_CHUNK + d], T.float32
+                    )
+            T.reduce_sum(acc, total, dim=1)
+            for r in T.Parallel(DELTA_ROWS):
+                if bx * DELTA_ROWS + r < rows:
+                    Delta[bx * DELTA_ROWS + r] = total[r]
+
+    return attention_delta
+
+
+def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str):
+    """PrimFunc of the backward for one configuration. Grid: (S, H / 64, B), 256 threads; H a
+    multiple of 64 (zero q and dO rows in padded heads contribute exact zeros).
+
+    Arguments as the forward's inputs plus Needs [3] int32 (nonzero: dq, d raw rows, d compressed
+    rows wanted), dO [B, S, H, D] bf16, Lse [B, S, H] fp32, the forward's O [B, S, H, D] bf16; out:
+    Delta [B, S, H] fp32 (rowsum(dO * O), every element written), dQ [B, S, H, D] bf16
+    (written only if wanted) and dKV [B, N_raw + K, D] fp32 (raw rows first, then compressed),
+    which must hold zeros on entry in the wanted rows (the tiles' contributions are added
+    atomically; unwanted rows are never touched).
+
+    ``schedule`` (BWD_SCHEDULES): "pipelined" issues S and dP together, and each dkv chunk's GEMMs
+    before the previous chunk's atomics (two accumulators), so the atomics overlap the tensor
+    cores; "staged" is pipelined and writes each chunk to shared memory first, so that its
+    atomics are 16 bytes wide and each warp's cover two whole key rows of the chunk (the
+    fragment layout gives 8-byte atomics spread over 8 rows).
+    """
+    T = tilelang().language
+    bf16, f32, i32 = T.bfloat16, T.float32, T.int32
+    HB, BK, D = BLOCK_HEADS, BLOCK_KEYS, dim
+    batch, seq_len, heads = T.dynamic("batch"), T.dynamic("seq_len"), T.dynamic("heads")
+    n_raw, n_comp, n_slots = T.dynamic("n_raw"), T.dynamic("n_comp"), T.dynamic("n_slots")
+    by_index = mode == "indices"
+    idx_shape = [batch, seq_len, n_slots] if by_index else [batch, seq_len]
+
+    # The key rows of tile ``tt`` into k_s by zero-filling cp.async, one source per tile (a
+    # uniform branch), rows computed, not read from rows_s: a select between the two sources went
+    # through registers (LDG, then an STS waiting on it: 18 % of the stall samples), and a read
+    # of rows_s put a barrier before every row (docs/performance.md v14). No wait here: the copy
+    # overlaps the previous tile's dkv GEMMs and atomics, which do not read k_s.
+    no_wait = {"parallel_async_without_async_commit_wait": True}
+
+    @T.macro
+    def load_keys(k_s, Raw, Comp, Indices, b, s, tt, lo, own, window_tiles, n_sel, ks, n_raw, n_comp, n_slots):
+        base = (tt - window_tiles) * BK
+        if tt < window_tiles:
+            for r, d in T.Parallel(BK, D, prefer_async=True, annotations=no_wait):
+                k_s[r, d] = T.if_then_else(
+                    lo + tt * BK + r <= own, Raw[b, T.min(lo + tt * BK + r, n_raw - 1), d], T.cast(0, bf16)
+                )
+        elif by_index:
+            for r, d in T.Parallel(BK, D, prefer_async=True, annotations=no_wait):
+                k_s[r, d] = T.if_then_else(
+                    (base + r < n_sel) & (Indices[b, s, T.min(base + r, n_slots - 1)] >= 0)
+                    & (Indices[b, s, T.min(base + r, n_slots - 1)] < n_comp),
+                    Comp[b, T.max(Indices[b, s, T.min(base + r, n_slots - 1)], 0), d], T.cast(0, bf16),
+                )  # fmt: skip
+        else:
+            for r, d in T.Parallel(BK, D, prefer_async=True, annotations=no_wait):
+                k_s[r, d] = T.if_then_else(
+                    base + r < n_sel, Comp[b, T.min(ks + base + r, n_comp - 1), d], T.cast(0, bf16)
+                )
+        T.ptx_commit_group()
+
+    staged = schedule == "staged"
+    n_chunks = D // dkv_chunk
+    if n_chunks % 2:
+        raise ValueError(f"the backward needs an even number of dkv chunks, got {n_chunks}")
+    # Accumulator registers per thread, for the fences that keep nvcc from reading an accumulator
+    # before its wgmma's wait.
+    pair_regs, dq_regs, kv_regs = HB * BK // BWD_THREADS, HB * D // BWD_THREADS, BK * dkv_chunk // BWD_THREADS
+
+    @T.macro
+    def next_keys(k_s, Raw, Comp, Indices, b, s, t, tiles, lo, own, window_tiles, n_sel, ks, n_raw, n_comp, n_slots):
+        if t + 1 < tiles:
+            load_keys(k_s, Raw, Comp, Indices, b, s, t + 1, lo, own, window_tiles, n_sel, ks, n_raw, n_comp, n_slots)
+
+    @T.macro
+    def issue_dkv(ds_s, p_s, q_s, do_s, acc, c):
+        """acc = dS^T Q + P^T dO for columns of chunk ``c``, issued and not waited for."""
+        T.wgmma_gemm(ds_s, q_s[:, c * dkv_chunk : (c + 1) * dkv_chunk], acc, transpose_A=True, clear_accum=True)
+        T.wgmma_gemm(p_s, do_s[:, c * dkv_chunk : (c + 1) * dkv_chunk], acc, transpose_A=True)
+
+    @T.macro
+    def add_dkv_direct(dKV, acc, rows_s, stage_s, b, c):
+        for r, d in T.Parallel(BK, dkv_chunk):
+            if rows_s[r] >= 0:
+                T.atomic_add(dKV[b, rows_s[r], c * dkv_chunk + d], acc[r, d])
+
+    @T.macro
+    def add_dkv_staged(dKV, acc, rows_s, stage_s, b, c):
+        T.sync_threads()  # every thread has read the previous chunk's staging tile
+        for r, d in T.Parallel(BK, dkv_chunk):
+            stage_s[r, d] = acc[r, d]
+        T.sync_threads()
+        for r, d in T.Parallel(BK, dkv_chunk):
+            if rows_s[r] >= 0:
+                T.atomic_add(dKV[b, rows_s[r], c * dkv_chunk + d], stage_s[r, d])
+
+    add_dkv = add_dkv_staged if staged else add_dkv_direct
+
+    @T.prim_func
+    def sparse_window_bwd(
+        Q: T.Tensor([batch, seq_len, heads, D], bf16),
+        Raw: T.Tensor([batch, n_raw, D], bf16),
+        Comp: T.Tensor([batch, n_comp, D], bf16),
+        WindowStart: T.Tensor([batch, seq_len], i32),
+        Indices: T.Tensor(idx_shape, i32),
+        KE: T.Tensor([batch, seq_len], i32),
+        Params: T.Tensor([2], f32),
+        Window: T.Tensor([1], i32),
+        Needs: T.Tensor([3], i32),
+        dO: T.Tensor([batch, seq_len, heads, D], bf16),
+        Lse: T.Tensor([batch, seq_len, heads], f32),
+        O: T.Tensor([batch, seq_len, heads, D], bf16),
+        Delta: T.Tensor([batch, seq_len, heads], f32),
+        dQ: T.Tensor([batch, seq_len, heads, D], bf16),
+        dKV: T.Tensor([batch, n_raw + n_comp, D], f32),
+    ):
+        with T.Kernel(seq_len, heads // HB, batch, threads=BWD_THREADS) as (s, g, b):
+            q_s = T.alloc_shared([HB, D], bf16)
+            do_s = T.alloc_shared([HB, D], bf16)
+            k_s = T.alloc_shared([BK, D], bf16)
+            p_s = T.alloc_shared([HB, BK], bf16)
+            ds_s = T.alloc_shared([HB, BK], bf16)
+            rows_s = T.alloc_shared([BK], i32)  # dKV row of each key of the tile, -1 = unseen
+            stage_s = T.alloc_shared([BK, dkv_chunk + STAGE_ROW_PAD] if staged else [1, 8], f32)
+            acc_s = T.alloc_fragment([HB, BK], f32)
+            acc_dp = T.alloc_fragment([HB, BK], f32)
+            acc_dq = T.alloc_fragment([HB, D], f32)
+            acc_kv = T.alloc_fragment([BK, dkv_chunk], f32)
+            acc_kv1 = T.alloc_fragment([BK, dkv_chunk], f32)  # the odd chunks
+            lse2 = T.alloc_fragment([HB], f32)
+            delta = T.alloc_fragment([HB], f32)
+            o_do = T.alloc_fragment([HB, DELTA_CHUNK], f32)
+            o_do_sum = T.alloc_fragment([HB], f32)
+            delta_s = T.alloc_shared([HB], f32)
+
+            h0 = g * HB
+            own = s + n_raw - seq_len
+            scale = Params[0]
+            scale_log2 = Params[0] * LOG2E
+            window = Window[0]
+            need_dq, need_d_raw, need_d_comp = Needs[0] > 0, Needs[1] > 0, Needs[2] > 0
+            ks, n_sel = compressed_span(T, by_index, Indices, KE, b, s, n_slots)  # as in the forward
+            lo, window_tiles, tiles = tile_plan(T, own, WindowStart[b, s], window, n_sel)
+
+            # The first key tile's cp.async go out before Q, dO and O are loaded (plain loads), so
+            # that the two kinds of load overlap.
+            if tiles > 0:
+                load_keys(k_s, Raw, Comp, Indices, b, s, 0, lo, own, window_tiles, n_sel, ks, n_raw, n_comp, n_slots)
+            T.copy(Q[b, s, h0 : h0 + HB, :], q_s, disable_tma=True)
+            T.copy(dO[b, s, h0 : h0 + HB, :], do_s, disable_tma=True)
+            # delta = rowsum(dO * O) here, from dO already in shared memory (the separate delta
+            # kernel read dO a second time); written out for the sink's gradient.
+            T.clear(delta_s)
+            for c in T.unroll(D // DELTA_CHUNK):  # unrolled: all of O's loads in flight at once
+                for h, d in T.Parallel(HB, DELTA_CHUNK):
+                    o_do[h, d] = T.cast(O[b, s, h0 + h, c * DELTA_CHUNK + d], f32) * T.cast(do_s[h, c * DELTA_CHUNK + d], f32)
+                T.reduce_sum(o_do, o_do_sum, dim=1)
+                for h in T.Parallel(HB):
+                    delta_s[h] += o_do_sum[h]
+            for h in T.Parallel(HB):
+                lse2[h] = Lse[b, s, h0 + h] * LOG2E
+                delta[h] = delta_s[h]
+            for h in T.Parallel(HB):
+                Delta[b, s, h0 + h] = delta_s[h]
+            T.clear(acc_dq)
+            for t in T.serial(tiles):
+                base = (t - window_tiles) * BK
+                for r in T.Parallel(BK):
+                    if t < window_tiles:
+                        rows_s[r] = T.if_then_else(lo + t * BK + r <= own, lo + t * BK + r, -1)
+                    else:
+                        if by_index:
+                            key = T.if_then_else(base + r < n_sel, Indices[b, s, T.min(base + r, n_slots - 1)], -1)
+                            rows_s[r] = T.if_then_else((key >= 0) & (key < n_comp), n_raw + key, -1)
+                        else:
+                            rows_s[r] = T.if_then_else(base + r < n_sel, n_raw + ks + base + r, -1)
+                T.sync_threads()
+                # The tile's key rows were prefetched (before the loop, or during the previous
+                # tile's dkv GEMMs): wait for them here.
+                T.ptx_wait_group(0)
+                T.sync_threads()
+                T.wgmma_gemm(q_s, k_s, acc_s, transpose_B=True, clear_accum=True)
+                T.wgmma_gemm(do_s, k_s, acc_dp, transpose_B=True, clear_accum=True)
+                T.wait_wgmma(0)
+                T.warpgroup_fence_operand(acc_s, num_regs=pair_regs)
+                T.warpgroup_fence_operand(acc_dp, num_regs=pair_regs)
+                for h, c in T.Parallel(HB, BK):
+                    acc_s[h, c] = T.if_then_else(
+                        rows_s[c] >= 0, T.exp2(acc_s[h, c] * scale_log2 - lse2[h]), T.cast(0, f32)
+                    )
+                    acc_dp[h, c] = acc_s[h, c] * (acc_dp[h, c] - delta[h]) * scale
+                T.copy(acc_s, p_s)
+                T.copy(acc_dp, ds_s)
+                T.fence_proxy_async()  # P and dS are written by st.shared and read by wgmma
+                T.sync_threads()
+                # Uniform branches: gradients nobody asked for are neither computed nor added.
+                want_dkv = ((t < window_tiles) & need_d_raw) | ((t >= window_tiles) & need_d_comp)
+                if need_dq:
+                    T.wgmma_gemm(ds_s, k_s, acc_dq)
+                # One branch holds every wgmma of the dkv chunks, so ptxas sees each wait
+                # on every path (it serialises all wgmmas when it cannot).
+                if want_dkv:
+                    issue_dkv(ds_s, p_s, q_s, do_s, acc_kv, 0)
+                    T.wait_wgmma(2)  # dq's GEMM (the only reader of k_s) is done; chunk 0 runs on
+                    T.warpgroup_fence_operand(acc_dq, num_regs=dq_regs)
+                    T.sync_threads()  # every warp is done with k_s
+                    next_keys(k_s, Raw, Comp, Indices, b, s, t, tiles, lo, own, window_tiles, n_sel, ks, n_raw, n_comp, n_slots)
+                    # Chunks in pairs (n_chunks is even): acc_kv holds the even ones, acc_kv1
+                    # the odd ones; chunk c + 1's GEMMs run while chunk c is added.
+                    for j in T.unroll(n_chunks // 2):
+                        issue_dkv(ds_s, p_s, q_s, do_s, acc_kv1, 2 * j + 1)
+                        T.wait_wgmma(2)
+                        T.warpgroup_fence_operand(acc_kv, num_regs=kv_regs)
+                        add_dkv(dKV, acc_kv, rows_s, stage_s, b, 2 * j)
+                        if 2 * j + 2 < n_chunks:
+                            issue_dkv(ds_s, p_s, q_s, do_s, acc_kv, 2 * j + 2)
+                            T.wait_wgmma(2)
+                        else:
+                            T.wait_wgmma(0)
+                        T.warpgroup_fence_operand(acc_kv1, num_regs=kv_regs)
+                        add_dkv(dKV, acc_kv1, rows_s, stage_s, b, 2 * j + 1)
+                else:
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(acc_dq, num_regs=dq_regs)
+                    T.sync_threads()
+                    next_keys(k_s, Raw, Comp, Indices, b, s, t, tiles, lo, own, window_tiles, n_sel, ks, n_raw, n_comp, n_slots)
+                T.sync_threads()
+            if need_dq:
+                T.copy(acc_dq, q_s)
+                T.copy(q_s, dQ[b, s, h0 : h0 + HB, :], disable_tma=True)
+
+    return sparse_window_bwd
+
+
+def window_dkv_kernel(dim: int):
+    """PrimFunc of the window keys' dkv, key-major: no atomics per (query, tile).
+
+    Grid: (ceil(N_raw / 64), n_split, B), 256 threads. Block (k, j, b) owns raw rows
+    [64 k, 64 k + 64) of batch b: the queries whose window can reach them own rows
+    [64 k, 64 k + 62 + window] (contiguous), split into ``n_split`` runs of ``Chunk[0]`` queries
+    (one run per block). For each of its queries that sees one of the rows (same document, in its
+    window) and each 64-head group, it recomputes P and dS against the tile (S = Q K^T and
+    dP = dO K^T, from the saved lse and delta) and accumulates dkv = dS^T Q + P^T dO for the 64
+    rows in registers; at the end the [64, D] sum is added once into DRaw (fp32, zero on entry;
+    the runs of a tile are the only adders). Every use of S and dP goes through a select on
+    visibility: the tile is shared by queries that see different rows, so an unseen row's NaN
+    or inf may reach S, never P, dS or dkv.
+
+    Arguments: Q [B, S, H, D], Raw [B, N_raw, D] (bf16), WindowStart [B, S] int32, Params [2]
+    fp32 (scale, has_sink), Window [1] int32, Chunk [n_split] int32 (queries per run),
+    dO [B, S, H, D] bf16, Lse and Delta [B, S, H] fp32; out: DRaw [B, N_raw, D] fp32.
+    """
+    T = tilelang().language
+    bf16, f32, i32 = T.bfloat16, T.float32, T.int32
+    HB, BK, D = BLOCK_HEADS, BLOCK_KEYS, dim
+    batch, seq_len, heads = T.dynamic("batch"), T.dynamic("seq_len"), T.dynamic("heads")
+    n_raw, n_split = T.dynamic("n_raw"), T.dynamic("n_split")
+
+    @T.prim_func
+    def window_dkv(
+        Q: T.Tensor([batch, seq_len, heads, D], bf16),
+        Raw: T.Tensor([batch, n_raw, D], bf16),
+        WindowStart: T.Tensor([batch, seq_len], i32),
+        Params: T.Tensor([2], f32),
+        Window: T.Tensor([1], i32),
+        Chunk: T.Tensor([n_split], i32),
+        dO: T.Tensor([batch, seq_len, heads, D], bf16),
+        Lse: T.Tensor([batch, seq_len, heads], f32),
+        Delta: T.Tensor([batch, seq_len, heads], f32),
+        DRaw: T.Tensor([batch, n_raw, D], f32),
+    ):
+        with T.Kernel(T.ceildiv(n_raw, BK), n_split, batch, threads=BWD_THREADS) as (kt, j, b):
+            k_s = T.alloc_shared([BK, D], bf16)
+            q_s = T.alloc_shared([HB, D], bf16)
+            do_s = T.alloc_shared([HB, D], bf16)
+            p_s = T.alloc_shared([HB, BK], bf16)
+            ds_s = T.alloc_shared([HB, BK], bf16)
+            acc_s = T.alloc_fragment([HB, BK], f32)
+            acc_dp = T.alloc_fragment([HB, BK], f32)
+            acc_kv = T.alloc_fragment([BK, D], f32)
+            lse2 = T.alloc_fragment([HB], f32)
+            delta = T.alloc_fragment([HB], f32)
+
+            k0 = kt * BK
+            history = n_raw - seq_len  # rows in front of the shard's own rows
+            window = Window[0]
+            scale = Params[0]
+            scale_log2 = Params[0] * LOG2E
+            chunk = Chunk[0]
+            # Queries whose window can reach rows [k0, k0 + BK): own in [k0, k0 + BK - 2 + window].
+            first = T.max(k0 - history, 0) + j * chunk
+            last = T.min(T.min(k0 + BK + window - 2 - history, seq_len - 1), first + chunk - 1)
+
+            for r, d in T.Parallel(BK, D):
+                k_s[r, d] = T.if_then_else(k0 + r < n_raw, Raw[b, T.min(k0 + r, n_raw - 1), d], T.cast(0, bf16))
+            T.clear(acc_kv)
+            T.sync_threads()
+            for i in T.serial(T.max(last - first + 1, 0)):
+                s = first + i
+                own = s + history
+                lo = T.max(T.max(WindowStart[b, s], own - window + 1), 0)
+                # Uniform per block: skip queries whose window misses the tile (other document,
+                # padding queries that see no raw row).
+                if (lo <= own) & (lo < k0 + BK) & (own >= k0):
+                    for g in T.serial(heads // HB):
+                        h0 = g * HB
+                        T.copy(Q[b, s, h0 : h0 + HB, :], q_s, disable_tma=True)
+                        T.copy(dO[b, s, h0 : h0 + HB, :], do_s, disable_tma=True)
+                        for h in T.Parallel(HB):
+                            lse2[h] = Lse[b, s, h0 + h] * LOG2E
+                            delta[h] = Delta[b, s, h0 + h]
+                        T.sync_threads()
+                        T.gemm(q_s, k_s, acc_s, transpose_B=True, clear_accum=True)
+                        T.gemm(do_s, k_s, acc_dp, transpose_B=True, clear_accum=True)
+                        for h, c in T.Parallel(HB, BK):
+                            seen = (k0 + c >= lo) & (k0 + c <= own)
+                            acc_s[h, c] = T.if_then_else(seen, T.exp2(acc_s[h, c] * scale_log2 - lse2[h]), T.cast(0, f32))
+                            acc_dp[h, c] = T.if_then_else(seen, acc_s[h, c] * (acc_dp[h, c] - delta[h]) * scale, T.cast(0, f32))
+                        T.copy(acc_s, p_s)
+                        T.copy(acc_dp, ds_s)
+                        T.sync_threads()
+                        T.gemm(ds_s, q_s, acc_kv, transpose_A=True)
+                        T.gemm(p_s, do_s, acc_kv, transpose_A=True)
+                        T.sync_threads()
+            if last >= first:
+                for r, d in T.Parallel(BK, D):
+                    if k0 + r < n_raw:
+                        T.atomic_add(DRaw[b, T.min(k0 + r, n_raw - 1), d], acc_kv[r, d])
+
+    return window_dkv

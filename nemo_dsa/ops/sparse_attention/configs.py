@@ -1,0 +1,193 @@
+"""Configurations of the sparse-attention kernels: block shapes, schedules, register splits and
+the compiled variants (one frozen dataclass per compiled kernel), chosen by plain Python so that
+the interface can validate inputs without importing TileLang."""
+
+import os
+from dataclasses import asdict, dataclass
+
+BLOCK_HEADS = 64  # heads of one query per block: wgmma's M
+BLOCK_KEYS = 64  # keys per tile
+KERNEL_DIMS = (128, 512)  # head dims built; others are zero-padded up (zeros add nothing to q . k)
+MAX_DIM = 512
+MAX_HEADS = 128  # two 64-head blocks
+MAX_SELECTED = 2048
+LOG2E = 1.4426950408889634
+# Running-max floor in log2 units: finite, so exp2(m_old - m_new) is never inf - inf.
+M_FLOOR = -1.0e30
+MODES = ("indices", "range")
+# How the window keys' dkv is summed: "atomic" (the query-major backward adds every (query, tile)
+# contribution with fp32 atomics) or "key-major" (window_dkv_kernel: one sum per raw tile, in
+# registers). NEMO_DSA_WINDOW_DKV overrides the default (for A/B measurements).
+WINDOW_DKV_MODES = ("atomic", "key-major")
+DEFAULT_WINDOW_DKV = "atomic"
+
+FWD_THREADS = 384
+FWD_PASS_CONFIGS = {"tl.disable_warp_specialized": True, "tl.disable_safe_memory_legalize": True}
+BWD_THREADS = 256
+BWD_PASS_CONFIGS = {"tl.disable_warp_specialized": True, "tl.disable_tma_lower": True}
+
+
+# Forward schedules (NEMO_DSA_ATTN_FWD overrides the default, for A/B measurements):
+# - "balanced": each consumer warpgroup scores half of a tile's keys and adds P V for half of D
+#   (FlashMLA's split of the work); 6-7 % faster than the first schedule, where one consumer
+#   scored every key (9.94 against 10.61 ms at S=32768; docs/performance.md v12; that schedule was
+#   removed in v22). The control for:
+# - "balanced-lean", the default: balanced with per-tile column flags for the mask and lazy
+#   rescaling of O, 13-17 % faster than balanced at S = 16K-65K in the same run (8.17 against
+#   9.43 ms at S=32768; v21);
+# - "alternating" (forward_alternating.py: the consumers take turns on whole tiles, FlashMLA's
+#   schedule): within 3 % of balanced at S >= 32768 and 9 % slower at 16384 (v18), opt-in.
+FWD_SCHEDULES = ("balanced", "balanced-lean", "alternating")
+DEFAULT_FWD_SCHEDULE = "balanced-lean"
+# Backward schedules (NEMO_DSA_ATTN_BWD selects): "pipelined" issues S and dP together and
+# overlaps each dkv chunk's atomics with the next chunk's GEMMs (2-4 % faster than waiting for
+# every GEMM, v19; that schedule was removed in v22); "staged", the default, is pipelined with
+# each chunk passed through shared memory so that a warp's atomics cover whole 128-byte lines:
+# fwd + bwd 34.9 against 37.5 ms at S = 32768, 69.0 against 74.5 ms at 65536 (v20). Adding the
+# staged chunk by the TMA (cp.reduce.async.bulk, one per key row) measured a 37 % slower
+# backward than pipelined (v20) and was removed.
+BWD_SCHEDULES = ("pipelined", "staged")
+DEFAULT_BWD_SCHEDULE = "staged"
+# Staging rows are padded by 8 floats: a warp writes 8 accumulator rows at once, and with the
+# pad its 256-byte store takes 2 shared-memory wavefronts (the minimum), not 8.
+STAGE_ROW_PAD = 8
+# setmaxnreg (consumer 0, consumer 1, producer) per schedule. The warpgroups trade registers
+# inside the block's launch allocation (168 a thread at 384 threads: 504 per thread-triple), so
+# the three must sum to <= 504: a setmaxnreg.inc beyond it waits forever (the first balanced
+# version asked for 208 + 208 + 96 = 512 and hung on the GPU). Balanced-lean's producer has 112:
+# with 96 or fewer ptxas spilled there (docs/performance.md v21).
+LAUNCH_REGISTERS = 168  # 65536 / 384, rounded down to a multiple of 8
+FWD_REGISTERS = {
+    "balanced": (208, 200, 96),
+    "balanced-lean": (200, 192, 112),
+    "alternating": (216, 216, 72),
+}
+
+
+@dataclass(frozen=True)
+class ForwardConfig:
+    """One compiled forward (every field is an argument of :func:`kernels.sparse_window_fwd_kernel`)."""
+
+    dim: int
+    mode: str  # "indices" (per-query compressed indices) or "range" ([ks, ke))
+    num_stages: int
+    # setmaxnreg per warpgroup (FWD_REGISTERS[schedule]); :func:`forward_config` fills them.
+    consumer0_registers: int
+    consumer1_registers: int
+    producer_registers: int
+    schedule: str  # one of FWD_SCHEDULES
+
+    def kernel_kwargs(self) -> dict:
+        return asdict(self)
+
+    def pass_configs(self) -> dict:
+        return dict(FWD_PASS_CONFIGS)
+
+    def shared_memory_bytes(self) -> int:
+        """Dynamic shared memory: Q [64, D] + key ring [stages, 64, D] (bf16) + P [64, 64] (two
+        for "alternating")."""
+        p_tiles = 2 if self.schedule == "alternating" else 1
+        return 2 * self.dim * (BLOCK_HEADS + self.num_stages * BLOCK_KEYS) + p_tiles * 2 * BLOCK_HEADS * BLOCK_KEYS
+
+    def static_shared_memory_bytes(self) -> int:
+        """The index row (indices mode), in static shared memory (see NO_COPY_WAIT)."""
+        return 4 * MAX_SELECTED if self.mode == "indices" else 0
+
+
+@dataclass(frozen=True)
+class BackwardConfig:
+    dim: int
+    mode: str
+    dkv_chunk: int  # columns of dkv computed (and added) at a time: bounds its registers
+    schedule: str  # one of BWD_SCHEDULES
+
+    def kernel_kwargs(self) -> dict:
+        return asdict(self)
+
+    def pass_configs(self) -> dict:
+        return dict(BWD_PASS_CONFIGS)
+
+
+@dataclass(frozen=True)
+class WindowDkvConfig:
+    """One compiled :func:`window_dkv_kernel` (the key-major window dkv)."""
+
+    dim: int
+
+    def kernel_kwargs(self) -> dict:
+        return asdict(self)
+
+    def pass_configs(self) -> dict:
+        return dict(BWD_PASS_CONFIGS)
+
+
+def kernel_dim(dim: int) -> int:
+    """The built head dim that serves ``dim`` (the smallest of KERNEL_DIMS >= it)."""
+    for d in KERNEL_DIMS:
+        if dim <= d:
+            return d
+    raise ValueError(f"head_dim must be <= {MAX_DIM}, got {dim}")
+
+
+def _choice_from_env(variable: str, default: str, choices: tuple) -> str:
+    """``variable``'s value if set (one of ``choices``, else a ValueError), else ``default``."""
+    value = os.environ.get(variable, default)
+    if value not in choices:
+        raise ValueError(f"{variable} must be one of {choices}, got {value!r}")
+    return value
+
+
+def forward_schedule() -> str:
+    """The forward schedule in use: NEMO_DSA_ATTN_FWD if set, else DEFAULT_FWD_SCHEDULE."""
+    return _choice_from_env("NEMO_DSA_ATTN_FWD", DEFAULT_FWD_SCHEDULE, FWD_SCHEDULES)
+
+
+def forward_config(dim: int, mode: str, schedule: str | None = None) -> ForwardConfig:
+    """Stages: as many 64-key tiles as fit beside Q in 227 KiB (2 at D = 512, 4 at D = 128);
+    ``schedule`` None: :func:`forward_schedule`."""
+    if dim not in KERNEL_DIMS:
+        raise ValueError(f"dim must be one of {KERNEL_DIMS} for a kernel, got {dim}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    schedule = forward_schedule() if schedule is None else schedule
+    if schedule not in FWD_SCHEDULES:
+        raise ValueError(f"schedule must be one of {FWD_SCHEDULES}, got {schedule!r}")
+    c0, c1, producer = FWD_REGISTERS[schedule]
+    stages = 2 if dim == 512 or schedule == "alternating" else 4  # alternating: a stage per consumer
+    return ForwardConfig(dim, mode, stages, c0, c1, producer, schedule)
+
+
+def backward_schedule() -> str:
+    """The backward schedule in use: NEMO_DSA_ATTN_BWD if set, else DEFAULT_BWD_SCHEDULE."""
+    return _choice_from_env("NEMO_DSA_ATTN_BWD", DEFAULT_BWD_SCHEDULE, BWD_SCHEDULES)
+
+
+def backward_config(dim: int, mode: str, schedule: str | None = None) -> BackwardConfig:
+    """``schedule`` None: :func:`backward_schedule`."""
+    if dim not in KERNEL_DIMS:
+        raise ValueError(f"dim must be one of {KERNEL_DIMS} for a kernel, got {dim}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    schedule = backward_schedule() if schedule is None else schedule
+    if schedule not in BWD_SCHEDULES:
+        raise ValueError(f"schedule must be one of {BWD_SCHEDULES}, got {schedule!r}")
+    return BackwardConfig(dim, mode, dkv_chunk=64, schedule=schedule)
+
+
+def dispatched_configs() -> list:
+    """Every forward, backward and key-major window-dkv configuration the wrappers can compile."""
+    return (
+        [forward_config(d, m, sched) for sched in FWD_SCHEDULES for d in KERNEL_DIMS for m in MODES]
+        + [backward_config(d, m, sched) for sched in BWD_SCHEDULES for d in KERNEL_DIMS for m in MODES]
+        + [WindowDkvConfig(d) for d in KERNEL_DIMS]
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Tile bookkeeping shared by the kernels (plain expressions, evaluated by every thread)
+# ----------------------------------------------------------------------------------------------
+
+
+def window_dkv_mode() -> str:
+    """The window-dkv summation in use: NEMO_DSA_WINDOW_DKV if set, else DEFAULT_WINDOW_DKV."""
+    return _choice_from_env("NEMO_DSA_WINDOW_DKV", DEFAULT_WINDOW_DKV, WINDOW_DKV_MODES)
