@@ -3,8 +3,9 @@ sm_90a within Hopper's shared memory, with the row's images cached in registers,
 histogram with no barrier inside the passes' key loops, an ordered warp-ballot gather, no barrier
 under a thread-dependent branch (that hangs the GPU); bf16 rows first try the window below the
 row's maximum (a max walk and a per-warp histogram walk, the gather's counts from those
-histograms); candidate-block masks live in static shared memory and add no barrier; one compiles
-to a cubin with nvcc; the wrapper and the dispatcher validate their inputs."""
+histograms); candidate-block masks live in static shared memory and add no barrier; the pruned
+select (opt-in) first walks the row once for its block maxima, then runs the same passes; one
+compiles to a cubin with nvcc; the wrapper and the dispatcher validate their inputs."""
 
 import re
 import shutil
@@ -22,6 +23,8 @@ from nemo_dsa.ops.topk.kernels import (
     MASK_BLOCKS,
     MAX_COUNT,
     MIN_BLOCKS_PER_SM,
+    PRUNE_KEEP,
+    PRUNE_MAX_BLOCKS,
     SELECT_PASS_CONFIGS,
     TOP_WINDOW,
     UNROLL,
@@ -130,6 +133,46 @@ def test_every_config_lowers_within_shared_memory():
         assert ("__shfl_xor_sync" in source) == (config.order == "score" or config.top_window), config
 
 
+PRUNED = [
+    SelectConfig("bfloat16", 128, "index", True, pruned=True),
+    SelectConfig("bfloat16", 128, "index", True, 8, pruned=True),
+    SelectConfig("bfloat16", 512, "score", True, pruned=True),
+]
+
+
+def test_pruned_select_lowers_with_one_block_maxima_walk():
+    """The pruned select: block maxima and kept blocks' starts in static shared memory, a first
+    walk over the row without a barrier that reduces each block's images across its 8 lanes
+    (shuffles), the kept blocks read through their starts, then the unpruned kernel's walks."""
+    for config, source, smem in map_in_workers(_lower, PRUNED):
+        static = 2 * PRUNE_MAX_BLOCKS + 4 * PRUNE_KEEP + (MASK_BLOCKS if config.block_size else 0)
+        assert smem + static <= HOPPER_SMEM_LIMIT, config
+        assert f"ushort block_max[{PRUNE_MAX_BLOCKS}];" in source and f"int kept_starts[{PRUNE_KEEP}];" in source, config
+        maxima_walk, *rest = _barriers_per_step_loop(source)
+        assert maxima_walk == 0, config
+        walk = source[source.index("for (int step = 0; step < steps; ++step)") :]
+        walk = walk[: walk.index("block_max[(slot >> 3)]")]
+        assert all(f"__shfl_xor_sync((uint)4294967295, best, {d}, 32)" in walk for d in (1, 2, 4)), config
+        assert "kept_starts[min(" in source and "use_pruned == 1" in source, config
+        window, *passes, counting, writing = rest[:2], *rest[2:]
+        assert not any(window) and len(passes) == len(DIGIT_BITS["bfloat16"]) and not any(passes), (config, rest)
+        assert counting == 0 and writing == (1 if config.order == "score" else 0), (config, rest)
+        assert not _barriers_under_thread_branches(source), config
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found: cannot run ptxas")
+def test_pruned_select_spills_no_more_than_the_whole_row_kernel():
+    from _lowering import ptxas_report
+
+    def spilled(config):
+        report = ptxas_report(_lower(config)[1])
+        return sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report))
+
+    for pruned in PRUNED[:2]:
+        whole_row = SelectConfig(pruned.score_dtype, pruned.slots, pruned.order, True, pruned.block_size)
+        assert spilled(pruned) <= max(spilled(whole_row), 16), pruned
+
+
 def test_barrier_check_sees_a_thread_dependent_branch():
     source = "if (((int)threadIdx.x) == 0) {\n  x = 1;\n} else {\n  __syncthreads();\n}\n__syncthreads();\n"
     assert _barriers_under_thread_branches(source) == ["__syncthreads();"]
@@ -201,6 +244,20 @@ def test_tuning_knobs_lower_and_are_checked():
         radix_select_kernel("float32", 128, "index", top_window=True)
     with pytest.raises(ValueError, match="block_size"):
         radix_select_kernel("bfloat16", 128, "index", block_size=-1)
+    for bad in (dict(score_dtype="float32", top_window=False), dict(top_window=False), dict(cached_steps=2)):
+        with pytest.raises(ValueError, match="pruned"):
+            radix_select_kernel(**{"score_dtype": "bfloat16", "slots": 128, "order": "index", "top_window": True,
+                                   "pruned": True, **bad})  # fmt: skip
+
+
+def test_pruned_select_is_opt_in(monkeypatch):
+    from nemo_dsa.ops.topk import kernels as topk_kernels
+
+    assert not any(c.pruned for c in dispatched_configs()) and not select_config(torch.bfloat16, 512, "index").pruned
+    monkeypatch.setattr(topk_kernels, "PRUNED_SELECT", True)
+    assert select_config(torch.bfloat16, 512, "index", block_size=8).pruned
+    assert not select_config(torch.float32, 512, "score").pruned
+    assert {c.pruned for c in dispatched_configs()} == {True, False}  # bf16 pruned, fp32 not
 
 
 def test_block_mask_limits_and_arguments():

@@ -79,6 +79,19 @@ WINDOW_BINS = THREADS
 TOP_WINDOW = {"float32": False, "bfloat16": True}
 # Candidate-block masks (V4.1 reindex layers): one byte per block of the row in shared memory.
 MASK_BLOCKS = 16384
+# Pruned select (bf16, opt-in): one walk writes the maxima of the row's blocks of PRUNE_BLOCK
+# keys to shared memory; tau, the T-th largest block maximum, is at most the T-th largest key
+# (T blocks hold a key >= tau each), so every selected key, and every key tied with the T-th,
+# lies in a block whose maximum is >= tau (docs/semantics.md, "Top-k selection"). The select
+# then runs on those blocks alone (at most PRUNE_KEEP: a virtual row that the register cache
+# holds whole) instead of the whole row, whose walks re-read every key past CACHED_KEYS.
+# Rows of at most PRUNE_KEEP blocks, of more than PRUNE_MAX_BLOCKS, or with more kept blocks
+# (tau found outside the window below the row's largest maximum, or ties) take the whole row.
+PRUNE_BLOCK = 8
+PRUNE_MAX_BLOCKS = 16384
+PRUNE_KEEP = CACHED_KEYS // PRUNE_BLOCK
+# Not measured yet: the stream's select uses it only when this is True (tests build both).
+PRUNED_SELECT = False
 # Every access of the kernel is in bounds by construction (keys below the row's end <= width,
 # outputs below count, block maps within MASK_BLOCKS), so TileLang's per-access bound checks are
 # off: they were two compares and a branch on every score load (ncu, docs/performance.md v14).
@@ -100,6 +113,7 @@ class SelectConfig:
     order: str  # "score" | "index"
     top_window: bool = False  # bf16: the cut from one histogram below the row's maximum
     block_size: int = 0  # > 0: keys outside the row's kept candidate blocks are never selected
+    pruned: bool = False  # bf16: select among the blocks whose maximum reaches the T-th block maximum
 
     def shared_memory_bytes(self) -> int:
         """Dynamic shared memory: the buffers live together during the gather: the per-warp
@@ -127,14 +141,15 @@ def select_config(score_dtype: torch.dtype, count: int, order: str, block_size: 
         raise ValueError(f"count must be in [1, {MAX_COUNT}] for the TileLang selector, got {count}")
     check_positive_int("block_size", block_size, minimum=0)
     slots = sort_slots(count) if order == "score" else MIN_SLOTS
-    return SelectConfig(name, slots, order, TOP_WINDOW[name], block_size)
+    pruned = PRUNED_SELECT and TOP_WINDOW[name] and name == "bfloat16"
+    return SelectConfig(name, slots, order, TOP_WINDOW[name], block_size, pruned)
 
 
 def dispatched_configs() -> list[SelectConfig]:
     """Every configuration the wrapper can build: dtypes, orders and sort widths."""
     widths = {"score": [MIN_SLOTS << i for i in range((MAX_COUNT // MIN_SLOTS).bit_length())], "index": [MIN_SLOTS]}
     return [
-        SelectConfig(dtype, slots, order, TOP_WINDOW[dtype])
+        SelectConfig(dtype, slots, order, TOP_WINDOW[dtype], pruned=PRUNED_SELECT and TOP_WINDOW[dtype] and dtype == "bfloat16")
         for dtype in SCORE_BITS for order in ORDERS for slots in widths[order]
     ]  # fmt: skip
 
@@ -150,6 +165,7 @@ def radix_select_kernel(
     order: str,
     top_window: bool | None = None,
     block_size: int = 0,
+    pruned: bool = False,
     *,
     cached_steps: int = CACHED_STEPS,
     min_blocks: int | None = None,
@@ -187,6 +203,8 @@ def radix_select_kernel(
         raise ValueError("top_window needs bfloat16 scores (one histogram bin per image)")
     check_positive_int("block_size", block_size, minimum=0)
     masked = block_size > 0
+    if pruned and (score_dtype != "bfloat16" or not top_window or cached_steps != CACHED_STEPS):
+        raise ValueError("pruned needs bfloat16 scores with top_window and the default register cache")
     # (shift, bits) of each pass's digit of the image, most significant first
     passes = [(score_bits - sum(digit_bits[: i + 1]), bits) for i, bits in enumerate(digit_bits)]
     log_slots = slots.bit_length() - 1
@@ -207,25 +225,45 @@ def radix_select_kernel(
         image = image + T.cast(bits == sign, u32)
         return image * T.cast((bits & exponent) != exponent, u32)
 
-    @T.macro
-    def load_step(Scores, row, first_key, segment_end, step, raw, base):
-        """raw[base + u] = this lane's key of slot step * UNROLL + u (-inf past ``segment_end``)."""
-        for u in T.unroll(UNROLL):
-            j = first_key + (step * UNROLL + u) * WARP
-            # No clamp of j: the load runs only below segment_end <= width (a clamp made the
-            # index arithmetic 64-bit compares and selects, measured with ncu, v14).
-            raw[base + u] = T.if_then_else(j < segment_end, Scores[row, j], -T.infinity(dtype))
+    def row_key(v, remap):
+        """The row's key at slot ``v`` of the walk: ``v`` itself, or with a pruned row
+        (``remap`` = (kept_starts, use_pruned, row_start)) key v % PRUNE_BLOCK of the
+        v // PRUNE_BLOCK-th kept block."""
+        if remap is None:
+            return v
+        kept_starts, use_pruned, _ = remap
+        block = T.min(T.shift_right(v, PRUNE_BLOCK.bit_length() - 1), PRUNE_KEEP - 1)
+        return T.if_then_else(use_pruned == 1, kept_starts[block] + T.bitwise_and(v, PRUNE_BLOCK - 1), v)
 
-    def kept_image(x, j, start, kept):
+    @T.macro
+    def load_step(Scores, row, first_key, segment_end, step, raw, base, remap, row_end):
+        """raw[base + u] = this lane's key of slot step * UNROLL + u (-inf past ``segment_end``;
+        a pruned row's slots map to keys of its kept blocks, -inf past the row's end)."""
+        for u in T.unroll(UNROLL):
+            if remap is None:
+                j = first_key + (step * UNROLL + u) * WARP
+                # No clamp of j: the load runs only below segment_end <= width (a clamp made the
+                # index arithmetic 64-bit compares and selects, measured with ncu, v14).
+                raw[base + u] = T.if_then_else(j < segment_end, Scores[row, j], -T.infinity(dtype))
+            else:
+                v = first_key + (step * UNROLL + u) * WARP
+                j = row_key(v, remap)
+                raw[base + u] = T.if_then_else((v < segment_end) & (j < row_end), Scores[row, j], -T.infinity(dtype))
+
+    def kept_image(x, j, start, kept, remap=None):
         """The image of score ``x`` of key ``j``, 0 when its candidate block is not kept (the
-        block map holds 0/1; keys past the row's end are -inf, image 0, whatever the map says)."""
+        block map holds 0/1; keys past the row's end are -inf, image 0, whatever the map says).
+        With ``remap`` (a pruned row's walks), ``j`` is a slot of the walk: the map is read at
+        its key, from the row's own start."""
         if not masked:
             return image_of(x)
+        if remap is not None:  # (slots past the row's kept blocks read stale starts: kept >= start)
+            j, start = T.max(row_key(j, remap), remap[2]), remap[2]
         block = T.min(T.cast((j - start) // block_size, i32), MASK_BLOCKS - 1)
         return image_of(x) * T.cast(kept[block], u32)
 
     @T.macro
-    def fetch_step(Scores, row, first_key, segment_end, step, raw, cached, images, start, kept):
+    def fetch_step(Scores, row, first_key, segment_end, step, raw, cached, images, start, kept, remap, row_end):
         """images[u] for the keys of ``step``: from the registers for the first ``cached_steps``
         steps, loaded again for later ones (all loads issued before the first image)."""
         if step < cached_steps:
@@ -234,9 +272,9 @@ def radix_select_kernel(
                     for u in T.unroll(UNROLL):
                         images[u] = cached[c * UNROLL + u]
         else:
-            load_step(Scores, row, first_key, segment_end, step, raw, 0)
+            load_step(Scores, row, first_key, segment_end, step, raw, 0, remap, row_end)
             for u in T.unroll(UNROLL):
-                images[u] = kept_image(raw[u], first_key + (step * UNROLL + u) * WARP, start, kept)
+                images[u] = kept_image(raw[u], first_key + (step * UNROLL + u) * WARP, start, kept, remap)
 
     @T.prim_func
     def radix_select(
@@ -333,11 +371,112 @@ def radix_select_kernel(
             if order == "score":
                 for r in T.serial(per_thread):
                     keys[r * THREADS + tx] = T.uint64(0)  # 0 sorts last: the -1 padding
+            remap = None  # the walks read the row's keys in order (pruned rows: their kept blocks)
+            row_end = None
+            if pruned:
+                block_max = T.alloc_shared([PRUNE_MAX_BLOCKS], T.uint16, scope="shared")  # image maxima
+                kept_starts = T.alloc_shared([PRUNE_KEEP], i32, scope="shared")  # kept blocks' first keys
+                tau = T.alloc_shared([1], u32)
+                use_pruned = T.alloc_var(i32)
+                row_end = T.alloc_var(i32)
+                row_start = T.alloc_var(i32)
+                n_blocks = T.alloc_var(i32)
+                best = T.alloc_var(u32)
+                block = T.alloc_var(i32)
+                floor_image = T.alloc_var(u32)  # tau
+                kept_before = T.alloc_var(i32)  # kept blocks before this lane's, in index order
+                kept_blocks = T.alloc_var(i32)
+                row_start = start
+                row_end = end
+                use_pruned = 0
+                n_blocks = T.ceildiv(end - start, PRUNE_BLOCK)
+                if (n_blocks > PRUNE_KEEP) & (n_blocks <= PRUNE_MAX_BLOCKS):  # uniform in the block
+                    # 1. Each block's largest image (lanes 8g .. 8g + 7 of a load hold one block:
+                    # segments are multiples of 32 keys from ks) and the row's largest.
+                    top = T.uint32(0)
+                    for s in T.serial(steps):
+                        load_step(Scores, row, first_key, segment_end, s, raw, 0, None, None)
+                        for u in T.unroll(UNROLL):
+                            best = kept_image(raw[u], first_key + (s * UNROLL + u) * WARP, start, kept)
+                            for d in (1, 2, 4):
+                                best = T.max(best, T.shfl_xor(best, d))
+                            top = T.max(top, best)
+                            slot = first_key + (s * UNROLL + u) * WARP - start
+                            if (lane % PRUNE_BLOCK == 0) & (slot < end - start):
+                                block_max[T.shift_right(slot, PRUNE_BLOCK.bit_length() - 1)] = T.cast(best, T.uint16)
+                    for d in (8, 16):
+                        top = T.max(top, T.shfl_xor(top, d))
+                    if lane == 0:
+                        warp_best[warp] = top
+                    for w in range(WARPS):
+                        whist[w * WINDOW_BINS + tx] = 0
+                    T.sync_threads()
+                    for w in range(WARPS):
+                        top = T.max(top, warp_best[w])
+                    # 2. tau: the T-th largest block maximum, from per-warp histograms of the
+                    # maxima's distances below the row's largest image (as the window cut below);
+                    # fewer than T of them in the window: tau = 1, every block with a finite key.
+                    for i in T.serial(T.ceildiv(n_blocks, THREADS)):
+                        if i * THREADS + tx < n_blocks:
+                            best = T.cast(block_max[i * THREADS + tx], u32)
+                            if (best != 0) & (top - best < WINDOW_BINS):
+                                T.atomic_add(whist[warp * WINDOW_BINS + T.cast(top - best, i32)], 1)
+                    T.sync_threads()
+                    count_here = sum(whist[w * WINDOW_BINS + tx] for w in range(WARPS))
+                    running = count_here
+                    for d in (1, 2, 4, 8, 16):
+                        other = T.shfl_up(running, d)
+                        if lane >= d:
+                            running = running + other
+                    if lane == WARP - 1:
+                        warp_sums[warp] = running
+                    T.sync_threads()
+                    for w in range(WARPS - 1):
+                        if w < warp:
+                            running = running + warp_sums[w]
+                    if running >= count and running - count_here < count:
+                        tau[0] = top - T.cast(tx, u32)
+                    if (tx == THREADS - 1) & (running < count):
+                        tau[0] = T.uint32(1)
+                    T.sync_threads()
+                    # 3. The kept blocks' first keys in index order: warp w owns a contiguous run
+                    # of blocks, counts its kept ones (ballots), then writes them after the
+                    # warps before it.
+                    floor_image = tau[0]
+                    segment = T.ceildiv(n_blocks, WARPS * WARP) * WARP  # blocks a warp owns
+                    kept_before = 0
+                    for i in T.serial(T.ceildiv(segment, WARP)):
+                        block = warp * segment + i * WARP + lane
+                        best = T.if_then_else(block < n_blocks, T.cast(block_max[T.min(block, n_blocks - 1)], u32), T.uint32(0))
+                        kept_before = kept_before + T.cast(T.popcount(T.cast(T.ballot_sync((best != 0) & (best >= floor_image)), u32)), i32)
+                    if lane == 0:
+                        warp_taken[warp] = kept_before
+                    T.sync_threads()
+                    kept_before = sum(T.if_then_else(w < warp, warp_taken[w], 0) for w in range(WARPS))
+                    kept_blocks = sum(warp_taken[w] for w in range(WARPS))
+                    if kept_blocks <= PRUNE_KEEP:
+                        for i in T.serial(T.ceildiv(segment, WARP)):
+                            block = warp * segment + i * WARP + lane
+                            best = T.if_then_else(block < n_blocks, T.cast(block_max[T.min(block, n_blocks - 1)], u32), T.uint32(0))
+                            above_mask = T.cast(T.ballot_sync((best != 0) & (best >= floor_image)), u32)
+                            if (best != 0) & (best >= floor_image):
+                                kept_starts[kept_before + T.cast(T.popcount(above_mask & lanes_below), i32)] = start + block * PRUNE_BLOCK
+                            kept_before = kept_before + T.cast(T.popcount(above_mask), i32)
+                        use_pruned = 1
+                        # From here the walks run over the kept blocks: slots [0, 8 * kept).
+                        start = 0
+                        end = kept_blocks * PRUNE_BLOCK
+                        segment = T.ceildiv(end - start, WARPS * WARP) * WARP
+                        first_key = start + warp * segment + lane
+                        segment_end = T.min(end, start + (warp + 1) * segment)
+                        steps = T.ceildiv(segment, UNROLL * WARP)
+                    T.sync_threads()
+                remap = (kept_starts, use_pruned, row_start)
             # The row's first CACHED_KEYS keys, read once: 32 loads in flight per thread.
             for s in T.unroll(cached_steps):
-                load_step(Scores, row, first_key, segment_end, s, raw, s * UNROLL)
+                load_step(Scores, row, first_key, segment_end, s, raw, s * UNROLL, remap, row_end)
             for i in T.unroll(cached_steps * UNROLL):
-                cached[i] = kept_image(raw[i], first_key + i * WARP, start, kept)
+                cached[i] = kept_image(raw[i], first_key + i * WARP, start, kept, remap)
             T.sync_threads()
 
             if top_window:
@@ -348,7 +487,7 @@ def radix_select_kernel(
                 for i in T.unroll(cached_steps * UNROLL):
                     top = T.max(top, cached[i])
                 for s in T.serial(cached_steps, T.max(steps, cached_steps)):
-                    fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, kept)
+                    fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, kept, remap, row_end)
                     for u in T.unroll(UNROLL):
                         top = T.max(top, images[u])
                 for d in (16, 8, 4, 2, 1):
@@ -361,7 +500,7 @@ def radix_select_kernel(
                 for w in range(WARPS):
                     top = T.max(top, warp_best[w])
                 for s in T.serial(steps):
-                    fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, kept)
+                    fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, kept, remap, row_end)
                     for u in T.unroll(UNROLL):
                         if (images[u] != 0) & (top - images[u] < WINDOW_BINS):
                             T.atomic_add(whist[warp * WINDOW_BINS + T.cast(top - images[u], i32)], 1)
@@ -406,7 +545,7 @@ def radix_select_kernel(
                     T.sync_threads()
                     prefix = decided[0]
                     for s in T.serial(steps):
-                        fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, kept)
+                        fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, kept, remap, row_end)
                         for u in T.unroll(UNROLL):
                             hit = images[u] != 0
                             if p > 0:
@@ -485,7 +624,7 @@ def radix_select_kernel(
                     seen_equal = seen_equal + T.shfl_xor(seen_equal, d)
             else:
                 for s in T.serial(steps):
-                    fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, kept)
+                    fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, kept, remap, row_end)
                     for u in T.unroll(UNROLL):
                         above_mask = T.cast(T.ballot_sync((images[u] >= above_cut) & (images[u] != 0)), u32)
                         equal_mask = T.cast(T.ballot_sync((images[u] == equal_cut) & (images[u] != 0)), u32)
@@ -498,9 +637,9 @@ def radix_select_kernel(
             taken_above = sum(T.if_then_else(w < warp, warp_taken[w], 0) for w in range(WARPS))
             seen_equal = sum(T.if_then_else(w < warp, warp_taken[WARPS + w], 0) for w in range(WARPS))
             for s in T.serial(steps):
-                fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, kept)
+                fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, kept, remap, row_end)
                 for u in T.unroll(UNROLL):
-                    j = first_key + (s * UNROLL + u) * WARP
+                    j = row_key(first_key + (s * UNROLL + u) * WARP, remap)
                     above_mask = T.cast(T.ballot_sync((images[u] >= above_cut) & (images[u] != 0)), u32)
                     equal_mask = T.cast(T.ballot_sync((images[u] == equal_cut) & (images[u] != 0)), u32)
                     above_before = taken_above + T.cast(T.popcount(above_mask & lanes_below), i32)
