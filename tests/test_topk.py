@@ -179,13 +179,14 @@ def test_candidate_blocks_fast_path_equals_reference(c, dtype):
 
 @pytest.mark.parametrize("kind", ["continuous", "quantised", "special"])
 @pytest.mark.parametrize("topk", [1, 7, 64])
-def test_blocks_reaching_the_topk_th_block_maximum_hold_the_selection(kind, topk):
+@pytest.mark.parametrize("block", [4, 8])
+def test_blocks_reaching_the_topk_th_block_maximum_hold_the_selection(kind, topk, block):
     """The pruned select's premise (docs/semantics.md, "Top-k selection"): with tau the T-th
-    largest finite block maximum (blocks of 8 keys from ks), selecting among the blocks whose
+    largest finite block maximum (blocks of 4 or 8 keys from ks), selecting among the blocks whose
     maximum is >= tau (all blocks with a finite key if fewer than T have one) gives the row's
     selection, ties at the cut included, on rows with long runs of ties, NaN and infinities."""
-    g = generator(["continuous", "quantised", "special"].index(kind) * 100 + topk)
-    rows, width, block = 40, 1000, 8
+    g = generator(["continuous", "quantised", "special"].index(kind) * 100 + topk + block)
+    rows, width = 40, 1000
     if kind == "continuous":
         scores = torch.randn(rows, width, generator=g)
     else:

@@ -203,23 +203,24 @@ def _spread_rows(rows: int, width: int, spread: float, seed: int) -> torch.Tenso
 
 @pytest.mark.parametrize("order", ["index", "score"])
 @pytest.mark.parametrize("kind", ["spread", "continuous", "quantised", "special"])
-# Rows from 8,193 keys (more than PRUNE_KEEP blocks: pruned) to past PRUNE_MAX_BLOCKS blocks
-# (131,072 keys: the whole row again); T up to 2048 (kept blocks may outgrow PRUNE_KEEP); candidate
+# Rows from 9,000 keys (pruned: more than 2 T blocks) to past PRUNE_MAX_BLOCKS blocks (the
+# whole row again); T up to 2048 (too many to prune with the cache's kept blocks); candidate
 # blocks of 8 (V4.1's) and 3 where the rows fit the block map.
 @pytest.mark.parametrize("count,width,block_size", [
     (512, 9000, 0), (512, 20_001, 0), (100, 33_333, 0), (2048, 40_000, 0), (64, 140_000, 0),
     (512, 20_001, 8), (2048, 40_000, 8), (100, 33_333, 3), (512, 9000, 3),
 ])  # fmt: skip
-def test_pruned_select_equals_reference(order, kind, count, width, block_size, monkeypatch):
+@pytest.mark.parametrize("prune_block", topk_kernels.PRUNE_BLOCKS)
+def test_pruned_select_equals_reference(order, kind, count, width, block_size, prune_block, monkeypatch):
     """The pruned select (block maxima, then the blocks reaching the T-th of them) on fresh rows
     of every kind: rows it prunes (continuous and spread rows, the T-th block maximum inside or
     outside the window below the row's maximum), rows whose kept blocks outgrow the register
     cache (quantised: ties everywhere), rows with fewer finite blocks than T (special, short
     ranges) and rows too long to prune, with and without candidate-block masks."""
-    monkeypatch.setattr(topk_kernels, "PRUNED_SELECT", True)
-    assert topk_kernels.select_config(torch.bfloat16, count, order, block_size).pruned
+    monkeypatch.setattr(topk_kernels, "PRUNED_SELECT_BLOCK", prune_block)
+    assert topk_kernels.select_config(torch.bfloat16, count, order, block_size).prune_block == prune_block
     rows = 37
-    seed = zlib.crc32(f"pruned{order}{kind}{count}{width}{block_size}".encode()) % 1000
+    seed = zlib.crc32(f"pruned{order}{kind}{count}{width}{block_size}{prune_block}".encode()) % 1000
     ks, ke = _ranges(rows, width, seed)
     ks[2:10], ke[2:10] = 0, width  # whole rows: the longest, pruned or past the limit
     ks[10], ke[10] = 3, width - 5  # unaligned ends

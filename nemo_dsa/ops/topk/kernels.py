@@ -29,6 +29,9 @@ walk). A row whose T-th key lies further below its maximum (or that has fewer th
 falls back to the generic passes. Candidate blocks (V4.1 reindex layers): with ``block_size`` the
 row's kept blocks go into a byte map in static shared memory and keys of other blocks get image 0,
 so the select applies the mask while it reads the scores (no [rows, W] mask, no rewrite).
+Pruning (bf16, opt-in, ``prune_block``): a long row is first read once for the maxima of its
+blocks of 4 or 8 keys, and everything above then runs on the blocks whose maximum reaches the
+T-th largest block maximum (exact, ties included; PRUNE_BLOCKS), held whole in registers.
 
 Cost at S = 32768, K = 8192 causal (4096 visible keys a row on average), T = 512: one read of the
 row (256 MiB bf16 / 512 MiB fp32 for the whole matrix, ~0.1 ms of HBM), 2 histogram passes for
@@ -79,19 +82,20 @@ WINDOW_BINS = THREADS
 TOP_WINDOW = {"float32": False, "bfloat16": True}
 # Candidate-block masks (V4.1 reindex layers): one byte per block of the row in shared memory.
 MASK_BLOCKS = 16384
-# Pruned select (bf16, opt-in): one walk writes the maxima of the row's blocks of PRUNE_BLOCK
-# keys to shared memory; tau, the T-th largest block maximum, is at most the T-th largest key
+# Pruned select (bf16, opt-in): one walk writes the maxima of the row's blocks of B keys (from
+# ks) to shared memory; tau, the T-th largest block maximum, is at most the T-th largest key
 # (T blocks hold a key >= tau each), so every selected key, and every key tied with the T-th,
 # lies in a block whose maximum is >= tau (docs/semantics.md, "Top-k selection"). The select
-# then runs on those blocks alone (at most PRUNE_KEEP: a virtual row that the register cache
-# holds whole) instead of the whole row, whose walks re-read every key past CACHED_KEYS.
-# Rows of at most PRUNE_KEEP blocks, of more than PRUNE_MAX_BLOCKS, or with more kept blocks
-# (tau found outside the window below the row's largest maximum, or ties) take the whole row.
-PRUNE_BLOCK = 8
+# then runs on those blocks alone (a virtual row of at most CACHED_KEYS keys: read once into the
+# register cache) instead of the whole row, whose walks re-read every key past CACHED_KEYS.
+# A row is pruned when it has more than 2 T blocks (and T <= half the kept blocks the cache
+# holds, at most PRUNE_MAX_BLOCKS blocks); one whose kept blocks outgrow the cache (tau found
+# outside the window below the row's largest maximum, or ties) is selected whole.
+PRUNE_BLOCKS = (4, 8)  # B: smaller blocks keep fewer keys, larger ones take fewer shuffles a key
 PRUNE_MAX_BLOCKS = 16384
-PRUNE_KEEP = CACHED_KEYS // PRUNE_BLOCK
-# Not measured yet: the stream's select uses it only when this is True (tests build both).
-PRUNED_SELECT = False
+# Not measured yet: the stream's select prunes with blocks of this many keys when it is one of
+# PRUNE_BLOCKS (0: off; tests build both sizes).
+PRUNED_SELECT_BLOCK = 0
 # Every access of the kernel is in bounds by construction (keys below the row's end <= width,
 # outputs below count, block maps within MASK_BLOCKS), so TileLang's per-access bound checks are
 # off: they were two compares and a branch on every score load (ncu, docs/performance.md v14).
@@ -113,7 +117,7 @@ class SelectConfig:
     order: str  # "score" | "index"
     top_window: bool = False  # bf16: the cut from one histogram below the row's maximum
     block_size: int = 0  # > 0: keys outside the row's kept candidate blocks are never selected
-    pruned: bool = False  # bf16: select among the blocks whose maximum reaches the T-th block maximum
+    prune_block: int = 0  # bf16, > 0: select among the blocks of this many keys reaching the T-th block maximum
 
     def shared_memory_bytes(self) -> int:
         """Dynamic shared memory: the buffers live together during the gather: the per-warp
@@ -141,15 +145,19 @@ def select_config(score_dtype: torch.dtype, count: int, order: str, block_size: 
         raise ValueError(f"count must be in [1, {MAX_COUNT}] for the TileLang selector, got {count}")
     check_positive_int("block_size", block_size, minimum=0)
     slots = sort_slots(count) if order == "score" else MIN_SLOTS
-    pruned = PRUNED_SELECT and TOP_WINDOW[name] and name == "bfloat16"
-    return SelectConfig(name, slots, order, TOP_WINDOW[name], block_size, pruned)
+    return SelectConfig(name, slots, order, TOP_WINDOW[name], block_size, prune_block_for(name))
+
+
+def prune_block_for(score_dtype: str) -> int:
+    """The pruned select's block size for scores of ``score_dtype`` (0: the whole-row select)."""
+    return PRUNED_SELECT_BLOCK if score_dtype == "bfloat16" and TOP_WINDOW[score_dtype] else 0
 
 
 def dispatched_configs() -> list[SelectConfig]:
     """Every configuration the wrapper can build: dtypes, orders and sort widths."""
     widths = {"score": [MIN_SLOTS << i for i in range((MAX_COUNT // MIN_SLOTS).bit_length())], "index": [MIN_SLOTS]}
     return [
-        SelectConfig(dtype, slots, order, TOP_WINDOW[dtype], pruned=PRUNED_SELECT and TOP_WINDOW[dtype] and dtype == "bfloat16")
+        SelectConfig(dtype, slots, order, TOP_WINDOW[dtype], prune_block=prune_block_for(dtype))
         for dtype in SCORE_BITS for order in ORDERS for slots in widths[order]
     ]  # fmt: skip
 
@@ -165,7 +173,7 @@ def radix_select_kernel(
     order: str,
     top_window: bool | None = None,
     block_size: int = 0,
-    pruned: bool = False,
+    prune_block: int = 0,
     *,
     cached_steps: int = CACHED_STEPS,
     min_blocks: int | None = None,
@@ -181,7 +189,10 @@ def radix_select_kernel(
     numbered from ks in blocks of ``block_size`` keys, -1 padded; keys of other blocks are never
     selected (as if -inf). ``top_window`` (bf16 only; None = ``TOP_WINDOW``): the cut from one
     per-warp histogram of the images' distances below the row's largest image when the T-th key
-    lies within WINDOW_BINS images of it, else the generic passes.
+    lies within WINDOW_BINS images of it, else the generic passes. ``prune_block`` (bf16 with
+    ``top_window``; 0 = off, else one of PRUNE_BLOCKS): a first walk writes the maxima of the row's
+    blocks of that many keys, and the walks above then run over the blocks whose maximum reaches
+    the T-th largest of them (see PRUNE_BLOCKS).
     ``cached_steps``, ``min_blocks`` (blocks an SM must hold: caps the registers) and
     ``digit_bits`` (the passes' digit widths) are tuning knobs; the defaults are the measured
     best (docs/performance.md v7).
@@ -203,8 +214,11 @@ def radix_select_kernel(
         raise ValueError("top_window needs bfloat16 scores (one histogram bin per image)")
     check_positive_int("block_size", block_size, minimum=0)
     masked = block_size > 0
-    if pruned and (score_dtype != "bfloat16" or not top_window or cached_steps != CACHED_STEPS):
-        raise ValueError("pruned needs bfloat16 scores with top_window and the default register cache")
+    pruned = prune_block > 0
+    if pruned and (prune_block not in PRUNE_BLOCKS or score_dtype != "bfloat16" or not top_window):
+        raise ValueError(f"prune_block must be one of {PRUNE_BLOCKS} with bfloat16 scores and top_window, got {prune_block}")
+    keep_blocks = cached_steps * THREADS * UNROLL // prune_block if pruned else 0  # the kept blocks the cache holds
+    block_bits = prune_block.bit_length() - 1
     # (shift, bits) of each pass's digit of the image, most significant first
     passes = [(score_bits - sum(digit_bits[: i + 1]), bits) for i, bits in enumerate(digit_bits)]
     log_slots = slots.bit_length() - 1
@@ -227,13 +241,12 @@ def radix_select_kernel(
 
     def row_key(v, remap):
         """The row's key at slot ``v`` of the walk: ``v`` itself, or with a pruned row
-        (``remap`` = (kept_starts, use_pruned, row_start)) key v % PRUNE_BLOCK of the
-        v // PRUNE_BLOCK-th kept block."""
+        (``remap`` = (kept_starts, use_pruned, row_start)) key v % B of the v // B-th kept block."""
         if remap is None:
             return v
         kept_starts, use_pruned, _ = remap
-        block = T.min(T.shift_right(v, PRUNE_BLOCK.bit_length() - 1), PRUNE_KEEP - 1)
-        return T.if_then_else(use_pruned == 1, kept_starts[block] + T.bitwise_and(v, PRUNE_BLOCK - 1), v)
+        block = T.min(T.shift_right(v, block_bits), keep_blocks - 1)
+        return T.if_then_else(use_pruned == 1, kept_starts[block] + T.bitwise_and(v, prune_block - 1), v)
 
     @T.macro
     def load_step(Scores, row, first_key, segment_end, step, raw, base, remap, row_end):
@@ -375,12 +388,13 @@ def radix_select_kernel(
             row_end = None
             if pruned:
                 block_max = T.alloc_shared([PRUNE_MAX_BLOCKS], T.uint16, scope="shared")  # image maxima
-                kept_starts = T.alloc_shared([PRUNE_KEEP], i32, scope="shared")  # kept blocks' first keys
+                kept_starts = T.alloc_shared([keep_blocks], i32, scope="shared")  # kept blocks' first keys
                 tau = T.alloc_shared([1], u32)
                 use_pruned = T.alloc_var(i32)
                 row_end = T.alloc_var(i32)
                 row_start = T.alloc_var(i32)
                 n_blocks = T.alloc_var(i32)
+                block_segment = T.alloc_var(i32)  # (the walks' ``segment`` stays the row's if it is not pruned)
                 best = T.alloc_var(u32)
                 block = T.alloc_var(i32)
                 floor_image = T.alloc_var(u32)  # tau
@@ -389,22 +403,23 @@ def radix_select_kernel(
                 row_start = start
                 row_end = end
                 use_pruned = 0
-                n_blocks = T.ceildiv(end - start, PRUNE_BLOCK)
-                if (n_blocks > PRUNE_KEEP) & (n_blocks <= PRUNE_MAX_BLOCKS):  # uniform in the block
-                    # 1. Each block's largest image (lanes 8g .. 8g + 7 of a load hold one block:
-                    # segments are multiples of 32 keys from ks) and the row's largest.
+                n_blocks = T.ceildiv(end - start, prune_block)
+                # Uniform in the block: rows of more than 2 T blocks, T at most half the cache's.
+                if (n_blocks > 2 * count) & (2 * count <= keep_blocks) & (n_blocks <= PRUNE_MAX_BLOCKS):
+                    # 1. Each block's largest image (lanes B g .. B g + B - 1 of a load hold one
+                    # block: segments are multiples of 32 keys from ks) and the row's largest.
                     top = T.uint32(0)
                     for s in T.serial(steps):
                         load_step(Scores, row, first_key, segment_end, s, raw, 0, None, None)
                         for u in T.unroll(UNROLL):
                             best = kept_image(raw[u], first_key + (s * UNROLL + u) * WARP, start, kept)
-                            for d in (1, 2, 4):
+                            for d in tuple(1 << i for i in range(block_bits)):
                                 best = T.max(best, T.shfl_xor(best, d))
                             top = T.max(top, best)
                             slot = first_key + (s * UNROLL + u) * WARP - start
-                            if (lane % PRUNE_BLOCK == 0) & (slot < end - start):
-                                block_max[T.shift_right(slot, PRUNE_BLOCK.bit_length() - 1)] = T.cast(best, T.uint16)
-                    for d in (8, 16):
+                            if (lane % prune_block == 0) & (slot < end - start):
+                                block_max[T.shift_right(slot, block_bits)] = T.cast(best, T.uint16)
+                    for d in tuple(1 << i for i in range(block_bits, 5)):
                         top = T.max(top, T.shfl_xor(top, d))
                     if lane == 0:
                         warp_best[warp] = top
@@ -443,10 +458,10 @@ def radix_select_kernel(
                     # of blocks, counts its kept ones (ballots), then writes them after the
                     # warps before it.
                     floor_image = tau[0]
-                    segment = T.ceildiv(n_blocks, WARPS * WARP) * WARP  # blocks a warp owns
+                    block_segment = T.ceildiv(n_blocks, WARPS * WARP) * WARP  # blocks a warp owns
                     kept_before = 0
-                    for i in T.serial(T.ceildiv(segment, WARP)):
-                        block = warp * segment + i * WARP + lane
+                    for i in T.serial(T.ceildiv(block_segment, WARP)):
+                        block = warp * block_segment + i * WARP + lane
                         best = T.if_then_else(block < n_blocks, T.cast(block_max[T.min(block, n_blocks - 1)], u32), T.uint32(0))
                         kept_before = kept_before + T.cast(T.popcount(T.cast(T.ballot_sync((best != 0) & (best >= floor_image)), u32)), i32)
                     if lane == 0:
@@ -454,18 +469,18 @@ def radix_select_kernel(
                     T.sync_threads()
                     kept_before = sum(T.if_then_else(w < warp, warp_taken[w], 0) for w in range(WARPS))
                     kept_blocks = sum(warp_taken[w] for w in range(WARPS))
-                    if kept_blocks <= PRUNE_KEEP:
-                        for i in T.serial(T.ceildiv(segment, WARP)):
-                            block = warp * segment + i * WARP + lane
+                    if kept_blocks <= keep_blocks:
+                        for i in T.serial(T.ceildiv(block_segment, WARP)):
+                            block = warp * block_segment + i * WARP + lane
                             best = T.if_then_else(block < n_blocks, T.cast(block_max[T.min(block, n_blocks - 1)], u32), T.uint32(0))
                             above_mask = T.cast(T.ballot_sync((best != 0) & (best >= floor_image)), u32)
                             if (best != 0) & (best >= floor_image):
-                                kept_starts[kept_before + T.cast(T.popcount(above_mask & lanes_below), i32)] = start + block * PRUNE_BLOCK
+                                kept_starts[kept_before + T.cast(T.popcount(above_mask & lanes_below), i32)] = start + block * prune_block
                             kept_before = kept_before + T.cast(T.popcount(above_mask), i32)
                         use_pruned = 1
                         # From here the walks run over the kept blocks: slots [0, 8 * kept).
                         start = 0
-                        end = kept_blocks * PRUNE_BLOCK
+                        end = kept_blocks * prune_block
                         segment = T.ceildiv(end - start, WARPS * WARP) * WARP
                         first_key = start + warp * segment + lane
                         segment_end = T.min(end, start + (warp + 1) * segment)
