@@ -142,16 +142,22 @@ def forward_schedule() -> str:
     return _choice_from_env("NEMO_DSA_ATTN_FWD", DEFAULT_FWD_SCHEDULE, FWD_SCHEDULES)
 
 
-def forward_config(dim: int, mode: str, schedule: str | None = None) -> ForwardConfig:
-    """Stages: as many 64-key tiles as fit beside Q in 227 KiB (2 at D = 512, 4 at D = 128);
-    ``schedule`` None: :func:`forward_schedule`."""
+def _checked_schedule(dim: int, mode: str, schedule: str | None, schedules: tuple, in_use) -> str:
+    """``schedule`` (``in_use()`` if None) after checking it, the head dim and the mode."""
     if dim not in KERNEL_DIMS:
         raise ValueError(f"dim must be one of {KERNEL_DIMS} for a kernel, got {dim}")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    schedule = forward_schedule() if schedule is None else schedule
-    if schedule not in FWD_SCHEDULES:
-        raise ValueError(f"schedule must be one of {FWD_SCHEDULES}, got {schedule!r}")
+    schedule = in_use() if schedule is None else schedule
+    if schedule not in schedules:
+        raise ValueError(f"schedule must be one of {schedules}, got {schedule!r}")
+    return schedule
+
+
+def forward_config(dim: int, mode: str, schedule: str | None = None) -> ForwardConfig:
+    """Stages: as many 64-key tiles as fit beside Q in 227 KiB (2 at D = 512, 4 at D = 128);
+    ``schedule`` None: :func:`forward_schedule`."""
+    schedule = _checked_schedule(dim, mode, schedule, FWD_SCHEDULES, forward_schedule)
     c0, c1, producer = FWD_REGISTERS[schedule]
     stages = 2 if dim == 512 or schedule == "alternating" else 4  # alternating: a stage per consumer
     return ForwardConfig(dim, mode, stages, c0, c1, producer, schedule)
@@ -164,13 +170,7 @@ def backward_schedule() -> str:
 
 def backward_config(dim: int, mode: str, schedule: str | None = None) -> BackwardConfig:
     """``schedule`` None: :func:`backward_schedule`."""
-    if dim not in KERNEL_DIMS:
-        raise ValueError(f"dim must be one of {KERNEL_DIMS} for a kernel, got {dim}")
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    schedule = backward_schedule() if schedule is None else schedule
-    if schedule not in BWD_SCHEDULES:
-        raise ValueError(f"schedule must be one of {BWD_SCHEDULES}, got {schedule!r}")
+    schedule = _checked_schedule(dim, mode, schedule, BWD_SCHEDULES, backward_schedule)
     return BackwardConfig(dim, mode, dkv_chunk=64, schedule=schedule)
 
 
