@@ -165,18 +165,24 @@ def sparse_window_fwd_balanced_kernel(
     query_plan = query_plan_macro(T, by_index)
 
     @T.macro
+    def column_seen(tt, col, window_tiles, lo, own, n_sel, n_comp_, idx_s):
+        """Whether key ``col`` of tile ``tt`` is visible: a window row up to the query's own, or a
+        compressed slot holding a valid index (range mode: a slot of the range)."""
+        slot = T.max((tt - window_tiles) * BK + col, 0)
+        if by_index:
+            key = idx_s[T.min(slot, MAX_SELECTED - 1)]
+            comp_seen = (slot < n_sel) & (key >= 0) & (key < n_comp_)
+        else:
+            comp_seen = slot < n_sel
+        return T.if_then_else(tt < window_tiles, lo + tt * BK + col <= own, comp_seen)
+
+    @T.macro
     def tile_columns_seen(seen_s, tt, window_tiles, lo, own, n_sel, n_comp_, idx_s):
         """seen_s[tt % 2, c] = 1 where key c of tile ``tt`` is visible, else 0: computed once per
         column (by consumer 0), so that the consumers' mask is one shared load and a select per
         logit instead of each thread's own per-logit index arithmetic and branches."""
         for c in T.Parallel(BK):
-            slot = T.max((tt - window_tiles) * BK + c, 0)
-            if by_index:
-                key = idx_s[T.min(slot, MAX_SELECTED - 1)]
-                comp_seen = (slot < n_sel) & (key >= 0) & (key < n_comp_)
-            else:
-                comp_seen = slot < n_sel
-            seen = T.if_then_else(tt < window_tiles, lo + tt * BK + c <= own, comp_seen)
+            seen = column_seen(tt, c, window_tiles, lo, own, n_sel, n_comp_, idx_s)
             seen_s[tt % 2, c] = T.if_then_else(seen, T.float32(1), T.float32(0))
 
     @T.macro
@@ -199,13 +205,7 @@ def sparse_window_fwd_balanced_kernel(
             else:
                 for h, c in T.Parallel(HB, KH):
                     col = c0 + c
-                    slot = T.max((t - window_tiles) * BK + col, 0)
-                    if by_index:
-                        key = idx_s[T.min(slot, MAX_SELECTED - 1)]
-                        comp_seen = (slot < n_sel) & (key >= 0) & (key < n_comp_)
-                    else:
-                        comp_seen = slot < n_sel
-                    seen = T.if_then_else(t < window_tiles, lo + t * BK + col <= own, comp_seen)
+                    seen = column_seen(t, col, window_tiles, lo, own, n_sel, n_comp_, idx_s)
                     acc_s[h, c] = T.if_then_else(seen, acc_s[h, c] * scale_log2, -T.infinity(f32))
             T.reduce_max(acc_s, tile_max, dim=1, clear=True)
             for h in T.Parallel(HB):
