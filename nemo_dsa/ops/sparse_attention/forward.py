@@ -27,7 +27,7 @@ from nemo_dsa.ops.sparse_attention.configs import (
     M_FLOOR,
     MAX_SELECTED,
 )
-from nemo_dsa.ops.sparse_attention.tiles import query_plan_macro
+from nemo_dsa.ops.sparse_attention.tiles import column_seen_macro, query_plan_macro
 
 # TileLang 0.1.15 numbers the named barriers of each warpgroup's shared-memory syncs itself, and
 # the barrier it puts after the producer's cp.async wait can take the id of a consumer's barrier
@@ -163,18 +163,7 @@ def sparse_window_fwd_balanced_kernel(
     idx_shape = [batch, seq_len, n_slots] if by_index else [batch, seq_len]
     produce_key_tiles = key_tile_producer(T, by_index, num_stages, half)
     query_plan = query_plan_macro(T, by_index)
-
-    @T.macro
-    def column_seen(tt, col, window_tiles, lo, own, n_sel, n_comp_, idx_s):
-        """Whether key ``col`` of tile ``tt`` is visible: a window row up to the query's own, or a
-        compressed slot holding a valid index (range mode: a slot of the range)."""
-        slot = T.max((tt - window_tiles) * BK + col, 0)
-        if by_index:
-            key = idx_s[T.min(slot, MAX_SELECTED - 1)]
-            comp_seen = (slot < n_sel) & (key >= 0) & (key < n_comp_)
-        else:
-            comp_seen = slot < n_sel
-        return T.if_then_else(tt < window_tiles, lo + tt * BK + col <= own, comp_seen)
+    column_seen = column_seen_macro(T, by_index)
 
     @T.macro
     def tile_columns_seen(seen_s, tt, window_tiles, lo, own, n_sel, n_comp_, idx_s):

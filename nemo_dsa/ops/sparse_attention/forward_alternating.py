@@ -35,7 +35,7 @@ v18): within 3 % of "balanced" at S >= 32768, 9 % slower at 16384, so it is an o
 from nemo_dsa.ops._tilelang import tilelang
 from nemo_dsa.ops.sparse_attention.configs import BLOCK_HEADS, BLOCK_KEYS, FWD_THREADS, LOG2E, M_FLOOR, MAX_SELECTED
 from nemo_dsa.ops.sparse_attention.forward import EXCHANGE_BARRIER, NO_COPY_WAIT
-from nemo_dsa.ops.sparse_attention.tiles import query_plan_macro
+from nemo_dsa.ops.sparse_attention.tiles import column_seen_macro, query_plan_macro
 
 
 def sparse_window_fwd_alternating_kernel(
@@ -57,6 +57,7 @@ def sparse_window_fwd_alternating_kernel(
     by_index = mode == "indices"
     idx_shape = [batch, seq_len, n_slots] if by_index else [batch, seq_len]
     query_plan = query_plan_macro(T, by_index)
+    column_seen = column_seen_macro(T, by_index)
 
     @T.macro
     def load_half(Raw, Comp, idx_s, dst, stage, col0, t, b, window_tiles, lo, own, n_sel, ks):
@@ -88,13 +89,7 @@ def sparse_window_fwd_alternating_kernel(
     def masked_logits(acc_s, t, window_tiles, lo, own, n_sel, idx_s, scale_log2):
         """acc_s = S * scale * log2(e) where tile ``t``'s key is seen, -inf elsewhere."""
         for h, c in T.Parallel(HB, BK):
-            slot = T.max((t - window_tiles) * BK + c, 0)
-            if by_index:
-                key = idx_s[T.min(slot, MAX_SELECTED - 1)]
-                comp_seen = (slot < n_sel) & (key >= 0) & (key < n_comp)
-            else:
-                comp_seen = slot < n_sel
-            seen = T.if_then_else(t < window_tiles, lo + t * BK + c <= own, comp_seen)
+            seen = column_seen(t, c, window_tiles, lo, own, n_sel, n_comp, idx_s)
             acc_s[h, c] = T.if_then_else(seen, acc_s[h, c] * scale_log2, -T.infinity(f32))
 
     @T.macro

@@ -24,6 +24,24 @@ def compressed_span(T, by_index: bool, Indices, KE, b, s, n_slots):
     return ks, T.max(KE[b, s] - ks, 0)
 
 
+def column_seen_macro(T, by_index: bool):
+    """The forwards' macro for one key's visibility: key ``col`` of tile ``tt`` is seen if it is a
+    window row up to the query's own, or a compressed slot below ``n_sel`` (indices mode: holding
+    an index in [0, n_comp), read from the index row ``idx_s``)."""
+
+    @T.macro
+    def column_seen(tt, col, window_tiles, lo, own, n_sel, n_comp, idx_s):
+        slot = T.max((tt - window_tiles) * BLOCK_KEYS + col, 0)
+        if by_index:
+            key = idx_s[T.min(slot, MAX_SELECTED - 1)]
+            comp_seen = (slot < n_sel) & (key >= 0) & (key < n_comp)
+        else:
+            comp_seen = slot < n_sel
+        return T.if_then_else(tt < window_tiles, lo + tt * BLOCK_KEYS + col <= own, comp_seen)
+
+    return column_seen
+
+
 def query_plan_macro(T, by_index: bool):
     """The forwards' macro for one query's keys: in indices mode the query's index row into
     shared memory ``idx_s`` first (every thread reads it for its mask), then
