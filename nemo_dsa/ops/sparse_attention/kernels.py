@@ -30,8 +30,6 @@ from nemo_dsa.ops.sparse_attention.configs import (
     FWD_THREADS,
     KERNEL_DIMS,
     LAUNCH_REGISTERS,
-    MAX_DIM,
-    MAX_HEADS,
     MAX_SELECTED,
     MODES,
     WINDOW_DKV_MODES,
@@ -39,7 +37,6 @@ from nemo_dsa.ops.sparse_attention.configs import (
     ForwardConfig,
     WindowDkvConfig,
     backward_config,
-    backward_schedule,
     dispatched_configs,
     forward_config,
     forward_schedule,
@@ -48,7 +45,6 @@ from nemo_dsa.ops.sparse_attention.configs import (
 )
 from nemo_dsa.ops.sparse_attention.forward import (
     EXCHANGE_BARRIER,
-    NO_COPY_WAIT,
     P_READY_BARRIER,
     ROLE_BARRIER_IDS,
     register_barrier_postproc,
@@ -60,15 +56,14 @@ from nemo_dsa.ops.sparse_attention.forward_alternating import sparse_window_fwd_
 # Re-exported for tests, benchmarks and scripts: ``kernels`` is the sparse-attention kernels' one
 # import (configs, factories, launches).
 __all__ = [
-    "BLOCK_HEADS", "BWD_SCHEDULES", "DEFAULT_BWD_SCHEDULE", "DEFAULT_FWD_SCHEDULE", "DEFAULT_WINDOW_DKV",
-    "EXCHANGE_BARRIER", "FWD_SCHEDULES", "FWD_THREADS", "HOPPER_SMEM_LIMIT", "KERNEL_DIMS", "LAUNCH_REGISTERS",
-    "MAX_DIM", "MAX_HEADS", "MAX_SELECTED", "MODES", "NO_COPY_WAIT", "P_READY_BARRIER", "ROLE_BARRIER_IDS",
-    "WINDOW_DKV_MODES", "BackwardConfig", "ForwardConfig", "KernelInputs", "WindowDkvConfig", "attention_delta",
-    "attention_delta_kernel", "backward_config", "backward_schedule", "compile_config", "dispatched_configs",
-    "forward_config", "forward_schedule", "kernel_dim", "last_valid_slots", "register_barrier_postproc",
-    "separate_role_barriers", "sparse_window_backward", "sparse_window_bwd_kernel", "sparse_window_forward",
-    "sparse_window_fwd_alternating_kernel", "sparse_window_fwd_balanced_kernel", "sparse_window_fwd_kernel",
-    "tilelang", "window_dkv_kernel", "window_dkv_mode", "window_dkv_split",
+    "BWD_SCHEDULES", "DEFAULT_BWD_SCHEDULE", "DEFAULT_FWD_SCHEDULE", "DEFAULT_WINDOW_DKV", "EXCHANGE_BARRIER",
+    "FWD_SCHEDULES", "FWD_THREADS", "HOPPER_SMEM_LIMIT", "KERNEL_DIMS", "LAUNCH_REGISTERS", "MAX_SELECTED", "MODES",
+    "P_READY_BARRIER", "ROLE_BARRIER_IDS", "WINDOW_DKV_MODES", "BackwardConfig", "ForwardConfig", "KernelInputs",
+    "WindowDkvConfig", "attention_delta", "attention_delta_kernel", "backward_config", "compile_config",
+    "dispatched_configs", "forward_config", "forward_schedule", "kernel_dim", "last_valid_slots",
+    "register_barrier_postproc", "separate_role_barriers", "sparse_window_backward", "sparse_window_bwd_kernel",
+    "sparse_window_forward", "sparse_window_fwd_kernel", "tilelang", "window_dkv_kernel", "window_dkv_mode",
+    "window_dkv_split",
 ]  # fmt: skip
 
 

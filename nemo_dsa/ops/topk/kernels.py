@@ -239,6 +239,10 @@ def radix_select_kernel(
         image = image + T.cast(bits == sign, u32)
         return image * T.cast((bits & exponent) != exponent, u32)
 
+    def kept_block(block_image, floor_image):
+        """Whether a pruned row keeps a block: a finite key and a maximum >= tau."""
+        return (block_image != 0) & (block_image >= floor_image)
+
     def row_key(v, remap):
         """The row's key at slot ``v`` of the walk: ``v`` itself, or with a pruned row
         (``remap`` = (kept_starts, use_pruned, row_start)) key v % B of the v // B-th kept block."""
@@ -463,7 +467,7 @@ def radix_select_kernel(
                     for i in T.serial(T.ceildiv(block_segment, WARP)):
                         block = warp * block_segment + i * WARP + lane
                         best = T.if_then_else(block < n_blocks, T.cast(block_max[T.min(block, n_blocks - 1)], u32), T.uint32(0))
-                        kept_before = kept_before + T.cast(T.popcount(T.cast(T.ballot_sync((best != 0) & (best >= floor_image)), u32)), i32)
+                        kept_before = kept_before + T.cast(T.popcount(T.cast(T.ballot_sync(kept_block(best, floor_image)), u32)), i32)
                     if lane == 0:
                         warp_taken[warp] = kept_before
                     T.sync_threads()
@@ -473,12 +477,12 @@ def radix_select_kernel(
                         for i in T.serial(T.ceildiv(block_segment, WARP)):
                             block = warp * block_segment + i * WARP + lane
                             best = T.if_then_else(block < n_blocks, T.cast(block_max[T.min(block, n_blocks - 1)], u32), T.uint32(0))
-                            above_mask = T.cast(T.ballot_sync((best != 0) & (best >= floor_image)), u32)
-                            if (best != 0) & (best >= floor_image):
+                            above_mask = T.cast(T.ballot_sync(kept_block(best, floor_image)), u32)
+                            if kept_block(best, floor_image):
                                 kept_starts[kept_before + T.cast(T.popcount(above_mask & lanes_below), i32)] = start + block * prune_block
                             kept_before = kept_before + T.cast(T.popcount(above_mask), i32)
                         use_pruned = 1
-                        # From here the walks run over the kept blocks: slots [0, 8 * kept).
+                        # From here the walks run over the kept blocks: slots [0, B * kept).
                         start = 0
                         end = kept_blocks * prune_block
                         segment = T.ceildiv(end - start, WARPS * WARP) * WARP
