@@ -17,11 +17,10 @@ Shapes: H=64 index heads, D=128, R=4, T=512, causal, B=1, K = S/4. Rows per S:
 ``--shapes v41``: the released DeepSeek-V4.1 indexer, H=32 index heads of D=128 (MXFP4-rounded q
 and k), T=512, causal, B=1, each ratio of ``--v41-ratios`` (1: K = S, 2: K = S/2), candidate
 blocks of 8, 2048 kept. Rows: the scores alone; streamed (the default selector, with the window
-below the row maximum, the generic passes, and the pruned select: block maxima first, then the
-blocks reaching the T-th of them, blocks of 8 and of 4 keys); streamed reindex layers masked by
-candidate blocks (the default: blocks applied inside the window select; then the generic
-passes; the pruned selects; the torch block mask over the scores); the streamed candidate-source
-layer (S <= 65,536); materialised; built-in ``indexer_scores`` + torch.topk
+below the row maximum, and the generic passes); streamed reindex layers masked by candidate
+blocks (the default: blocks applied inside the window select; then the generic passes; then the
+torch block mask over the scores); the streamed
+candidate-source layer (S <= 65,536); materialised; built-in ``indexer_scores`` + torch.topk
 (S <= ``--builtin-max-seq``).
 Times are medians of CUDA-event timings after one warm-up call (compiles): "ms" synchronises
 before each call (so it holds the host's work before the first kernel), "queued ms" times calls
@@ -88,13 +87,6 @@ def _v41_rows(chunk_bytes: int):
         with mock.patch.dict(topk_kernels.TOP_WINDOW, {"bfloat16": False}):
             return stream(inputs, blocks, allowed)
 
-    def pruned(row, block=8):
-        def run(inputs, blocks, allowed):
-            with mock.patch.object(topk_kernels, "PRUNED_SELECT_BLOCK", block):
-                return row(inputs, blocks, allowed)
-
-        return run
-
     def reindex(inputs, blocks, allowed):
         _, q2, k, _, w2, ks, ke = inputs
         return v41_select_topk(q2, k, w2, ks, ke, TOPK, candidate_block_size=V41_BLOCK_SIZE,
@@ -140,12 +132,8 @@ def _v41_rows(chunk_bytes: int):
         "nemo_dsa stream v41": (stream, False, None),
         "nemo_dsa stream v41, 1 GiB chunks": (lambda *a: stream(*a, budget=2**30), False, None),
         "nemo_dsa stream v41, generic select": (stream_generic, False, None),
-        "nemo_dsa stream v41, pruned select": (pruned(stream), False, None),
-        "nemo_dsa stream v41, pruned select, blocks of 4": (pruned(stream, 4), False, None),
         "nemo_dsa stream v41 reindex": (reindex, False, None),
         "nemo_dsa stream v41 reindex, generic select": (reindex_generic, False, None),
-        "nemo_dsa stream v41 reindex, pruned select": (pruned(reindex), False, None),
-        "nemo_dsa stream v41 reindex, pruned select, blocks of 4": (pruned(reindex, 4), False, None),
         "nemo_dsa stream v41 reindex, torch block mask": (reindex_torch_mask, False, 32768),
         "nemo_dsa stream v41 candidate source": (source, False, 65536),
         "nemo_dsa stream v41 candidate source, maxima kernel": (source_maxima(True), False, 65536),
@@ -201,15 +189,11 @@ def _v41_check(rows, inputs, blocks, seq: int, ratio: int) -> dict:
     same = {
         "streaming_equals_materialising": torch.equal(stream, rows["nemo_dsa materialise v41"][0](inputs, blocks, None)),
         "generic_select_equal": torch.equal(stream, rows["nemo_dsa stream v41, generic select"][0](inputs, blocks, None)),
-        "pruned_select_equal": torch.equal(stream, rows["nemo_dsa stream v41, pruned select"][0](inputs, blocks, None)),
-        "pruned_select_4_equal": torch.equal(stream, rows["nemo_dsa stream v41, pruned select, blocks of 4"][0](inputs, blocks, None)),
         "kernel_equals_reference": torch.equal(stream, select_topk_reference(v41_scores_tilelang(q, k, w, ks, ke), TOPK, order="index")),
     }  # fmt: skip
     reindex = rows["nemo_dsa stream v41 reindex"][0](inputs, blocks, None)
     same["reindex_equals_torch_mask"] = torch.equal(reindex, rows["nemo_dsa stream v41 reindex, torch block mask"][0](inputs, blocks, None))
     same["reindex_generic_equal"] = torch.equal(reindex, rows["nemo_dsa stream v41 reindex, generic select"][0](inputs, blocks, None))
-    same["reindex_pruned_equal"] = torch.equal(reindex, rows["nemo_dsa stream v41 reindex, pruned select"][0](inputs, blocks, None))
-    same["reindex_pruned_4_equal"] = torch.equal(reindex, rows["nemo_dsa stream v41 reindex, pruned select, blocks of 4"][0](inputs, blocks, None))
     keep = blocks_to_mask(blocks, ks, ke, V41_BLOCK_SIZE, k.shape[1])
     masked = v41_scores_tilelang(q2, k, w2, ks, ke).masked_fill(~keep, float("-inf"))
     same["reindex_equals_reference"] = torch.equal(reindex, select_topk_reference(masked, TOPK, order="index"))

@@ -13,7 +13,7 @@ export PYTHONUNBUFFERED=1
 step() { echo "== $* ($(date +%T))"; }
 
 step precompile
-python3 scripts/precompile_kernels.py --workers 16 --heads 8 16 32 64 128 --dims 64 128 --counts 64 100 512 1024 2048 --pruned \
+python3 scripts/precompile_kernels.py --workers 16 --heads 8 16 32 64 128 --dims 64 128 --counts 64 100 512 1024 2048 \
   >"$out/precompile.txt" 2>&1 || tail -5 "$out/precompile.txt"
 
 step "pytest -m gpu (three groups at once: kernel compiles take the CPUs, the tests are short)"

@@ -6,7 +6,6 @@ any machine with the same TileLang and carried along:
 
     TILELANG_CACHE_DIR=/tmp/tilelang-cache python scripts/precompile_kernels.py --workers 16
     python scripts/precompile_kernels.py --heads 64 --dims 128     # just the benchmark's shapes
-    python scripts/precompile_kernels.py --pruned                  # + the opt-in pruned selectors
 """
 
 from __future__ import annotations
@@ -16,19 +15,16 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 
-def _jobs(heads: list[int], dims: list[int], counts: list[int], pruned: bool = False) -> list[tuple]:
+def _jobs(heads: list[int], dims: list[int], counts: list[int]) -> list[tuple]:
     import torch
 
-    from nemo_dsa.ops.topk.kernels import PRUNE_BLOCKS, SelectConfig, select_config
+    from nemo_dsa.ops.topk.kernels import select_config
 
     scorers = [(kind, h, d) for kind in ("v4_fwd", "v4_bwd", "v41") for h in heads for d in dims]
     # Selectors for both dtypes and orders (V4 sorts fp32 by score, V4.1 bf16 by index; the other
     # pairs serve the generic select_topk).
     configs = {select_config(dtype, count, order) for dtype in (torch.float32, torch.bfloat16)
                for order in ("score", "index") for count in counts}
-    if pruned:  # bf16 by index (V4.1; candidate blocks of 8 and the tests' 3) and by score (T <= 512)
-        configs |= {SelectConfig("bfloat16", 128, "index", True, block_size, b) for block_size in (0, 8, 3) for b in PRUNE_BLOCKS}
-        configs |= {SelectConfig("bfloat16", slots, "score", True, 0, b) for slots in (128, 512) for b in PRUNE_BLOCKS}
     selectors = [("select", c) for c in sorted(configs, key=str)]
     # The sparse-attention kernels (forwards, backward, window dkv, delta) of every head dim/mode.
     from nemo_dsa.ops.sparse_attention.kernels import KERNEL_DIMS, dispatched_configs
@@ -79,9 +75,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dims", type=int, nargs="+", default=list(SUPPORTED_DIMS))
     parser.add_argument("--counts", type=int, nargs="+", default=[512], help="top-k sizes the selector serves")
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--pruned", action="store_true", help="also the opt-in pruned selectors (their tests, the benchmark)")
     args = parser.parse_args(argv)
-    jobs = _jobs(args.heads, args.dims, args.counts, args.pruned)
+    jobs = _jobs(args.heads, args.dims, args.counts)
     start = time.perf_counter()
     with ProcessPoolExecutor(args.workers) as pool:
         for line in pool.map(_compile, jobs):

@@ -142,27 +142,6 @@ def test_v41_candidate_blocks_on_the_gpu(layout, blocks_in_select, window, monke
         assert torch.equal(index2, ref_reindex)
 
 
-@pytest.mark.parametrize("layout,ratio,prune_block", [("causal", 1, 8), ("causal", 2, 4), ("packed", 1, 4)])
-def test_v41_pruned_select_streams_exactly(layout, ratio, prune_block, monkeypatch):
-    """With the pruned select (opt-in), the streamed V4.1 selection and its reindex layer equal
-    the reference on rows long enough to be pruned (more than 8,192 visible keys)."""
-    from nemo_dsa.ops.topk import kernels as topk_kernels
-
-    monkeypatch.setattr(topk_kernels, "PRUNED_SELECT_BLOCK", prune_block)
-    batch, queries, heads, dim, topk, block_size = 1, 20_011, 32, 128, 512, 8
-    ks, ke, num_keys = _layout(layout, batch, queries, ratio, seed=11)
-    q, k, w = indexer_inputs(batch, queries, heads, dim, num_keys, 12, w_dtype=torch.bfloat16, w_scale="fan_in", device="cuda")
-    full = _v41_full(q, k, w, ks, ke)
-    assert int((ke - ks).max()) > 2 * topk * prune_block  # some rows are pruned
-    ref = select_topk_reference(full, topk, order="index")
-    for budget in (DEFAULT_CHUNK_BYTES, 8 * 2**20):
-        assert torch.equal(v41_select_topk(q, k, w, ks, ke, topk, backend="tilelang", chunk_bytes=budget), ref)
-    blocks = candidate_blocks(full, ks, ke, block_size, 1024)
-    keep = blocks_to_mask(blocks, ks, ke, block_size, num_keys)
-    index = v41_select_topk(q, k, w, ks, ke, topk, candidate_block_size=block_size, candidate_blocks=blocks)
-    assert torch.equal(index, select_topk_reference(full.masked_fill(~keep, -INF), topk, order="index"))
-
-
 @pytest.mark.parametrize("mode", ["v4", "v41"])
 def test_peak_memory_stays_within_the_chunk_budget(mode):
     batch, queries, heads, dim, topk, budget = 1, 16384, 64, 128, 512, 64 * 2**20

@@ -177,42 +177,6 @@ def test_candidate_blocks_fast_path_equals_reference(c, dtype):
     assert got[0, 0, -1] == (10 - 1) // 4 and got[0, 1, -1] == (12 - 1 - 2) // 4
 
 
-@pytest.mark.parametrize("kind", ["continuous", "quantised", "special"])
-@pytest.mark.parametrize("topk", [1, 7, 64])
-@pytest.mark.parametrize("block", [4, 8])
-def test_blocks_reaching_the_topk_th_block_maximum_hold_the_selection(kind, topk, block):
-    """The pruned select's premise (docs/semantics.md, "Top-k selection"): with tau the T-th
-    largest finite block maximum (blocks of 4 or 8 keys from ks), selecting among the blocks whose
-    maximum is >= tau (all blocks with a finite key if fewer than T have one) gives the row's
-    selection, ties at the cut included, on rows with long runs of ties, NaN and infinities."""
-    g = generator(["continuous", "quantised", "special"].index(kind) * 100 + topk + block)
-    rows, width = 40, 1000
-    if kind == "continuous":
-        scores = torch.randn(rows, width, generator=g)
-    else:
-        scores = (torch.randint(-3, 4, (rows, width), generator=g) / 2).float()
-    if kind == "special":
-        pick = torch.rand(rows, width, generator=g)
-        scores[pick < 0.1] = float("nan")
-        scores[(pick >= 0.1) & (pick < 0.2)] = float("inf")
-        scores[(pick >= 0.2) & (pick < 0.6)] = float("-inf")
-    scores = scores.bfloat16()
-    ks = torch.randint(0, width // 3, (rows,), generator=g)
-    ke = torch.randint(width // 2, width + 1, (rows,), generator=g)
-    cols = torch.arange(width)
-    inside = (cols >= ks[:, None]) & (cols < ke[:, None])
-    scores = scores.masked_fill(~inside, float("-inf"))
-    want = select_topk_reference(scores, topk, "index")
-    block_of = torch.div((cols - ks[:, None]).clamp_min(0), block, rounding_mode="floor")  # [rows, width]
-    finite = torch.where(torch.isfinite(scores), scores.float(), -math.inf)
-    maxima = torch.full((rows, max(width // block + 2, topk)), -math.inf).scatter_reduce(1, block_of, finite, "amax")
-    ranked = maxima.sort(-1, descending=True).values
-    tau = torch.where(torch.isfinite(ranked[:, topk - 1]), ranked[:, topk - 1], torch.finfo(torch.float32).min)
-    kept = (torch.gather(maxima, 1, block_of) >= tau[:, None]) & torch.isfinite(torch.gather(maxima, 1, block_of))
-    assert not kept.all()  # the premise is exercised: some blocks are dropped
-    assert torch.equal(select_topk_reference(scores.masked_fill(~kept, float("-inf")), topk, "index"), want)
-
-
 def test_extract_topk_scores_gathers_with_minus_one():
     logits = torch.randn(2, 3, 5)
     idx = torch.tensor([[[4, -1], [0, 2], [-1, -1]], [[1, 1], [3, 0], [2, -1]]])

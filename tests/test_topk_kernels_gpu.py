@@ -6,7 +6,7 @@ docs/semantics.md rule with unique keys): fresh random rows of ragged widths, bo
 NaN/+-inf, signed zeros, rows with fewer finite scores than T and rows that see nothing, rows
 past the kernel's register cache (8192 keys) and past 65536 keys; bf16 rows whose cut the window
 below the row's maximum decides and rows it cannot (the generic passes), each also through the
-window-less kernel; the pruned select (opt-in) on rows it prunes and rows it leaves whole; candidate-block masks applied inside the select (unordered, repeated, -1 and
+window-less kernel; candidate-block masks applied inside the select (unordered, repeated, -1 and
 out-of-row blocks, block sizes 3 / 4 / 8) against masking the scores first; V4.1 candidate blocks
 (block maxima + the select over blocks) against their reference. Outputs are poisoned before the
 kernel writes them.
@@ -17,7 +17,7 @@ import zlib
 import pytest
 import torch
 
-from nemo_dsa.ops.topk import blocks_to_mask, candidate_blocks, candidate_blocks_reference, candidates, select_topk_reference
+from nemo_dsa.ops.topk import candidate_blocks, candidate_blocks_reference, candidates, select_topk_reference
 from nemo_dsa.ops.topk.block_kernels import block_maxima_tilelang
 from nemo_dsa.ops.topk.interface import select_topk
 from nemo_dsa.ops.topk import kernels as topk_kernels
@@ -153,6 +153,7 @@ def _random_blocks(rows: int, width: int, block_size: int, seed: int) -> torch.T
 def test_block_masked_kernel_equals_reference(dtype, order, window, kind, count, width, block_size, monkeypatch):
     """Candidate-block masks applied inside the select equal masking the scores first."""
     use_bf16_window(monkeypatch, window)
+    from nemo_dsa.ops.topk import blocks_to_mask
 
     rows = 67
     seed = zlib.crc32(f"mask{dtype}{order}{kind}{count}".encode()) % 1000
@@ -192,55 +193,6 @@ def test_bf16_window_and_generic_passes_agree(spread):
         index2, picked2 = _poisoned(rows, count, torch.bfloat16)
         kernel(scores, ks, ke, index2, picked2, 0, torch.empty((1, 1), dtype=torch.int32, device="cuda"))
         assert torch.equal(index2, want_index) and torch.equal(picked2, want_picked), top_window
-
-
-def _spread_rows(rows: int, width: int, spread: float, seed: int) -> torch.Tensor:
-    """bf16 rows of very different ranges (the T-th key near or far below the row's maximum)."""
-    g = torch.Generator().manual_seed(seed)
-    scale = torch.exp(torch.randn(rows, 1, generator=g) * spread)
-    return (torch.randn(rows, width, generator=g) * scale + torch.randn(rows, 1, generator=g)).bfloat16().cuda()
-
-
-@pytest.mark.parametrize("kind", ["spread", "continuous", "quantised", "special"])
-# Rows from 9,000 keys (pruned: more than 2 T blocks) to past PRUNE_MAX_BLOCKS blocks (the
-# whole row again); T up to 2048 (too many to prune with the cache's kept blocks); candidate
-# blocks of 8 (V4.1's) and 3 where the rows fit the block map; score order (no V4.1 path sorts
-# bf16) for two sort widths. `scripts/precompile_kernels.py --pruned` builds these selectors.
-@pytest.mark.parametrize("order,count,width,block_size", [
-    ("index", 512, 9000, 0), ("index", 512, 20_001, 0), ("index", 100, 33_333, 0), ("index", 2048, 40_000, 0),
-    ("index", 64, 140_000, 0), ("index", 512, 20_001, 8), ("index", 2048, 40_000, 8), ("index", 100, 33_333, 3),
-    ("index", 512, 9000, 3), ("score", 512, 20_001, 0), ("score", 100, 33_333, 0),
-])  # fmt: skip
-@pytest.mark.parametrize("prune_block", topk_kernels.PRUNE_BLOCKS)
-def test_pruned_select_equals_reference(order, kind, count, width, block_size, prune_block, monkeypatch):
-    """The pruned select (block maxima, then the blocks reaching the T-th of them) on fresh rows
-    of every kind: rows it prunes (continuous and spread rows, the T-th block maximum inside or
-    outside the window below the row's maximum), rows whose kept blocks outgrow the register
-    cache (quantised: ties everywhere), rows with fewer finite blocks than T (special, short
-    ranges) and rows too long to prune, with and without candidate-block masks."""
-    monkeypatch.setattr(topk_kernels, "PRUNED_SELECT_BLOCK", prune_block)
-    assert topk_kernels.select_config(torch.bfloat16, count, order, block_size).prune_block == prune_block
-    rows = 37
-    seed = zlib.crc32(f"pruned{order}{kind}{count}{width}{block_size}{prune_block}".encode()) % 1000
-    ks, ke = _ranges(rows, width, seed)
-    ks[2:10], ke[2:10] = 0, width  # whole rows: the longest, pruned or past the limit
-    ks[10], ke[10] = 3, width - 5  # unaligned ends
-    if kind == "spread":
-        scores = _spread_rows(rows, width, 1.0, seed)
-    else:
-        scores = _rows(kind, rows, width, torch.bfloat16, seed)
-    scores = _mask_outside(scores, ks, ke)
-    out = _poisoned(rows, count, torch.bfloat16)
-    if block_size:
-        blocks = _random_blocks(rows, width, block_size, seed)
-        index, picked = select_rows_tilelang(scores, count, order, ks, ke, out=out, blocks=blocks, block_size=block_size)
-        keep = blocks_to_mask(blocks[None], ks[None], ke[None], block_size, width)[0]
-        scores = scores.masked_fill(~keep, float("-inf"))
-    else:
-        index, picked = select_rows_tilelang(scores, count, order, ks, ke, out=out)
-    want_index, want_picked = _expected(scores, count, order)
-    assert torch.equal(index, want_index)
-    assert torch.equal(picked, want_picked)
 
 
 @pytest.mark.parametrize("dtype,window", [pytest.param(*p.values, id=p.id) for p in SELECTORS])

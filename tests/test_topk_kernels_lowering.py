@@ -3,9 +3,8 @@ sm_90a within Hopper's shared memory, with the row's images cached in registers,
 histogram with no barrier inside the passes' key loops, an ordered warp-ballot gather, no barrier
 under a thread-dependent branch (that hangs the GPU); bf16 rows first try the window below the
 row's maximum (a max walk and a per-warp histogram walk, the gather's counts from those
-histograms); candidate-block masks live in static shared memory and add no barrier; the pruned
-select (opt-in) first walks the row once for its block maxima, then runs the same passes; one
-compiles to a cubin with nvcc; the wrapper and the dispatcher validate their inputs."""
+histograms); candidate-block masks live in static shared memory and add no barrier; one compiles
+to a cubin with nvcc; the wrapper and the dispatcher validate their inputs."""
 
 import re
 import shutil
@@ -23,7 +22,6 @@ from nemo_dsa.ops.topk.kernels import (
     MASK_BLOCKS,
     MAX_COUNT,
     MIN_BLOCKS_PER_SM,
-    PRUNE_MAX_BLOCKS,
     SELECT_PASS_CONFIGS,
     TOP_WINDOW,
     UNROLL,
@@ -132,52 +130,6 @@ def test_every_config_lowers_within_shared_memory():
         assert ("__shfl_xor_sync" in source) == (config.order == "score" or config.top_window), config
 
 
-PRUNED = [
-    SelectConfig("bfloat16", 128, "index", True, prune_block=8),
-    SelectConfig("bfloat16", 128, "index", True, 8, prune_block=4),
-    SelectConfig("bfloat16", 128, "index", True, prune_block=4),
-    SelectConfig("bfloat16", 512, "score", True, prune_block=8),
-]
-
-
-def test_pruned_select_lowers_with_one_block_maxima_walk():
-    """The pruned select: block maxima and kept blocks' starts in static shared memory, a first
-    walk over the row without a barrier that reduces each block's images across its 8 lanes
-    (shuffles), the kept blocks read through their starts, then the unpruned kernel's walks."""
-    for config, source, smem in map_in_workers(_lower, PRUNED):
-        keep = CACHED_STEPS * UNROLL * 256 // config.prune_block
-        static = 2 * PRUNE_MAX_BLOCKS + 4 * keep + (MASK_BLOCKS if config.block_size else 0)
-        assert smem + static <= HOPPER_SMEM_LIMIT, config
-        assert f"ushort block_max[{PRUNE_MAX_BLOCKS}];" in source and f"int kept_starts[{keep}];" in source, config
-        maxima_walk, *rest = _barriers_per_step_loop(source)
-        assert maxima_walk == 0, config
-        walk = source[source.index("for (int step = 0; step < steps; ++step)") :]
-        walk = walk[: walk.index("block_max[(slot >> ")]
-        lanes = [d for d in (1, 2, 4, 8) if f"__shfl_xor_sync((uint)4294967295, best, {d}, 32)" in walk]
-        assert lanes == [1, 2, 4][: config.prune_block.bit_length() - 1], (config, lanes)
-        assert "kept_starts[min(" in source and "use_pruned == 1" in source, config
-        window, *passes, counting, writing = rest[:2], *rest[2:]
-        assert not any(window) and len(passes) == len(DIGIT_BITS["bfloat16"]) and not any(passes), (config, rest)
-        assert counting == 0 and writing == (1 if config.order == "score" else 0), (config, rest)
-        assert not _barriers_under_thread_branches(source), config
-
-
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found: cannot run ptxas")
-def test_pruned_select_spills_about_as_little_as_the_whole_row_kernel():
-    """ptxas at the 64 registers of four blocks an SM: the pruned prologue's state (the kept
-    blocks' map, the row's own ends) adds at most a few words of spill (measured: 12 bytes of
-    spill stores + loads for both unmasked, 128 against 96 with candidate blocks of 8)."""
-    from _lowering import ptxas_report
-
-    def spilled(config):
-        report = ptxas_report(_lower(config)[1])
-        return sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report))
-
-    for pruned in PRUNED[:3]:
-        whole_row = SelectConfig(pruned.score_dtype, pruned.slots, pruned.order, True, pruned.block_size)
-        assert spilled(pruned) <= spilled(whole_row) + 48, pruned
-
-
 def test_barrier_check_sees_a_thread_dependent_branch():
     source = "if (((int)threadIdx.x) == 0) {\n  x = 1;\n} else {\n  __syncthreads();\n}\n__syncthreads();\n"
     assert _barriers_under_thread_branches(source) == ["__syncthreads();"]
@@ -249,20 +201,6 @@ def test_tuning_knobs_lower_and_are_checked():
         radix_select_kernel("float32", 128, "index", top_window=True)
     with pytest.raises(ValueError, match="block_size"):
         radix_select_kernel("bfloat16", 128, "index", block_size=-1)
-    for bad in (dict(score_dtype="float32", top_window=False), dict(top_window=False), dict(prune_block=2)):
-        with pytest.raises(ValueError, match="prune_block"):
-            radix_select_kernel(**{"score_dtype": "bfloat16", "slots": 128, "order": "index", "top_window": True,
-                                   "prune_block": 8, **bad})  # fmt: skip
-
-
-def test_pruned_select_is_opt_in(monkeypatch):
-    from nemo_dsa.ops.topk import kernels as topk_kernels
-
-    assert not any(c.prune_block for c in dispatched_configs()) and not select_config(torch.bfloat16, 512, "index").prune_block
-    monkeypatch.setattr(topk_kernels, "PRUNED_SELECT_BLOCK", 4)
-    assert select_config(torch.bfloat16, 512, "index", block_size=8).prune_block == 4
-    assert not select_config(torch.float32, 512, "score").prune_block
-    assert {c.prune_block for c in dispatched_configs()} == {4, 0}  # bf16 pruned, fp32 not
 
 
 def test_block_mask_limits_and_arguments():

@@ -29,9 +29,6 @@ walk). A row whose T-th key lies further below its maximum (or that has fewer th
 falls back to the generic passes. Candidate blocks (V4.1 reindex layers): with ``block_size`` the
 row's kept blocks go into a byte map in static shared memory and keys of other blocks get image 0,
 so the select applies the mask while it reads the scores (no [rows, W] mask, no rewrite).
-Pruning (bf16, opt-in, ``prune_block``): a long row is first read once for the maxima of its
-blocks of 4 or 8 keys, and everything above then runs on the blocks whose maximum reaches the
-T-th largest block maximum (exact, ties included; PRUNE_BLOCKS), held whole in registers.
 
 Cost at S = 32768, K = 8192 causal (4096 visible keys a row on average), T = 512: one read of the
 row (256 MiB bf16 / 512 MiB fp32 for the whole matrix, ~0.1 ms of HBM), 2 histogram passes for
@@ -82,20 +79,6 @@ WINDOW_BINS = THREADS
 TOP_WINDOW = {"float32": False, "bfloat16": True}
 # Candidate-block masks (V4.1 reindex layers): one byte per block of the row in shared memory.
 MASK_BLOCKS = 16384
-# Pruned select (bf16, opt-in): one walk writes the maxima of the row's blocks of B keys (from
-# ks) to shared memory; tau, the T-th largest block maximum, is at most the T-th largest key
-# (T blocks hold a key >= tau each), so every selected key, and every key tied with the T-th,
-# lies in a block whose maximum is >= tau (docs/semantics.md, "Top-k selection"). The select
-# then runs on those blocks alone (a virtual row of at most CACHED_KEYS keys: read once into the
-# register cache) instead of the whole row, whose walks re-read every key past CACHED_KEYS.
-# A row is pruned when it has more than 2 T blocks (and T <= half the kept blocks the cache
-# holds, at most PRUNE_MAX_BLOCKS blocks); one whose kept blocks outgrow the cache (tau found
-# outside the window below the row's largest maximum, or ties) is selected whole.
-PRUNE_BLOCKS = (4, 8)  # B: smaller blocks keep fewer keys, larger ones take fewer shuffles a key
-PRUNE_MAX_BLOCKS = 16384
-# Not measured yet: the stream's select prunes with blocks of this many keys when it is one of
-# PRUNE_BLOCKS (0: off; tests build both sizes).
-PRUNED_SELECT_BLOCK = 0
 # Every access of the kernel is in bounds by construction (keys below the row's end <= width,
 # outputs below count, block maps within MASK_BLOCKS), so TileLang's per-access bound checks are
 # off: they were two compares and a branch on every score load (ncu, docs/performance.md v14).
@@ -117,7 +100,6 @@ class SelectConfig:
     order: str  # "score" | "index"
     top_window: bool = False  # bf16: the cut from one histogram below the row's maximum
     block_size: int = 0  # > 0: keys outside the row's kept candidate blocks are never selected
-    prune_block: int = 0  # bf16, > 0: select among the blocks of this many keys reaching the T-th block maximum
 
     def shared_memory_bytes(self) -> int:
         """Dynamic shared memory: the buffers live together during the gather: the per-warp
@@ -145,19 +127,14 @@ def select_config(score_dtype: torch.dtype, count: int, order: str, block_size: 
         raise ValueError(f"count must be in [1, {MAX_COUNT}] for the TileLang selector, got {count}")
     check_positive_int("block_size", block_size, minimum=0)
     slots = sort_slots(count) if order == "score" else MIN_SLOTS
-    return SelectConfig(name, slots, order, TOP_WINDOW[name], block_size, prune_block_for(name))
-
-
-def prune_block_for(score_dtype: str) -> int:
-    """The pruned select's block size for scores of ``score_dtype`` (0: the whole-row select)."""
-    return PRUNED_SELECT_BLOCK if score_dtype == "bfloat16" and TOP_WINDOW[score_dtype] else 0
+    return SelectConfig(name, slots, order, TOP_WINDOW[name], block_size)
 
 
 def dispatched_configs() -> list[SelectConfig]:
     """Every configuration the wrapper can build: dtypes, orders and sort widths."""
     widths = {"score": [MIN_SLOTS << i for i in range((MAX_COUNT // MIN_SLOTS).bit_length())], "index": [MIN_SLOTS]}
     return [
-        SelectConfig(dtype, slots, order, TOP_WINDOW[dtype], prune_block=prune_block_for(dtype))
+        SelectConfig(dtype, slots, order, TOP_WINDOW[dtype])
         for dtype in SCORE_BITS for order in ORDERS for slots in widths[order]
     ]  # fmt: skip
 
@@ -173,7 +150,6 @@ def radix_select_kernel(
     order: str,
     top_window: bool | None = None,
     block_size: int = 0,
-    prune_block: int = 0,
     *,
     cached_steps: int = CACHED_STEPS,
     min_blocks: int | None = None,
@@ -189,10 +165,7 @@ def radix_select_kernel(
     numbered from ks in blocks of ``block_size`` keys, -1 padded; keys of other blocks are never
     selected (as if -inf). ``top_window`` (bf16 only; None = ``TOP_WINDOW``): the cut from one
     per-warp histogram of the images' distances below the row's largest image when the T-th key
-    lies within WINDOW_BINS images of it, else the generic passes. ``prune_block`` (bf16 with
-    ``top_window``; 0 = off, else one of PRUNE_BLOCKS): a first walk writes the maxima of the row's
-    blocks of that many keys, and the walks above then run over the blocks whose maximum reaches
-    the T-th largest of them (see PRUNE_BLOCKS).
+    lies within WINDOW_BINS images of it, else the generic passes.
     ``cached_steps``, ``min_blocks`` (blocks an SM must hold: caps the registers) and
     ``digit_bits`` (the passes' digit widths) are tuning knobs; the defaults are the measured
     best (docs/performance.md v7).
@@ -214,11 +187,6 @@ def radix_select_kernel(
         raise ValueError("top_window needs bfloat16 scores (one histogram bin per image)")
     check_positive_int("block_size", block_size, minimum=0)
     masked = block_size > 0
-    pruned = prune_block > 0
-    if pruned and (prune_block not in PRUNE_BLOCKS or score_dtype != "bfloat16" or not top_window):
-        raise ValueError(f"prune_block must be one of {PRUNE_BLOCKS} with bfloat16 scores and top_window, got {prune_block}")
-    keep_blocks = cached_steps * THREADS * UNROLL // prune_block if pruned else 0  # the kept blocks the cache holds
-    block_bits = prune_block.bit_length() - 1
     # (shift, bits) of each pass's digit of the image, most significant first
     passes = [(score_bits - sum(digit_bits[: i + 1]), bits) for i, bits in enumerate(digit_bits)]
     log_slots = slots.bit_length() - 1
@@ -239,48 +207,25 @@ def radix_select_kernel(
         image = image + T.cast(bits == sign, u32)
         return image * T.cast((bits & exponent) != exponent, u32)
 
-    def kept_block(block_image, floor_image):
-        """Whether a pruned row keeps a block: a finite key and a maximum >= tau."""
-        return (block_image != 0) & (block_image >= floor_image)
-
-    def row_key(v, remap):
-        """The row's key at slot ``v`` of the walk: ``v`` itself, or with a pruned row
-        (``remap`` = (kept_starts, use_pruned, row_start)) key v % B of the v // B-th kept block."""
-        if remap is None:
-            return v
-        kept_starts, use_pruned, _ = remap
-        block = T.min(T.shift_right(v, block_bits), keep_blocks - 1)
-        return T.if_then_else(use_pruned == 1, kept_starts[block] + T.bitwise_and(v, prune_block - 1), v)
-
     @T.macro
-    def load_step(Scores, row, first_key, segment_end, step, raw, base, remap, row_end):
-        """raw[base + u] = this lane's key of slot step * UNROLL + u (-inf past ``segment_end``;
-        a pruned row's slots map to keys of its kept blocks, -inf past the row's end)."""
+    def load_step(Scores, row, first_key, segment_end, step, raw, base):
+        """raw[base + u] = this lane's key of slot step * UNROLL + u (-inf past ``segment_end``)."""
         for u in T.unroll(UNROLL):
-            if remap is None:
-                j = first_key + (step * UNROLL + u) * WARP
-                # No clamp of j: the load runs only below segment_end <= width (a clamp made the
-                # index arithmetic 64-bit compares and selects, measured with ncu, v14).
-                raw[base + u] = T.if_then_else(j < segment_end, Scores[row, j], -T.infinity(dtype))
-            else:
-                v = first_key + (step * UNROLL + u) * WARP
-                j = row_key(v, remap)
-                raw[base + u] = T.if_then_else((v < segment_end) & (j < row_end), Scores[row, j], -T.infinity(dtype))
+            j = first_key + (step * UNROLL + u) * WARP
+            # No clamp of j: the load runs only below segment_end <= width (a clamp made the
+            # index arithmetic 64-bit compares and selects, measured with ncu, v14).
+            raw[base + u] = T.if_then_else(j < segment_end, Scores[row, j], -T.infinity(dtype))
 
-    def kept_image(x, j, start, kept, remap=None):
+    def kept_image(x, j, start, kept):
         """The image of score ``x`` of key ``j``, 0 when its candidate block is not kept (the
-        block map holds 0/1; keys past the row's end are -inf, image 0, whatever the map says).
-        With ``remap`` (a pruned row's walks), ``j`` is a slot of the walk: the map is read at
-        its key, from the row's own start."""
+        block map holds 0/1; keys past the row's end are -inf, image 0, whatever the map says)."""
         if not masked:
             return image_of(x)
-        if remap is not None:  # (slots past the row's kept blocks read stale starts: kept >= start)
-            j, start = T.max(row_key(j, remap), remap[2]), remap[2]
         block = T.min(T.cast((j - start) // block_size, i32), MASK_BLOCKS - 1)
         return image_of(x) * T.cast(kept[block], u32)
 
     @T.macro
-    def fetch_step(Scores, row, first_key, segment_end, step, raw, cached, images, start, kept, remap, row_end):
+    def fetch_step(Scores, row, first_key, segment_end, step, raw, cached, images, start, kept):
         """images[u] for the keys of ``step``: from the registers for the first ``cached_steps``
         steps, loaded again for later ones (all loads issued before the first image)."""
         if step < cached_steps:
@@ -289,9 +234,9 @@ def radix_select_kernel(
                     for u in T.unroll(UNROLL):
                         images[u] = cached[c * UNROLL + u]
         else:
-            load_step(Scores, row, first_key, segment_end, step, raw, 0, remap, row_end)
+            load_step(Scores, row, first_key, segment_end, step, raw, 0)
             for u in T.unroll(UNROLL):
-                images[u] = kept_image(raw[u], first_key + (step * UNROLL + u) * WARP, start, kept, remap)
+                images[u] = kept_image(raw[u], first_key + (step * UNROLL + u) * WARP, start, kept)
 
     @T.prim_func
     def radix_select(
@@ -388,114 +333,11 @@ def radix_select_kernel(
             if order == "score":
                 for r in T.serial(per_thread):
                     keys[r * THREADS + tx] = T.uint64(0)  # 0 sorts last: the -1 padding
-            remap = None  # the walks read the row's keys in order (pruned rows: their kept blocks)
-            row_end = None
-            if pruned:
-                block_max = T.alloc_shared([PRUNE_MAX_BLOCKS], T.uint16, scope="shared")  # image maxima
-                kept_starts = T.alloc_shared([keep_blocks], i32, scope="shared")  # kept blocks' first keys
-                tau = T.alloc_shared([1], u32)
-                use_pruned = T.alloc_var(i32)
-                row_end = T.alloc_var(i32)
-                row_start = T.alloc_var(i32)
-                n_blocks = T.alloc_var(i32)
-                block_segment = T.alloc_var(i32)  # (the walks' ``segment`` stays the row's if it is not pruned)
-                best = T.alloc_var(u32)
-                block = T.alloc_var(i32)
-                floor_image = T.alloc_var(u32)  # tau
-                kept_before = T.alloc_var(i32)  # kept blocks before this lane's, in index order
-                kept_blocks = T.alloc_var(i32)
-                row_start = start
-                row_end = end
-                use_pruned = 0
-                n_blocks = T.ceildiv(end - start, prune_block)
-                # Uniform in the block: rows of more than 2 T blocks, T at most half the cache's.
-                if (n_blocks > 2 * count) & (2 * count <= keep_blocks) & (n_blocks <= PRUNE_MAX_BLOCKS):
-                    # 1. Each block's largest image (lanes B g .. B g + B - 1 of a load hold one
-                    # block: segments are multiples of 32 keys from ks) and the row's largest.
-                    top = T.uint32(0)
-                    for s in T.serial(steps):
-                        load_step(Scores, row, first_key, segment_end, s, raw, 0, None, None)
-                        for u in T.unroll(UNROLL):
-                            best = kept_image(raw[u], first_key + (s * UNROLL + u) * WARP, start, kept)
-                            for d in tuple(1 << i for i in range(block_bits)):
-                                best = T.max(best, T.shfl_xor(best, d))
-                            top = T.max(top, best)
-                            slot = first_key + (s * UNROLL + u) * WARP - start
-                            if (lane % prune_block == 0) & (slot < end - start):
-                                block_max[T.shift_right(slot, block_bits)] = T.cast(best, T.uint16)
-                    for d in tuple(1 << i for i in range(block_bits, 5)):
-                        top = T.max(top, T.shfl_xor(top, d))
-                    if lane == 0:
-                        warp_best[warp] = top
-                    for w in range(WARPS):
-                        whist[w * WINDOW_BINS + tx] = 0
-                    T.sync_threads()
-                    for w in range(WARPS):
-                        top = T.max(top, warp_best[w])
-                    # 2. tau: the T-th largest block maximum, from per-warp histograms of the
-                    # maxima's distances below the row's largest image (as the window cut below);
-                    # fewer than T of them in the window: tau = 1, every block with a finite key.
-                    for i in T.serial(T.ceildiv(n_blocks, THREADS)):
-                        if i * THREADS + tx < n_blocks:
-                            best = T.cast(block_max[i * THREADS + tx], u32)
-                            if (best != 0) & (top - best < WINDOW_BINS):
-                                T.atomic_add(whist[warp * WINDOW_BINS + T.cast(top - best, i32)], 1)
-                    T.sync_threads()
-                    count_here = sum(whist[w * WINDOW_BINS + tx] for w in range(WARPS))
-                    running = count_here
-                    for d in (1, 2, 4, 8, 16):
-                        other = T.shfl_up(running, d)
-                        if lane >= d:
-                            running = running + other
-                    if lane == WARP - 1:
-                        warp_sums[warp] = running
-                    T.sync_threads()
-                    for w in range(WARPS - 1):
-                        if w < warp:
-                            running = running + warp_sums[w]
-                    if running >= count and running - count_here < count:
-                        tau[0] = top - T.cast(tx, u32)
-                    if (tx == THREADS - 1) & (running < count):
-                        tau[0] = T.uint32(1)
-                    T.sync_threads()
-                    # 3. The kept blocks' first keys in index order: warp w owns a contiguous run
-                    # of blocks, counts its kept ones (ballots), then writes them after the
-                    # warps before it.
-                    floor_image = tau[0]
-                    block_segment = T.ceildiv(n_blocks, WARPS * WARP) * WARP  # blocks a warp owns
-                    kept_before = 0
-                    for i in T.serial(T.ceildiv(block_segment, WARP)):
-                        block = warp * block_segment + i * WARP + lane
-                        best = T.if_then_else(block < n_blocks, T.cast(block_max[T.min(block, n_blocks - 1)], u32), T.uint32(0))
-                        kept_before = kept_before + T.cast(T.popcount(T.cast(T.ballot_sync(kept_block(best, floor_image)), u32)), i32)
-                    if lane == 0:
-                        warp_taken[warp] = kept_before
-                    T.sync_threads()
-                    kept_before = sum(T.if_then_else(w < warp, warp_taken[w], 0) for w in range(WARPS))
-                    kept_blocks = sum(warp_taken[w] for w in range(WARPS))
-                    if kept_blocks <= keep_blocks:
-                        for i in T.serial(T.ceildiv(block_segment, WARP)):
-                            block = warp * block_segment + i * WARP + lane
-                            best = T.if_then_else(block < n_blocks, T.cast(block_max[T.min(block, n_blocks - 1)], u32), T.uint32(0))
-                            above_mask = T.cast(T.ballot_sync(kept_block(best, floor_image)), u32)
-                            if kept_block(best, floor_image):
-                                kept_starts[kept_before + T.cast(T.popcount(above_mask & lanes_below), i32)] = start + block * prune_block
-                            kept_before = kept_before + T.cast(T.popcount(above_mask), i32)
-                        use_pruned = 1
-                        # From here the walks run over the kept blocks: slots [0, B * kept).
-                        start = 0
-                        end = kept_blocks * prune_block
-                        segment = T.ceildiv(end - start, WARPS * WARP) * WARP
-                        first_key = start + warp * segment + lane
-                        segment_end = T.min(end, start + (warp + 1) * segment)
-                        steps = T.ceildiv(segment, UNROLL * WARP)
-                    T.sync_threads()
-                remap = (kept_starts, use_pruned, row_start)
             # The row's first CACHED_KEYS keys, read once: 32 loads in flight per thread.
             for s in T.unroll(cached_steps):
-                load_step(Scores, row, first_key, segment_end, s, raw, s * UNROLL, remap, row_end)
+                load_step(Scores, row, first_key, segment_end, s, raw, s * UNROLL)
             for i in T.unroll(cached_steps * UNROLL):
-                cached[i] = kept_image(raw[i], first_key + i * WARP, start, kept, remap)
+                cached[i] = kept_image(raw[i], first_key + i * WARP, start, kept)
             T.sync_threads()
 
             if top_window:
@@ -506,7 +348,7 @@ def radix_select_kernel(
                 for i in T.unroll(cached_steps * UNROLL):
                     top = T.max(top, cached[i])
                 for s in T.serial(cached_steps, T.max(steps, cached_steps)):
-                    fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, kept, remap, row_end)
+                    fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, kept)
                     for u in T.unroll(UNROLL):
                         top = T.max(top, images[u])
                 for d in (16, 8, 4, 2, 1):
@@ -519,7 +361,7 @@ def radix_select_kernel(
                 for w in range(WARPS):
                     top = T.max(top, warp_best[w])
                 for s in T.serial(steps):
-                    fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, kept, remap, row_end)
+                    fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, kept)
                     for u in T.unroll(UNROLL):
                         if (images[u] != 0) & (top - images[u] < WINDOW_BINS):
                             T.atomic_add(whist[warp * WINDOW_BINS + T.cast(top - images[u], i32)], 1)
@@ -564,7 +406,7 @@ def radix_select_kernel(
                     T.sync_threads()
                     prefix = decided[0]
                     for s in T.serial(steps):
-                        fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, kept, remap, row_end)
+                        fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, kept)
                         for u in T.unroll(UNROLL):
                             hit = images[u] != 0
                             if p > 0:
@@ -643,7 +485,7 @@ def radix_select_kernel(
                     seen_equal = seen_equal + T.shfl_xor(seen_equal, d)
             else:
                 for s in T.serial(steps):
-                    fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, kept, remap, row_end)
+                    fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, kept)
                     for u in T.unroll(UNROLL):
                         above_mask = T.cast(T.ballot_sync((images[u] >= above_cut) & (images[u] != 0)), u32)
                         equal_mask = T.cast(T.ballot_sync((images[u] == equal_cut) & (images[u] != 0)), u32)
@@ -656,9 +498,9 @@ def radix_select_kernel(
             taken_above = sum(T.if_then_else(w < warp, warp_taken[w], 0) for w in range(WARPS))
             seen_equal = sum(T.if_then_else(w < warp, warp_taken[WARPS + w], 0) for w in range(WARPS))
             for s in T.serial(steps):
-                fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, kept, remap, row_end)
+                fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, kept)
                 for u in T.unroll(UNROLL):
-                    j = row_key(first_key + (s * UNROLL + u) * WARP, remap)
+                    j = first_key + (s * UNROLL + u) * WARP
                     above_mask = T.cast(T.ballot_sync((images[u] >= above_cut) & (images[u] != 0)), u32)
                     equal_mask = T.cast(T.ballot_sync((images[u] == equal_cut) & (images[u] != 0)), u32)
                     above_before = taken_above + T.cast(T.popcount(above_mask & lanes_below), i32)
