@@ -235,7 +235,7 @@ def main():
     parser.add_argument("--json", default=None)
     parser.add_argument("--ours-only", action="store_true", help="skip the built-in (and its compile)")
     parser.add_argument("--variants", nargs="+", default=None,
-                        help="<forward schedule>/<window dkv>[/<backward schedule>]: balanced|balanced-lean|alternating"
+                        help="<forward schedule>/<window dkv>[/<backward schedule>]: balanced|balanced-lean|alternating|alternating-lean"
                              " / atomic|key-major / pipelined|staged")
     parser.add_argument("--parts", action="store_true", help="also time the backward's pieces")
     parser.add_argument("--topk", type=int, default=TOPK,

@@ -32,13 +32,17 @@ BWD_PASS_CONFIGS = {"tl.disable_warp_specialized": True, "tl.disable_tma_lower":
 #   (FlashMLA's split of the work); 6-7 % faster than the first schedule, where one consumer
 #   scored every key (9.94 against 10.61 ms at S=32768; docs/performance.md v12; that schedule was
 #   removed in v22). The control for:
-# - "balanced-lean", the default: balanced with per-tile column flags for the mask and lazy
-#   rescaling of O, 13-17 % faster than balanced at S = 16K-65K in the same run (8.17 against
-#   9.43 ms at S=32768; v21);
+# - "balanced-lean": balanced with per-tile column flags for the mask and lazy rescaling of O,
+#   13-17 % faster than balanced at S = 16K-65K in the same run (8.17 against 9.43 ms at
+#   S=32768; v21);
 # - "alternating" (forward_alternating.py: the consumers take turns on whole tiles, FlashMLA's
-#   schedule): within 3 % of balanced at S >= 32768 and 9 % slower at 16384 (v18), opt-in.
-FWD_SCHEDULES = ("balanced", "balanced-lean", "alternating")
-DEFAULT_FWD_SCHEDULE = "balanced-lean"
+#   schedule): within 3 % of balanced at S >= 32768 and 9 % slower at 16384 (v18). The control for:
+# - "alternating-lean", the default: alternating with balanced-lean's column flags and lazy
+#   rescaling, which also take the corrections off the consumers' hand-over in most rounds:
+#   18-19 % faster than alternating and 1-7 % faster than balanced-lean at S = 16K-65K in the
+#   same run (7.42 against 7.58 ms at S=32768 on an H100; v23).
+FWD_SCHEDULES = ("balanced", "balanced-lean", "alternating", "alternating-lean")
+DEFAULT_FWD_SCHEDULE = "alternating-lean"
 # Backward schedules (NEMO_DSA_ATTN_BWD selects): "pipelined" issues S and dP together and
 # overlaps each dkv chunk's atomics with the next chunk's GEMMs (2-4 % faster than waiting for
 # every GEMM, v19; that schedule was removed in v22); "staged", the default, is pipelined with
@@ -61,6 +65,7 @@ FWD_REGISTERS = {
     "balanced": (208, 200, 96),
     "balanced-lean": (200, 192, 112),
     "alternating": (216, 216, 72),
+    "alternating-lean": (216, 216, 72),
 }
 
 
@@ -85,8 +90,8 @@ class ForwardConfig:
 
     def shared_memory_bytes(self) -> int:
         """Dynamic shared memory: Q [64, D] + key ring [stages, 64, D] (bf16) + P [64, 64] (two
-        for "alternating")."""
-        p_tiles = 2 if self.schedule == "alternating" else 1
+        for the alternating schedules)."""
+        p_tiles = 2 if self.schedule.startswith("alternating") else 1
         return 2 * self.dim * (BLOCK_HEADS + self.num_stages * BLOCK_KEYS) + p_tiles * 2 * BLOCK_HEADS * BLOCK_KEYS
 
     def static_shared_memory_bytes(self) -> int:
@@ -159,7 +164,7 @@ def forward_config(dim: int, mode: str, schedule: str | None = None) -> ForwardC
     ``schedule`` None: :func:`forward_schedule`."""
     schedule = _checked_schedule(dim, mode, schedule, FWD_SCHEDULES, forward_schedule)
     c0, c1, producer = FWD_REGISTERS[schedule]
-    stages = 2 if dim == 512 or schedule == "alternating" else 4  # alternating: a stage per consumer
+    stages = 2 if dim == 512 or schedule.startswith("alternating") else 4  # alternating: a stage per consumer
     return ForwardConfig(dim, mode, stages, c0, c1, producer, schedule)
 
 

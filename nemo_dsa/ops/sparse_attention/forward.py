@@ -11,7 +11,7 @@ after its cp.async wait is the producer's own named barrier):
   over all 64 keys ("balanced", FlashMLA's split of the work; each consumer holds a [64, D/2]
   fp32 accumulator, 128 registers a thread at D = 512). Unseen logits are selected to -inf.
 
-``forward_alternating.py`` holds the opt-in schedule in which the consumers take turns on whole
+``forward_alternating.py`` holds the schedules (the default among them) in which the consumers take turns on whole
 tiles. Outputs: O [B, S, H, D] bf16 and the natural-log lse [B, S, H] fp32; a query that sees
 nothing (no key, no sink) gets zero output and -inf lse.
 """
@@ -148,7 +148,7 @@ def sparse_window_fwd_balanced_kernel(
     row sums (added at the end), so each warpgroup does half of every GEMM. Same arguments,
     grid and producer as :func:`kernels.sparse_window_fwd_kernel`.
 
-    ``lean_softmax`` ("balanced-lean", the default) shortens the per-tile section between S and P V,
+    ``lean_softmax`` ("balanced-lean") shortens the per-tile section between S and P V,
     which a clock64 trace measured at 58 % of a tile (docs/performance.md v21): consumer 0 writes
     each tile's 64 column flags once (``seen_s``), so the mask is a load and a select per logit,
     and a row's reference max (and O, the sums with it) moves only when a logit exceeds it by

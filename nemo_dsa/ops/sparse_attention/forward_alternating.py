@@ -27,15 +27,19 @@ max comes after each consumer's S.) An odd tile count gets one more tile, every 
 unseen (zero-filled, scored -inf), so every round has two tiles.
 
 Same arguments, grid, outputs and edge behaviour (zero output and -inf lse for a query that
-sees nothing) as :func:`forward.sparse_window_fwd_balanced_kernel`. Measured on the H200 (docs/performance.md
-v18): within 3 % of "balanced" at S >= 32768, 9 % slower at 16384, so it is an opt-in
-(``NEMO_DSA_ATTN_FWD=alternating``).
+sees nothing) as :func:`forward.sparse_window_fwd_balanced_kernel`. Plain, it measured within
+3 % of "balanced" at S >= 32768 (docs/performance.md v18); with ``lean_softmax``
+("alternating-lean", the default forward) 1-7 % faster than "balanced-lean" (v23).
 """
 
 from nemo_dsa.ops._tilelang import tilelang
 from nemo_dsa.ops.sparse_attention.configs import BLOCK_HEADS, BLOCK_KEYS, FWD_THREADS, LOG2E, M_FLOOR, MAX_SELECTED
-from nemo_dsa.ops.sparse_attention.forward import EXCHANGE_BARRIER, NO_COPY_WAIT
+from nemo_dsa.ops.sparse_attention.forward import EXCHANGE_BARRIER, LAZY_RESCALE_LOG2, NO_COPY_WAIT
 from nemo_dsa.ops.sparse_attention.tiles import column_seen_macro, query_plan_macro
+
+# "alternating-lean": each consumer's 128-thread barrier before it reads its tile's column flags
+# (the forward's post-processing gives each role's 128-thread barriers the role's own id).
+FLAGS_BARRIER = 10
 
 
 def sparse_window_fwd_alternating_kernel(
@@ -45,8 +49,17 @@ def sparse_window_fwd_alternating_kernel(
     consumer0_registers: int,
     consumer1_registers: int,
     producer_registers: int,
+    lean_softmax: bool = False,
 ):
-    """PrimFunc of the alternating forward (``num_stages`` must be 2: one stage per consumer)."""
+    """PrimFunc of the alternating forward (``num_stages`` must be 2: one stage per consumer).
+
+    ``lean_softmax`` ("alternating-lean") takes balanced-lean's two savings into the hand-over:
+    each consumer's mask comes from 64 column flags it writes for its next tile at the end of a
+    round (one 128-thread barrier a round before reading them), and the reference max moves only
+    when a logit exceeds it by more than 2^LAZY_RESCALE_LOG2 (a warp's vote). Consumer 1 repeats
+    consumer 0's vote on A from the published maximum (same rows, same floats), so the round's
+    reference equals consumer 0's guess unless B moves it, and the correction of O, the row sums
+    and P(A) after the hand-over is skipped by a vote when it would multiply by 1."""
     if num_stages != 2:
         raise ValueError(f"the alternating forward takes num_stages=2 (one stage per consumer), got {num_stages}")
     T = tilelang().language
@@ -91,6 +104,42 @@ def sparse_window_fwd_alternating_kernel(
         for h, c in T.Parallel(HB, BK):
             seen = column_seen(t, c, window_tiles, lo, own, n_sel, n_comp, idx_s)
             acc_s[h, c] = T.if_then_else(seen, acc_s[h, c] * scale_log2, -T.infinity(f32))
+
+    @T.macro
+    def tile_flags(seen_s, me, parity, t, window_tiles, lo, own, n_sel, idx_s):
+        """seen_s[me, parity, c] = 1 where key c of tile ``t`` is seen, else 0 (lean: written once
+        per column by the consumer that scores the tile)."""
+        for c in T.Parallel(BK):
+            seen = column_seen(t, c, window_tiles, lo, own, n_sel, n_comp, idx_s)
+            seen_s[me, parity, c] = T.if_then_else(seen, T.float32(1), T.float32(0))
+
+    @T.macro
+    def flagged_logits(acc_s, seen_s, me, parity, scale_log2):
+        """The lean mask: acc_s = S * scale * log2(e) where the tile's flag is set, -inf elsewhere."""
+        for h, c in T.Parallel(HB, BK):
+            acc_s[h, c] = T.if_then_else(seen_s[me, parity, c] > 0.5, acc_s[h, c] * scale_log2, -T.infinity(f32))
+
+    @T.macro
+    def warp_any(flag):
+        """Non-zero in every lane if ``flag`` is non-zero in any lane of the warp."""
+        return T.call_extern(i32, "__any_sync", T.uint32(0xFFFFFFFF), flag)
+
+    @T.macro
+    def move_reference(m_new, m_i, alpha, row_sum):
+        """The rows' reference max to ``m_new``, their sums rescaled (``alpha`` for O and P)."""
+        for h in T.Parallel(HB):
+            alpha[h] = T.exp2(m_i[h] - m_new[h])
+            m_i[h] = m_new[h]
+            row_sum[h] = row_sum[h] * alpha[h]
+
+    @T.macro
+    def exp_and_sum(acc_s, m_i, tile_sum, row_sum):
+        """The tile's logits into P = 2^(logit - m_i) in place, their row sums added."""
+        for h, c in T.Parallel(HB, BK):
+            acc_s[h, c] = T.exp2(acc_s[h, c] - m_i[h])
+        T.reduce_sum(acc_s, tile_sum, dim=1)
+        for h in T.Parallel(HB):
+            row_sum[h] = row_sum[h] + tile_sum[h]
 
     @T.macro
     def score(q_first, q_second, k_first, k_second, stage, acc_s, ready_first, ready_second, phase):
@@ -166,6 +215,7 @@ def sparse_window_fwd_alternating_kernel(
             max_s = T.alloc_shared([HB], f32)  # the running max handed over within a round
             sum_x = T.alloc_shared([2, HB], f32)
             idx_s = T.alloc_shared([MAX_SELECTED if by_index else 1], i32, scope="shared")  # static: see forward.NO_COPY_WAIT
+            seen_s = T.alloc_shared([2, 2, BK] if lean_softmax else [1, 1, 1], f32)  # lean: [consumer, round % 2, key]
             full_l = T.alloc_barrier([128, 128])  # producer threads, per stage
             full_r = T.alloc_barrier([128, 128])
             free_l = T.alloc_barrier([128, 128])  # the half's last reader (table above)
@@ -193,6 +243,10 @@ def sparse_window_fwd_alternating_kernel(
             alpha1 = T.alloc_fragment([HB], f32)
             sink_f0 = T.alloc_fragment([HB], f32)
             sink_f1 = T.alloc_fragment([HB], f32)
+            if lean_softmax:
+                m_ref1 = T.alloc_fragment([HB], f32)  # consumer 0's reference for A
+                vote0 = T.alloc_var(i32)
+                vote1 = T.alloc_var(i32)
 
             h0 = g * HB
             own = s + n_raw - seq_len
@@ -228,35 +282,81 @@ def sparse_window_fwd_alternating_kernel(
                 T.fill(m_i0, M_FLOOR)
                 T.fill(row_sum0, 0)
                 T.fill(acc_o0, 0)
+                if lean_softmax:
+                    tile_flags(seen_s, 0, 0, 0, window_tiles, lo, own, n_sel, idx_s)
                 for r in T.serial(rounds):
                     phase = r % 2
+                    if lean_softmax:
+                        T.sync_threads(FLAGS_BARRIER, 128)  # this round's flags written
                     score(q_l, q_r, k_l, k_r, 0, acc_s0, full_l, full_r, phase)
-                    masked_logits(acc_s0, 2 * r, window_tiles, lo, own, n_sel, idx_s, scale_log2)
-                    T.copy(m_i0, m_new0)
-                    T.reduce_max(acc_s0, m_new0, dim=1, clear=False)
-                    T.copy(m_new0, max_s)
-                    T.mbarrier_arrive(max_a[0])
-                    softmax_at(acc_s0, m_new0, m_i0, alpha0, tile_sum0, row_sum0, acc_o0)
-                    T.copy(acc_s0, p_reg0)
-                    T.gemm(p_reg0, k_l[0, :, :], acc_o0)  # O[:, :D/2] += P(A) V(A)[:, :D/2]
-                    T.mbarrier_arrive(free_l[0])
-                    # The round's max from consumer 1: bring O, the sums and P(A) to it.
-                    T.mbarrier_wait_parity(max_ab[0], phase)
-                    for h in T.Parallel(HB):
-                        m_new0[h] = max_s[h]
-                        alpha0[h] = T.exp2(m_i0[h] - m_new0[h])
-                        m_i0[h] = m_new0[h]
-                        row_sum0[h] *= alpha0[h]
-                    for h, c in T.Parallel(HB, BK):
-                        acc_s0[h, c] *= alpha0[h]
-                    T.copy(acc_s0, p_shared[0, :, :])
-                    T.fence_proxy_async()
-                    T.mbarrier_arrive(p_a[0])
-                    for h, d in T.Parallel(HB, half):
-                        acc_o0[h, d] *= alpha0[h]
-                    T.mbarrier_wait_parity(p_b[0], phase)
-                    T.gemm(p_shared[1, :, :], k_l[1, :, :], acc_o0)  # O[:, :D/2] += P(B) V(B)[:, :D/2]
-                    T.mbarrier_arrive(free_l[1])
+                    if lean_softmax:
+                        flagged_logits(acc_s0, seen_s, 0, r % 2, scale_log2)
+                        T.copy(m_i0, m_new0)
+                        T.reduce_max(acc_s0, m_new0, dim=1, clear=False)
+                        T.copy(m_new0, max_s)
+                        T.mbarrier_arrive(max_a[0])
+                        # A's reference: moves to max(m, A's max) only if some row of the warp needs it.
+                        vote0 = 0
+                        for h in T.Parallel(HB):
+                            vote0 = vote0 | T.if_then_else(m_new0[h] > m_i0[h] + LAZY_RESCALE_LOG2, 1, 0)
+                        vote0 = warp_any(vote0)
+                        if vote0 != 0:
+                            move_reference(m_new0, m_i0, alpha0, row_sum0)
+                            for h, d in T.Parallel(HB, half):
+                                acc_o0[h, d] *= alpha0[h]
+                        exp_and_sum(acc_s0, m_i0, tile_sum0, row_sum0)
+                        T.copy(acc_s0, p_reg0)
+                        T.gemm(p_reg0, k_l[0, :, :], acc_o0)  # O[:, :D/2] += P(A) V(A)[:, :D/2]
+                        T.mbarrier_arrive(free_l[0])
+                        # The round's reference from consumer 1: equal to A's unless B moved it.
+                        T.mbarrier_wait_parity(max_ab[0], phase)
+                        vote0 = 0
+                        for h in T.Parallel(HB):
+                            m_new0[h] = max_s[h]
+                            vote0 = vote0 | T.if_then_else(m_new0[h] != m_i0[h], 1, 0)
+                        vote0 = warp_any(vote0)
+                        if vote0 != 0:
+                            move_reference(m_new0, m_i0, alpha0, row_sum0)
+                            for h, c in T.Parallel(HB, BK):
+                                acc_s0[h, c] *= alpha0[h]
+                        T.copy(acc_s0, p_shared[0, :, :])
+                        T.fence_proxy_async()
+                        T.mbarrier_arrive(p_a[0])
+                        if vote0 != 0:
+                            for h, d in T.Parallel(HB, half):
+                                acc_o0[h, d] *= alpha0[h]
+                        T.mbarrier_wait_parity(p_b[0], phase)
+                        T.gemm(p_shared[1, :, :], k_l[1, :, :], acc_o0)  # O[:, :D/2] += P(B) V(B)[:, :D/2]
+                        T.mbarrier_arrive(free_l[1])
+                        if r + 1 < rounds:  # the next round's flags, the logits dead
+                            tile_flags(seen_s, 0, (r + 1) % 2, 2 * r + 2, window_tiles, lo, own, n_sel, idx_s)
+                    else:
+                        masked_logits(acc_s0, 2 * r, window_tiles, lo, own, n_sel, idx_s, scale_log2)
+                        T.copy(m_i0, m_new0)
+                        T.reduce_max(acc_s0, m_new0, dim=1, clear=False)
+                        T.copy(m_new0, max_s)
+                        T.mbarrier_arrive(max_a[0])
+                        softmax_at(acc_s0, m_new0, m_i0, alpha0, tile_sum0, row_sum0, acc_o0)
+                        T.copy(acc_s0, p_reg0)
+                        T.gemm(p_reg0, k_l[0, :, :], acc_o0)  # O[:, :D/2] += P(A) V(A)[:, :D/2]
+                        T.mbarrier_arrive(free_l[0])
+                        # The round's max from consumer 1: bring O, the sums and P(A) to it.
+                        T.mbarrier_wait_parity(max_ab[0], phase)
+                        for h in T.Parallel(HB):
+                            m_new0[h] = max_s[h]
+                            alpha0[h] = T.exp2(m_i0[h] - m_new0[h])
+                            m_i0[h] = m_new0[h]
+                            row_sum0[h] *= alpha0[h]
+                        for h, c in T.Parallel(HB, BK):
+                            acc_s0[h, c] *= alpha0[h]
+                        T.copy(acc_s0, p_shared[0, :, :])
+                        T.fence_proxy_async()
+                        T.mbarrier_arrive(p_a[0])
+                        for h, d in T.Parallel(HB, half):
+                            acc_o0[h, d] *= alpha0[h]
+                        T.mbarrier_wait_parity(p_b[0], phase)
+                        T.gemm(p_shared[1, :, :], k_l[1, :, :], acc_o0)  # O[:, :D/2] += P(B) V(B)[:, :D/2]
+                        T.mbarrier_arrive(free_l[1])
                 finish(0, acc_o0, m_i0, row_sum0, alpha0, sink_f0, sum_x, q_l, has_sink, Sink, Out, Lse, b, s, h0)
             else:
                 T.set_max_nreg(consumer1_registers, 1)
@@ -266,26 +366,72 @@ def sparse_window_fwd_alternating_kernel(
                 T.fill(m_i1, M_FLOOR)
                 T.fill(row_sum1, 0)
                 T.fill(acc_o1, 0)
+                if lean_softmax:
+                    tile_flags(seen_s, 1, 0, 1, window_tiles, lo, own, n_sel, idx_s)
                 for r in T.serial(rounds):
                     phase = r % 2
+                    if lean_softmax:
+                        T.sync_threads(FLAGS_BARRIER, 128)  # this round's flags written
                     score(q_r, q_l, k_r, k_l, 1, acc_s1, full_r, full_l, phase)
-                    masked_logits(acc_s1, 2 * r + 1, window_tiles, lo, own, n_sel, idx_s, scale_log2)
-                    # A's max (>= this consumer's previous max: consumer 0 started the round from it).
-                    T.mbarrier_wait_parity(max_a[0], phase)
-                    T.copy(max_s, m_new1)
-                    T.reduce_max(acc_s1, m_new1, dim=1, clear=False)
-                    T.copy(m_new1, max_s)
-                    T.mbarrier_arrive(max_ab[0])
-                    softmax_at(acc_s1, m_new1, m_i1, alpha1, tile_sum1, row_sum1, acc_o1)
-                    T.copy(acc_s1, p_reg1)
-                    T.gemm(p_reg1, k_r[1, :, :], acc_o1)  # O[:, D/2:] += P(B) V(B)[:, D/2:]
-                    T.mbarrier_arrive(free_r[1])
-                    T.copy(acc_s1, p_shared[1, :, :])
-                    T.fence_proxy_async()
-                    T.mbarrier_arrive(p_b[0])
-                    T.mbarrier_wait_parity(p_a[0], phase)
-                    T.gemm(p_shared[0, :, :], k_r[0, :, :], acc_o1)  # O[:, D/2:] += P(A) V(A)[:, D/2:]
-                    T.mbarrier_arrive(free_r[0])
+                    if lean_softmax:
+                        flagged_logits(acc_s1, seen_s, 1, r % 2, scale_log2)
+                        T.mbarrier_wait_parity(max_a[0], phase)
+                        # Consumer 0's reference for A, by its vote on the same rows and floats.
+                        vote1 = 0
+                        for h in T.Parallel(HB):
+                            vote1 = vote1 | T.if_then_else(max_s[h] > m_i1[h] + LAZY_RESCALE_LOG2, 1, 0)
+                        vote1 = warp_any(vote1)
+                        for h in T.Parallel(HB):
+                            m_ref1[h] = T.if_then_else(vote1 != 0, max_s[h], m_i1[h])
+                            m_new1[h] = m_ref1[h]
+                        T.reduce_max(acc_s1, m_new1, dim=1, clear=False)
+                        # The round's reference: A's, unless some row of the warp needs B's max.
+                        vote1 = 0
+                        for h in T.Parallel(HB):
+                            vote1 = vote1 | T.if_then_else(m_new1[h] > m_ref1[h] + LAZY_RESCALE_LOG2, 1, 0)
+                        vote1 = warp_any(vote1)
+                        if vote1 == 0:
+                            T.copy(m_ref1, m_new1)
+                        T.copy(m_new1, max_s)
+                        T.mbarrier_arrive(max_ab[0])
+                        vote1 = 0
+                        for h in T.Parallel(HB):
+                            vote1 = vote1 | T.if_then_else(m_new1[h] != m_i1[h], 1, 0)
+                        vote1 = warp_any(vote1)
+                        if vote1 != 0:
+                            move_reference(m_new1, m_i1, alpha1, row_sum1)
+                            for h, d in T.Parallel(HB, half):
+                                acc_o1[h, d] *= alpha1[h]
+                        exp_and_sum(acc_s1, m_i1, tile_sum1, row_sum1)
+                        T.copy(acc_s1, p_reg1)
+                        T.gemm(p_reg1, k_r[1, :, :], acc_o1)  # O[:, D/2:] += P(B) V(B)[:, D/2:]
+                        T.mbarrier_arrive(free_r[1])
+                        T.copy(acc_s1, p_shared[1, :, :])
+                        T.fence_proxy_async()
+                        T.mbarrier_arrive(p_b[0])
+                        T.mbarrier_wait_parity(p_a[0], phase)
+                        T.gemm(p_shared[0, :, :], k_r[0, :, :], acc_o1)  # O[:, D/2:] += P(A) V(A)[:, D/2:]
+                        T.mbarrier_arrive(free_r[0])
+                        if r + 1 < rounds:
+                            tile_flags(seen_s, 1, (r + 1) % 2, 2 * r + 3, window_tiles, lo, own, n_sel, idx_s)
+                    else:
+                        masked_logits(acc_s1, 2 * r + 1, window_tiles, lo, own, n_sel, idx_s, scale_log2)
+                        # A's max (>= this consumer's previous max: consumer 0 started the round from it).
+                        T.mbarrier_wait_parity(max_a[0], phase)
+                        T.copy(max_s, m_new1)
+                        T.reduce_max(acc_s1, m_new1, dim=1, clear=False)
+                        T.copy(m_new1, max_s)
+                        T.mbarrier_arrive(max_ab[0])
+                        softmax_at(acc_s1, m_new1, m_i1, alpha1, tile_sum1, row_sum1, acc_o1)
+                        T.copy(acc_s1, p_reg1)
+                        T.gemm(p_reg1, k_r[1, :, :], acc_o1)  # O[:, D/2:] += P(B) V(B)[:, D/2:]
+                        T.mbarrier_arrive(free_r[1])
+                        T.copy(acc_s1, p_shared[1, :, :])
+                        T.fence_proxy_async()
+                        T.mbarrier_arrive(p_b[0])
+                        T.mbarrier_wait_parity(p_a[0], phase)
+                        T.gemm(p_shared[0, :, :], k_r[0, :, :], acc_o1)  # O[:, D/2:] += P(A) V(A)[:, D/2:]
+                        T.mbarrier_arrive(free_r[0])
                 finish(1, acc_o1, m_i1, row_sum1, alpha1, sink_f1, sum_x, q_r, has_sink, Sink, Out, Lse, b, s, h0)
 
     return sparse_window_fwd_alternating

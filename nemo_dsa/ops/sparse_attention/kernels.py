@@ -79,7 +79,7 @@ def sparse_window_fwd_kernel(
     """PrimFunc of the forward for one configuration. Grid: (S, H / 64, B); H a multiple of 64
     (the wrapper zero-pads q's heads: padded heads compute rows nobody reads). ``schedule``
     "balanced" and "balanced-lean" give :func:`sparse_window_fwd_balanced_kernel`,
-    "alternating" the kernel of ``forward_alternating.py``.
+    "alternating" and "alternating-lean" the kernel of ``forward_alternating.py``.
 
     Arguments: Q [B, S, H, D], Raw [B, N_raw, D], Comp [B, K, D] (bf16), WindowStart [B, S],
     Indices [B, S, T] with KE [B, S] = 1 + its last valid slot, or KS/KE [B, S] (int32), Sink [H]
@@ -91,9 +91,10 @@ def sparse_window_fwd_kernel(
             dim, mode, num_stages, consumer0_registers, consumer1_registers, producer_registers,
             lean_softmax=schedule == "balanced-lean",
         )
-    if schedule == "alternating":
+    if schedule in ("alternating", "alternating-lean"):
         return sparse_window_fwd_alternating_kernel(
-            dim, mode, num_stages, consumer0_registers, consumer1_registers, producer_registers
+            dim, mode, num_stages, consumer0_registers, consumer1_registers, producer_registers,
+            lean_softmax=schedule == "alternating-lean",
         )
     raise ValueError(f"schedule must be one of {FWD_SCHEDULES}, got {schedule!r}")
 
