@@ -203,7 +203,7 @@ def test_schedule_check_can_fail():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found: cannot build cubins")
 def test_representative_configs_compile_to_cubin():
-    fwd, bwd = forward_config(512, "indices", "balanced-lean"), backward_config(128, "range")
+    fwd, bwd = forward_config(512, "indices"), backward_config(128, "range")  # the default forward
     balanced, window_dkv = forward_config(512, "range", "balanced"), WindowDkvConfig(512)
     alternating = forward_config(512, "indices", "alternating")
     fwd_source, bwd_source, balanced_source, window_source, alternating_source = map_in_workers(
