@@ -291,11 +291,14 @@ def sparse_window_fwd_alternating_kernel(
                     score(q_l, q_r, k_l, k_r, 0, acc_s0, full_l, full_r, phase)
                     if lean_softmax:
                         flagged_logits(acc_s0, seen_s, 0, r % 2, scale_log2)
-                        T.copy(m_i0, m_new0)
-                        T.reduce_max(acc_s0, m_new0, dim=1, clear=False)
-                        T.copy(m_new0, max_s)
-                        T.mbarrier_arrive(max_a[0])
-                        # A's reference: moves to max(m, A's max) only if some row of the warp needs it.
+                    else:
+                        masked_logits(acc_s0, 2 * r, window_tiles, lo, own, n_sel, idx_s, scale_log2)
+                    T.copy(m_i0, m_new0)
+                    T.reduce_max(acc_s0, m_new0, dim=1, clear=False)
+                    T.copy(m_new0, max_s)
+                    T.mbarrier_arrive(max_a[0])
+                    if lean_softmax:
+                        # A's reference: max(m, A's max) only if some row of the warp needs it.
                         vote0 = 0
                         for h in T.Parallel(HB):
                             vote0 = vote0 | T.if_then_else(m_new0[h] > m_i0[h] + LAZY_RESCALE_LOG2, 1, 0)
@@ -305,11 +308,15 @@ def sparse_window_fwd_alternating_kernel(
                             for h, d in T.Parallel(HB, half):
                                 acc_o0[h, d] *= alpha0[h]
                         exp_and_sum(acc_s0, m_i0, tile_sum0, row_sum0)
-                        T.copy(acc_s0, p_reg0)
-                        T.gemm(p_reg0, k_l[0, :, :], acc_o0)  # O[:, :D/2] += P(A) V(A)[:, :D/2]
-                        T.mbarrier_arrive(free_l[0])
-                        # The round's reference from consumer 1: equal to A's unless B moved it.
-                        T.mbarrier_wait_parity(max_ab[0], phase)
+                    else:
+                        softmax_at(acc_s0, m_new0, m_i0, alpha0, tile_sum0, row_sum0, acc_o0)
+                    T.copy(acc_s0, p_reg0)
+                    T.gemm(p_reg0, k_l[0, :, :], acc_o0)  # O[:, :D/2] += P(A) V(A)[:, :D/2]
+                    T.mbarrier_arrive(free_l[0])
+                    # The round's max from consumer 1: bring O, the sums and P(A) to it (lean: it
+                    # equals A's reference unless B moved it, and a vote skips the multiplications).
+                    T.mbarrier_wait_parity(max_ab[0], phase)
+                    if lean_softmax:
                         vote0 = 0
                         for h in T.Parallel(HB):
                             m_new0[h] = max_s[h]
@@ -319,29 +326,7 @@ def sparse_window_fwd_alternating_kernel(
                             move_reference(m_new0, m_i0, alpha0, row_sum0)
                             for h, c in T.Parallel(HB, BK):
                                 acc_s0[h, c] *= alpha0[h]
-                        T.copy(acc_s0, p_shared[0, :, :])
-                        T.fence_proxy_async()
-                        T.mbarrier_arrive(p_a[0])
-                        if vote0 != 0:
-                            for h, d in T.Parallel(HB, half):
-                                acc_o0[h, d] *= alpha0[h]
-                        T.mbarrier_wait_parity(p_b[0], phase)
-                        T.gemm(p_shared[1, :, :], k_l[1, :, :], acc_o0)  # O[:, :D/2] += P(B) V(B)[:, :D/2]
-                        T.mbarrier_arrive(free_l[1])
-                        if r + 1 < rounds:  # the next round's flags, the logits dead
-                            tile_flags(seen_s, 0, (r + 1) % 2, 2 * r + 2, window_tiles, lo, own, n_sel, idx_s)
                     else:
-                        masked_logits(acc_s0, 2 * r, window_tiles, lo, own, n_sel, idx_s, scale_log2)
-                        T.copy(m_i0, m_new0)
-                        T.reduce_max(acc_s0, m_new0, dim=1, clear=False)
-                        T.copy(m_new0, max_s)
-                        T.mbarrier_arrive(max_a[0])
-                        softmax_at(acc_s0, m_new0, m_i0, alpha0, tile_sum0, row_sum0, acc_o0)
-                        T.copy(acc_s0, p_reg0)
-                        T.gemm(p_reg0, k_l[0, :, :], acc_o0)  # O[:, :D/2] += P(A) V(A)[:, :D/2]
-                        T.mbarrier_arrive(free_l[0])
-                        # The round's max from consumer 1: bring O, the sums and P(A) to it.
-                        T.mbarrier_wait_parity(max_ab[0], phase)
                         for h in T.Parallel(HB):
                             m_new0[h] = max_s[h]
                             alpha0[h] = T.exp2(m_i0[h] - m_new0[h])
@@ -349,14 +334,22 @@ def sparse_window_fwd_alternating_kernel(
                             row_sum0[h] *= alpha0[h]
                         for h, c in T.Parallel(HB, BK):
                             acc_s0[h, c] *= alpha0[h]
-                        T.copy(acc_s0, p_shared[0, :, :])
-                        T.fence_proxy_async()
-                        T.mbarrier_arrive(p_a[0])
+                    T.copy(acc_s0, p_shared[0, :, :])
+                    T.fence_proxy_async()
+                    T.mbarrier_arrive(p_a[0])
+                    if lean_softmax:
+                        if vote0 != 0:
+                            for h, d in T.Parallel(HB, half):
+                                acc_o0[h, d] *= alpha0[h]
+                    else:
                         for h, d in T.Parallel(HB, half):
                             acc_o0[h, d] *= alpha0[h]
-                        T.mbarrier_wait_parity(p_b[0], phase)
-                        T.gemm(p_shared[1, :, :], k_l[1, :, :], acc_o0)  # O[:, :D/2] += P(B) V(B)[:, :D/2]
-                        T.mbarrier_arrive(free_l[1])
+                    T.mbarrier_wait_parity(p_b[0], phase)
+                    T.gemm(p_shared[1, :, :], k_l[1, :, :], acc_o0)  # O[:, :D/2] += P(B) V(B)[:, :D/2]
+                    T.mbarrier_arrive(free_l[1])
+                    if lean_softmax:
+                        if r + 1 < rounds:  # the next round's flags, the logits dead
+                            tile_flags(seen_s, 0, (r + 1) % 2, 2 * r + 2, window_tiles, lo, own, n_sel, idx_s)
                 finish(0, acc_o0, m_i0, row_sum0, alpha0, sink_f0, sum_x, q_l, has_sink, Sink, Out, Lse, b, s, h0)
             else:
                 T.set_max_nreg(consumer1_registers, 1)
@@ -403,17 +396,6 @@ def sparse_window_fwd_alternating_kernel(
                             for h, d in T.Parallel(HB, half):
                                 acc_o1[h, d] *= alpha1[h]
                         exp_and_sum(acc_s1, m_i1, tile_sum1, row_sum1)
-                        T.copy(acc_s1, p_reg1)
-                        T.gemm(p_reg1, k_r[1, :, :], acc_o1)  # O[:, D/2:] += P(B) V(B)[:, D/2:]
-                        T.mbarrier_arrive(free_r[1])
-                        T.copy(acc_s1, p_shared[1, :, :])
-                        T.fence_proxy_async()
-                        T.mbarrier_arrive(p_b[0])
-                        T.mbarrier_wait_parity(p_a[0], phase)
-                        T.gemm(p_shared[0, :, :], k_r[0, :, :], acc_o1)  # O[:, D/2:] += P(A) V(A)[:, D/2:]
-                        T.mbarrier_arrive(free_r[0])
-                        if r + 1 < rounds:
-                            tile_flags(seen_s, 1, (r + 1) % 2, 2 * r + 3, window_tiles, lo, own, n_sel, idx_s)
                     else:
                         masked_logits(acc_s1, 2 * r + 1, window_tiles, lo, own, n_sel, idx_s, scale_log2)
                         # A's max (>= this consumer's previous max: consumer 0 started the round from it).
@@ -423,15 +405,18 @@ def sparse_window_fwd_alternating_kernel(
                         T.copy(m_new1, max_s)
                         T.mbarrier_arrive(max_ab[0])
                         softmax_at(acc_s1, m_new1, m_i1, alpha1, tile_sum1, row_sum1, acc_o1)
-                        T.copy(acc_s1, p_reg1)
-                        T.gemm(p_reg1, k_r[1, :, :], acc_o1)  # O[:, D/2:] += P(B) V(B)[:, D/2:]
-                        T.mbarrier_arrive(free_r[1])
-                        T.copy(acc_s1, p_shared[1, :, :])
-                        T.fence_proxy_async()
-                        T.mbarrier_arrive(p_b[0])
-                        T.mbarrier_wait_parity(p_a[0], phase)
-                        T.gemm(p_shared[0, :, :], k_r[0, :, :], acc_o1)  # O[:, D/2:] += P(A) V(A)[:, D/2:]
-                        T.mbarrier_arrive(free_r[0])
+                    T.copy(acc_s1, p_reg1)
+                    T.gemm(p_reg1, k_r[1, :, :], acc_o1)  # O[:, D/2:] += P(B) V(B)[:, D/2:]
+                    T.mbarrier_arrive(free_r[1])
+                    T.copy(acc_s1, p_shared[1, :, :])
+                    T.fence_proxy_async()
+                    T.mbarrier_arrive(p_b[0])
+                    T.mbarrier_wait_parity(p_a[0], phase)
+                    T.gemm(p_shared[0, :, :], k_r[0, :, :], acc_o1)  # O[:, D/2:] += P(A) V(A)[:, D/2:]
+                    T.mbarrier_arrive(free_r[0])
+                    if lean_softmax:
+                        if r + 1 < rounds:
+                            tile_flags(seen_s, 1, (r + 1) % 2, 2 * r + 3, window_tiles, lo, own, n_sel, idx_s)
                 finish(1, acc_o1, m_i1, row_sum1, alpha1, sink_f1, sum_x, q_r, has_sink, Sink, Out, Lse, b, s, h0)
 
     return sparse_window_fwd_alternating
