@@ -173,6 +173,11 @@ def backward_schedule() -> str:
     return _choice_from_env("NEMO_DSA_ATTN_BWD", DEFAULT_BWD_SCHEDULE, BWD_SCHEDULES)
 
 
+def window_dkv_mode() -> str:
+    """The window-dkv summation in use: NEMO_DSA_WINDOW_DKV if set, else DEFAULT_WINDOW_DKV."""
+    return _choice_from_env("NEMO_DSA_WINDOW_DKV", DEFAULT_WINDOW_DKV, WINDOW_DKV_MODES)
+
+
 def backward_config(dim: int, mode: str, schedule: str | None = None) -> BackwardConfig:
     """``schedule`` None: :func:`backward_schedule`."""
     schedule = _checked_schedule(dim, mode, schedule, BWD_SCHEDULES, backward_schedule)
@@ -186,13 +191,3 @@ def dispatched_configs() -> list:
         + [backward_config(d, m, sched) for sched in BWD_SCHEDULES for d in KERNEL_DIMS for m in MODES]
         + [WindowDkvConfig(d) for d in KERNEL_DIMS]
     )
-
-
-# ----------------------------------------------------------------------------------------------
-# Tile bookkeeping shared by the kernels (plain expressions, evaluated by every thread)
-# ----------------------------------------------------------------------------------------------
-
-
-def window_dkv_mode() -> str:
-    """The window-dkv summation in use: NEMO_DSA_WINDOW_DKV if set, else DEFAULT_WINDOW_DKV."""
-    return _choice_from_env("NEMO_DSA_WINDOW_DKV", DEFAULT_WINDOW_DKV, WINDOW_DKV_MODES)
