@@ -112,35 +112,6 @@ def _pipelined_backward_problems(config: BackwardConfig, source: str) -> list[st
     return problems
 
 
-def _split_backward_problems(config: BackwardConfig, source: str) -> list[str]:
-    """What the split backwards' CUDA lacks: S and dP issued before one wait, each warpgroup's
-    own m64 x chunk dkv GEMMs (two per chunk, in each warpgroup's branch), the atomics of the
-    schedule's width and, staged, the warpgroups' turns on the staging tile."""
-    problems = []
-    tile_loop = source[source.index("for (int t = 0; t < tiles; ++t)"):]
-    first_wait = tile_loop.find("wait_wgmma<")
-    if first_wait < 0 or tile_loop[:first_wait].count("warpgroup_commit_batch") != 2:
-        problems.append("S and dP committed before the first wait")
-    if "warpgroup_wait<" in tile_loop:
-        problems.append("an implicit wait after a GEMM (T.gemm instead of T.wgmma_gemm)")
-    branch = tile_loop[tile_loop.find("if (((int)threadIdx.x) < 128)"):]
-    if len(re.findall(r"wgmma_ss<[^>]*\b64, 64, 16, true, true\b", branch)) != 4:
-        problems.append("each warpgroup's whole-chunk dkv GEMMs (m64n64, two per warpgroup)")
-    if config.schedule == "staged-split":
-        if "AtomicAddx4(" not in branch or "AtomicAddx2(" in source:
-            problems.append("16-byte atomics from the staging tile")
-        # Warpgroup 1 waits for 0's chunks (barrier 2), 0 for 1's after its first (barrier 1: with
-        # more than one chunk a warpgroup); each stages behind its own 128-thread barrier (3, 4).
-        turns = ["__sync_thread_partial(2, 256)", "__named_barrier_arrive(2, 256)", "__sync_thread_partial(3, 128)",
-                 "__sync_thread_partial(4, 128)"]
-        if config.dim // config.dkv_chunk > 2:
-            turns += ["__sync_thread_partial(1, 256)", "__named_barrier_arrive(1, 256)"]
-        problems += [f"the staging turn {turn}" for turn in turns if turn not in branch]
-    elif "AtomicAddx2(" not in branch:
-        problems.append("8-byte atomics from the registers")
-    return problems
-
-
 def test_every_dispatched_config_lowers_with_wgmma_and_fits_shared_memory():
     configs = dispatched_configs()
     forwards_and_backwards = len(kernels.FWD_SCHEDULES) + len(kernels.BWD_SCHEDULES)
@@ -171,14 +142,9 @@ def test_every_dispatched_config_lowers_with_wgmma_and_fits_shared_memory():
             # tile's dkv GEMMs (a commit before the loop and one inside it), not waited for at once.
             tile_loop = source[source.index("for (int t = 0; t < tiles; ++t)"):]
             assert source.count("cp_async_wait<0>") == 1 and tile_loop.count("cp_async_wait<0>") == 1, config
-            if config.schedule in ("split", "staged-split"):
-                # One prefetch a tile, before the warpgroups' branches.
-                assert source.count("cp_async_commit") == 2 and tile_loop.count("cp_async_commit") == 1, config
-                assert not _split_backward_problems(config, source), f"{config}: {_split_backward_problems(config, source)}"
-            else:
-                # (Both pipelined schedules prefetch in each of their two dkv branches.)
-                assert source.count("cp_async_commit") == 3 and tile_loop.count("cp_async_commit") == 2, config
-                assert not _pipelined_backward_problems(config, source), f"{config}: {_pipelined_backward_problems(config, source)}"
+            # (Both schedules prefetch in each of their two dkv branches.)
+            assert source.count("cp_async_commit") == 3 and tile_loop.count("cp_async_commit") == 2, config
+            assert not _pipelined_backward_problems(config, source), f"{config}: {_pipelined_backward_problems(config, source)}"
             assert smem > 0
         elif isinstance(config, WindowDkvConfig):
             _check_window_dkv(config, source)
@@ -261,9 +227,7 @@ def test_pipelined_backward_keeps_its_wgmmas_asynchronous():
     from _lowering import ptxas_report
 
     configs = [backward_config(512, "indices", "pipelined"), backward_config(128, "range", "pipelined"),
-               backward_config(512, "indices", "staged"), backward_config(512, "range", "staged"),
-               backward_config(512, "indices", "split"), backward_config(512, "indices", "staged-split"),
-               backward_config(512, "range", "staged-split")]  # fmt: skip
+               backward_config(512, "indices", "staged"), backward_config(512, "range", "staged")]  # fmt: skip
     for config, source, _ in map_in_workers(_lower, configs):
         report = ptxas_report(source)
         assert "C7514" not in report and "C7517" not in report, f"{config}: {report[-2000:]}"

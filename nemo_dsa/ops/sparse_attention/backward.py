@@ -14,8 +14,6 @@ from nemo_dsa.ops.sparse_attention.configs import (
     BLOCK_KEYS,
     BWD_THREADS,
     LOG2E,
-    SPLIT_STAGE_BARRIERS,
-    SPLIT_TURN_BARRIERS,
     STAGE_ROW_PAD,
 )
 from nemo_dsa.ops.sparse_attention.tiles import compressed_span, tile_plan
@@ -68,13 +66,7 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
     before the previous chunk's atomics (two accumulators), so the atomics overlap the tensor
     cores; "staged" is pipelined and writes each chunk to shared memory first, so that its
     atomics are 16 bytes wide and each warp's cover two whole key rows of the chunk (the
-    fragment layout gives 8-byte atomics spread over 8 rows); "split" gives each warpgroup whole
-    chunks of its own (warpgroup 0 the even ones, 1 the odd ones), so a chunk's dS and P are read
-    from shared memory once, not once per warpgroup, and adds them from its registers (8-byte
-    atomics) while the other warpgroup's GEMMs run; "staged-split" is split with each chunk
-    staged as in "staged", the two warpgroups taking turns on the one staging tile. TileLang
-    cannot place a barrier inside a warpgroup's branch here, so this schedule is built without its
-    automatic barriers (BackwardConfig.pass_configs) and places every one itself (``manual``).
+    fragment layout gives 8-byte atomics spread over 8 rows).
     """
     T = tilelang().language
     bf16, f32, i32 = T.bfloat16, T.float32, T.int32
@@ -113,9 +105,7 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
                 )
         T.ptx_commit_group()
 
-    split = schedule in ("split", "staged-split")
-    staged = schedule in ("staged", "staged-split")
-    manual = schedule == "staged-split"  # every barrier placed here (no automatic ones)
+    staged = schedule == "staged"
     n_chunks = D // dkv_chunk
     if n_chunks % 2:
         raise ValueError(f"the backward needs an even number of dkv chunks, got {n_chunks}")
@@ -151,33 +141,6 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
                 T.atomic_add(dKV[b, rows_s[r], c * dkv_chunk + d], stage_s[r, d])
 
     add_dkv = add_dkv_staged if staged else add_dkv_direct
-    split_kv_regs = BK * dkv_chunk // 128  # a chunk's accumulator in one warpgroup
-
-    @T.macro
-    def split_chunks(me, dKV, acc, rows_s, stage_s, ds_s, p_s, q_s, do_s, b):
-        """Warpgroup ``me``'s chunks me, me + 2, ...: each one's GEMMs, then its atomics, from
-        the registers, or (staged) from the staging tile once the other warpgroup has read its
-        previous chunk out of it; the turn is then handed over (warpgroup 1 hands none over
-        after its last chunk: the tile's closing barrier follows)."""
-        for j in T.unroll(n_chunks // 2):
-            issue_dkv(ds_s, p_s, q_s, do_s, acc, 2 * j + me)
-            T.wait_wgmma(0)
-            T.warpgroup_fence_operand(acc, num_regs=split_kv_regs)
-            if staged:
-                if me == 1 or j > 0:
-                    T.sync_threads(SPLIT_TURN_BARRIERS[me], 2 * 128)
-                for r, d in T.Parallel(BK, dkv_chunk):
-                    stage_s[r, d] = acc[r, d]
-                T.sync_threads(SPLIT_STAGE_BARRIERS[me], 128)
-                for r, d in T.Parallel(BK, dkv_chunk):
-                    if rows_s[r] >= 0:
-                        T.atomic_add(dKV[b, rows_s[r], (2 * j + me) * dkv_chunk + d], stage_s[r, d])
-                if me == 0 or j + 1 < n_chunks // 2:
-                    T.named_barrier_arrive(SPLIT_TURN_BARRIERS[1 - me], 2 * 128)
-            else:
-                for r, d in T.Parallel(BK, dkv_chunk):
-                    if rows_s[r] >= 0:
-                        T.atomic_add(dKV[b, rows_s[r], (2 * j + me) * dkv_chunk + d], acc[r, d])
 
     @T.prim_func
     def sparse_window_bwd(
@@ -198,7 +161,6 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
         dKV: T.Tensor([batch, n_raw + n_comp, D], f32),
     ):
         with T.Kernel(seq_len, heads // HB, batch, threads=BWD_THREADS) as (s, g, b):
-            tx = T.get_thread_binding()
             q_s = T.alloc_shared([HB, D], bf16)
             do_s = T.alloc_shared([HB, D], bf16)
             k_s = T.alloc_shared([BK, D], bf16)
@@ -209,12 +171,8 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
             acc_s = T.alloc_fragment([HB, BK], f32)
             acc_dp = T.alloc_fragment([HB, BK], f32)
             acc_dq = T.alloc_fragment([HB, D], f32)
-            if split:  # each warpgroup's chunk
-                acc_w0 = T.alloc_fragment([BK, dkv_chunk], f32)
-                acc_w1 = T.alloc_fragment([BK, dkv_chunk], f32)
-            else:
-                acc_kv = T.alloc_fragment([BK, dkv_chunk], f32)
-                acc_kv1 = T.alloc_fragment([BK, dkv_chunk], f32)  # the odd chunks
+            acc_kv = T.alloc_fragment([BK, dkv_chunk], f32)
+            acc_kv1 = T.alloc_fragment([BK, dkv_chunk], f32)  # the odd chunks
             lse2 = T.alloc_fragment([HB], f32)
             delta = T.alloc_fragment([HB], f32)
             o_do = T.alloc_fragment([HB, DELTA_CHUNK], f32)
@@ -239,16 +197,12 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
             # delta = rowsum(dO * O) here, from dO already in shared memory (the separate delta
             # kernel read dO a second time); written out for the sink's gradient.
             T.clear(delta_s)
-            if manual:
-                T.sync_threads()  # q_s, do_s and delta_s written
             for c in T.unroll(D // DELTA_CHUNK):  # unrolled: all of O's loads in flight at once
                 for h, d in T.Parallel(HB, DELTA_CHUNK):
                     o_do[h, d] = T.cast(O[b, s, h0 + h, c * DELTA_CHUNK + d], f32) * T.cast(do_s[h, c * DELTA_CHUNK + d], f32)
                 T.reduce_sum(o_do, o_do_sum, dim=1)
                 for h in T.Parallel(HB):
                     delta_s[h] += o_do_sum[h]
-            if manual:
-                T.sync_threads()
             for h in T.Parallel(HB):
                 lse2[h] = Lse[b, s, h0 + h] * LOG2E
                 delta[h] = delta_s[h]
@@ -289,19 +243,9 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
                 want_dkv = ((t < window_tiles) & need_d_raw) | ((t >= window_tiles) & need_d_comp)
                 if need_dq:
                     T.wgmma_gemm(ds_s, k_s, acc_dq)
-                if split:
-                    T.wait_wgmma(0)
-                    T.warpgroup_fence_operand(acc_dq, num_regs=dq_regs)
-                    T.sync_threads()  # every warp is done with k_s
-                    next_keys(k_s, Raw, Comp, Indices, b, s, t, tiles, lo, own, window_tiles, n_sel, ks, n_raw, n_comp, n_slots)
-                    if want_dkv:
-                        if tx < 128:
-                            split_chunks(0, dKV, acc_w0, rows_s, stage_s, ds_s, p_s, q_s, do_s, b)
-                        else:
-                            split_chunks(1, dKV, acc_w1, rows_s, stage_s, ds_s, p_s, q_s, do_s, b)
                 # One branch holds every wgmma of the dkv chunks, so ptxas sees each wait
                 # on every path (it serialises all wgmmas when it cannot).
-                elif want_dkv:
+                if want_dkv:
                     issue_dkv(ds_s, p_s, q_s, do_s, acc_kv, 0)
                     T.wait_wgmma(2)  # dq's GEMM (the only reader of k_s) is done; chunk 0 runs on
                     T.warpgroup_fence_operand(acc_dq, num_regs=dq_regs)
@@ -329,8 +273,6 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
                 T.sync_threads()
             if need_dq:
                 T.copy(acc_dq, q_s)
-                if manual:
-                    T.sync_threads()
                 T.copy(q_s, dQ[b, s, h0 : h0 + HB, :], disable_tma=True)
 
     return sparse_window_bwd

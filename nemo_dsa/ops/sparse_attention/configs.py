@@ -50,15 +50,11 @@ DEFAULT_FWD_SCHEDULE = "alternating-lean"
 # fwd + bwd 34.9 against 37.5 ms at S = 32768, 69.0 against 74.5 ms at 65536 (v20). Adding the
 # staged chunk by the TMA (cp.reduce.async.bulk, one per key row) measured a 37 % slower
 # backward than pipelined (v20) and was removed.
-BWD_SCHEDULES = ("pipelined", "staged", "split", "staged-split")
+BWD_SCHEDULES = ("pipelined", "staged")
 DEFAULT_BWD_SCHEDULE = "staged"
 # Staging rows are padded by 8 floats: a warp writes 8 accumulator rows at once, and with the
 # pad its 256-byte store takes 2 shared-memory wavefronts (the minimum), not 8.
 STAGE_ROW_PAD = 8
-# "staged-split": named barriers of the warpgroups' turns on the staging tile (256 threads: one
-# warpgroup waits, the other arrives) and of each warpgroup's own staging (128 threads).
-SPLIT_TURN_BARRIERS = (1, 2)
-SPLIT_STAGE_BARRIERS = (3, 4)
 # setmaxnreg (consumer 0, consumer 1, producer) per schedule. The warpgroups trade registers
 # inside the block's launch allocation (168 a thread at 384 threads: 504 per thread-triple), so
 # the three must sum to <= 504: a setmaxnreg.inc beyond it waits forever (the first balanced
@@ -114,8 +110,6 @@ class BackwardConfig:
         return asdict(self)
 
     def pass_configs(self) -> dict:
-        if self.schedule == "staged-split":  # places its barriers itself (backward.py)
-            return {**BWD_PASS_CONFIGS, "tl.disable_thread_storage_sync": True}
         return dict(BWD_PASS_CONFIGS)
 
 
