@@ -133,6 +133,14 @@ def sparse_window_fwd_alternating_kernel(
             row_sum[h] = row_sum[h] * alpha[h]
 
     @T.macro
+    def move_reference_if(vote, m_new, m_i, alpha, row_sum, acc_o):
+        """Where the warp's ``vote`` is set: the reference to ``m_new`` and O rescaled with it."""
+        if vote != 0:
+            move_reference(m_new, m_i, alpha, row_sum)
+            for h, d in T.Parallel(HB, half):
+                acc_o[h, d] *= alpha[h]
+
+    @T.macro
     def exp_and_sum(acc_s, m_i, tile_sum, row_sum):
         """The tile's logits into P = 2^(logit - m_i) in place, their row sums added."""
         for h, c in T.Parallel(HB, BK):
@@ -303,10 +311,7 @@ def sparse_window_fwd_alternating_kernel(
                         for h in T.Parallel(HB):
                             vote0 = vote0 | T.if_then_else(m_new0[h] > m_i0[h] + LAZY_RESCALE_LOG2, 1, 0)
                         vote0 = warp_any(vote0)
-                        if vote0 != 0:
-                            move_reference(m_new0, m_i0, alpha0, row_sum0)
-                            for h, d in T.Parallel(HB, half):
-                                acc_o0[h, d] *= alpha0[h]
+                        move_reference_if(vote0, m_new0, m_i0, alpha0, row_sum0, acc_o0)
                         exp_and_sum(acc_s0, m_i0, tile_sum0, row_sum0)
                     else:
                         softmax_at(acc_s0, m_new0, m_i0, alpha0, tile_sum0, row_sum0, acc_o0)
@@ -391,10 +396,7 @@ def sparse_window_fwd_alternating_kernel(
                         for h in T.Parallel(HB):
                             vote1 = vote1 | T.if_then_else(m_new1[h] != m_i1[h], 1, 0)
                         vote1 = warp_any(vote1)
-                        if vote1 != 0:
-                            move_reference(m_new1, m_i1, alpha1, row_sum1)
-                            for h, d in T.Parallel(HB, half):
-                                acc_o1[h, d] *= alpha1[h]
+                        move_reference_if(vote1, m_new1, m_i1, alpha1, row_sum1, acc_o1)
                         exp_and_sum(acc_s1, m_i1, tile_sum1, row_sum1)
                     else:
                         masked_logits(acc_s1, 2 * r + 1, window_tiles, lo, own, n_sel, idx_s, scale_log2)
