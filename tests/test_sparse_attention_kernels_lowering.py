@@ -281,3 +281,29 @@ def _cuda_like_args(**change):
 def test_kernel_path_rejects_cpu_tensors():
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         sparse_window_attention(**_cuda_like_args())
+
+
+def test_the_forward_stamp_tool_finds_its_anchors():
+    """examples/trace_forward.py writes its clock64 stamps into the default forward's CUDA at
+    named statements: each must still be there (a kernel change that moves one fails here, on
+    the CPU, not in a device call), and text without them is refused by name."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "trace_forward.py"
+    spec = importlib.util.spec_from_file_location("trace_forward", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    config = forward_config(512, "indices")
+    assert config.schedule == "alternating-lean"
+    _, source, _ = _lower(config)
+    code = kernels.separate_role_barriers(source)
+    stamped = tool.stamped(code)
+    # Ten clock64 reads: the block's start, the index row, Q (both consumers), consumer 0's S and
+    # round end, consumer 1's S, own P V and round end, and consumer 0's last store of O.
+    assert stamped.count("clock64()") - code.count("clock64()") == 10
+    assert stamped.count("dst[k] = trace_s[") == 2 and "__shared__ unsigned long long trace_s[32]" in stamped
+    with pytest.raises(RuntimeError, match="trace_forward: kernel signature"):
+        tool.stamped("void other() {}")
+    with pytest.raises(RuntimeError, match="anchor not in the generated CUDA"):
+        tool.stamped(code.replace("free_l[1].arrive();", "free_l[1].arrive_and_expect_tx(0);"))
