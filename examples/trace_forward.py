@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 
 import torch
 
@@ -107,8 +108,7 @@ def stamped(code: str) -> str:
 
 
 def build():
-    """The stamped default forward (indices mode, D = 512), compiled; TileLang's kernel cache is
-    keyed by the PrimFunc, not the CUDA, so give this process its own TILELANG_CACHE_DIR."""
+    """The stamped default forward (indices mode, D = 512), compiled."""
     from tilelang.engine.callback import register_cuda_postproc_callback
 
     from nemo_dsa.ops.sparse_attention import forward as forward_module
@@ -122,7 +122,10 @@ def build():
     config = forward_config(512, "indices")
     if config.schedule != "alternating-lean":
         raise RuntimeError(f"trace_forward stamps the alternating-lean forward, the default is {config.schedule}")
-    return compile_cubin(kernels.sparse_window_fwd_kernel(**config.kernel_kwargs()), pass_configs=config.pass_configs())
+    kernel = compile_cubin(kernels.sparse_window_fwd_kernel(**config.kernel_kwargs()), pass_configs=config.pass_configs())
+    if "trace_s" not in kernel.get_kernel_source():
+        raise RuntimeError("trace_forward: the compiled forward carries no stamps (a cached unstamped build?)")
+    return kernel
 
 
 def report(out: torch.Tensor, seq: int) -> None:
@@ -165,6 +168,9 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=32768)
     parser.add_argument("--cuda", help="also write the stamped CUDA to this file")
     args = parser.parse_args()
+    # TileLang's kernel cache is keyed by the PrimFunc, not by the CUDA the hook writes: a private
+    # cache keeps an unstamped build of the same kernel from being loaded instead.
+    os.environ["TILELANG_CACHE_DIR"] = tempfile.mkdtemp(prefix="trace_forward_")
     kernel = build()
     if args.cuda:
         with open(args.cuda, "w") as f:
