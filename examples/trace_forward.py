@@ -80,7 +80,7 @@ def stamped(code: str) -> str:
     plan = (f"  if (threadIdx.x == {CONSUMER0}) {{ unsigned smid; asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(smid));"
             " trace_s[0] = tr_gt0; trace_s[1] = tr_c0 | ((unsigned long long)smid << 56); trace_s[2] = clock64(); }\n")
     code = _replace(code, "  __syncthreads();\n", "  __syncthreads();\n" + plan, occurrence=1)  # after the index row
-    exchange = "tl::__sync_thread_partial(8, 256);"  # the consumers' Q barrier (first per consumer)
+    exchange = f"tl::__sync_thread_partial({kernels.EXCHANGE_BARRIER}, 256);"  # the consumers' Q barrier (first per consumer)
     code = _replace(code, exchange, exchange + " " + _stamp(CONSUMER0, "3"), occurrence=0)
     code = _replace(code, exchange, exchange + " " + _stamp(CONSUMER1, "16"), occurrence=2)
     guard0, guard1 = f" && r_1 < {ROUNDS}", f" && r_2 < {ROUNDS}"
