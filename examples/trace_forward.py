@@ -6,15 +6,16 @@
 The default forward (``alternating-lean``, per-query indices, D = 512) is built with stamps
 written into its generated CUDA by TileLang's post-processing hook: the first thread of each
 consumer warpgroup reads ``clock64`` at fixed points (the index row's barrier, Q in shared
-memory, each round's S and end, consumer 1's own P V, the last store of O) and ``globaltimer``
-at the block's start and end, keeps them in 256 bytes of static shared memory and stores them
-over the first 64 columns of head 0's output in its half of D. So the outputs are not valid,
+memory, each round's S and end, consumer 1's own P V, O staged for its TMA store) and
+``globaltimer`` at the block's start and end, keeps them in 256 bytes of static shared memory
+and writes them over the first 64 columns of head 0 in each consumer's O staging tile, so that
+O's TMA store takes them to the output. So the outputs are not valid,
 the kernel runs ~3 % slower, and each stamp reads to within a few hundred clocks (the compiler
 schedules it among its neighbours). The anchors are statements of the generated CUDA; if the
 kernel changes, the rewrite stops with the anchor it could not find.
 
 Prints medians over the blocks of queries >= 4,096 (five rounds each at top-512), the clock
-rate, and the gap between consecutive blocks on an SM. docs/performance.md v26 has what it showed.
+rate, and the gap between consecutive blocks on an SM. docs/performance.md v26 and v27 have what it showed.
 """
 
 from __future__ import annotations
@@ -37,16 +38,14 @@ from nemo_dsa.ops.sparse_attention.configs import forward_config  # noqa: E402
 STAMPS = 16  # 64-bit stamps a consumer
 ROUNDS = 5  # rounds stamped (the first five)
 GLOBALTIMER = 'asm volatile("mov.u64 %0, %%globaltimer;" : "=l"({}));'
-# Head 0's output row of the block's query: each consumer stores its stamps over its half's first 64 columns.
-OUT_ROW = "(unsigned long long*)(Out + ((((int64_t)blockIdx.z * seq_len + blockIdx.x) * heads) + (int64_t)blockIdx.y * 64) * 512)"
 CONSUMER0, CONSUMER1 = 128, 256  # the first thread of each consumer warpgroup
 # Consumer 0's slots: 0 globaltimer at the start, 1 clock64 at the start (SM id in the top byte),
 # 2 index row's barrier, 3 Q in shared memory, 4-8 S of rounds 0-4, 9-13 end of rounds 0-4,
-# 14 O stored, 15 globaltimer at the end. Consumer 1's (16 + slot): 0 Q, 1-5 S, 6-10 own P V, 11-15 end.
+# 14 O staged for its TMA store, 15 globaltimer then. Consumer 1's (16 + slot): 0 Q, 1-5 S, 6-10 own P V, 11-15 end.
 C0_POINTS = {2: "index row (block barrier)", 3: "Q in shared memory"}
 C0_POINTS.update({4 + r: f"round {r}: S(A) done" for r in range(ROUNDS)})
 C0_POINTS.update({9 + r: f"round {r}: end" for r in range(ROUNDS)})
-C0_POINTS[14] = "O stored (block end)"
+C0_POINTS[14] = "O staged, its TMA store next"
 C1_POINTS = {0: "Q in shared memory"}
 C1_POINTS.update({1 + r: f"round {r}: S(B) done" for r in range(ROUNDS)})
 C1_POINTS.update({6 + r: f"round {r}: own P V done" for r in range(ROUNDS)})
@@ -80,9 +79,9 @@ def stamped(code: str) -> str:
     plan = (f"  if (threadIdx.x == {CONSUMER0}) {{ unsigned smid; asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(smid));"
             " trace_s[0] = tr_gt0; trace_s[1] = tr_c0 | ((unsigned long long)smid << 56); trace_s[2] = clock64(); }\n")
     code = _replace(code, "  __syncthreads();\n", "  __syncthreads();\n" + plan, occurrence=1)  # after the index row
-    exchange = f"tl::__sync_thread_partial({kernels.EXCHANGE_BARRIER}, 256);"  # the consumers' Q barrier (first per consumer)
-    code = _replace(code, exchange, exchange + " " + _stamp(CONSUMER0, "3"), occurrence=0)
-    code = _replace(code, exchange, exchange + " " + _stamp(CONSUMER1, "16"), occurrence=2)
+    q_landed = "q_bar[0].wait(0);"  # each consumer's wait for Q's TMA load (consumer 0's first)
+    code = _replace(code, q_landed, q_landed + " " + _stamp(CONSUMER0, "3"), occurrence=0)
+    code = _replace(code, q_landed, q_landed + " " + _stamp(CONSUMER1, "16"), occurrence=1)
     guard0, guard1 = f" && r_1 < {ROUNDS}", f" && r_2 < {ROUNDS}"
     anchor = "*(float2*)(m_new0 + 0) = *(float2*)(m_i0 + 0);"  # consumer 0, right after S and its mask
     code = _replace(code, anchor, _stamp(CONSUMER0, "4 + r_1", guard0) + " " + anchor)
@@ -91,20 +90,18 @@ def stamped(code: str) -> str:
     code = _replace(code, anchor, _stamp(CONSUMER1, "17 + r_2", guard1) + " " + anchor)
     code = _replace(code, "free_r[1].arrive();", "free_r[1].arrive(); " + _stamp(CONSUMER1, "22 + r_2", guard1))
     code = _replace(code, "free_r[0].arrive();", "free_r[0].arrive(); " + _stamp(CONSUMER1, "27 + r_2", guard1))
-    consumer1_starts = "    } else {\n      tl::warpgroup_reg_alloc<216>();"
-    flush0 = (f"      tl::__sync_thread_partial({kernels.ROLE_BARRIER_IDS[1]}, 128);\n"
-              f"      if (threadIdx.x == {CONSUMER0}) {{ unsigned long long gt; " + GLOBALTIMER.format("gt")
-              + f" trace_s[14] = clock64(); trace_s[15] = gt; unsigned long long* dst = {OUT_ROW};"
-              f" for (int k = 0; k < {STAMPS}; ++k) dst[k] = trace_s[k]; }}\n")
-    code = _replace(code, consumer1_starts, flush0 + consumer1_starts)
-    kernel_ends = "    }\n  }\n}"
-    at = code.rfind(kernel_ends)
-    if at < 0:
-        raise RuntimeError("trace_forward: the kernel's end not found")
-    flush1 = (f"      tl::__sync_thread_partial({kernels.ROLE_BARRIER_IDS[2]}, 128);\n"
-              f"      if (threadIdx.x == {CONSUMER1}) {{ unsigned long long* dst = {OUT_ROW} + 64;"
-              f" for (int k = 0; k < {STAMPS}; ++k) dst[k] = trace_s[{STAMPS} + k]; }}\n")
-    return code[:at] + flush1 + code[at:]
+    # Each consumer's stamps go into the first 128 bytes of its O staging tile (head 0's first 64
+    # columns of its half: row 0 is not swizzled) just before one thread issues O's TMA store.
+    o_store = "      if (tl::tl_shuffle_elect<128>()) {\n        tl::fence_proxy_async();"
+    flush0 = (f"      if (threadIdx.x == {CONSUMER0}) {{ unsigned long long gt; " + GLOBALTIMER.format("gt")
+              + " trace_s[14] = clock64(); trace_s[15] = gt; unsigned long long* dst = (unsigned long long*)q_l;"
+              f" for (int k = 0; k < {STAMPS}; ++k) dst[k] = trace_s[k]; }}\n"
+              f"      tl::__sync_thread_partial({kernels.ROLE_BARRIER_IDS[1]}, 128);\n")
+    code = _replace(code, o_store, flush0 + o_store, occurrence=0)
+    flush1 = (f"      if (threadIdx.x == {CONSUMER1}) {{ unsigned long long* dst = (unsigned long long*)q_r;"
+              f" for (int k = 0; k < {STAMPS}; ++k) dst[k] = trace_s[{STAMPS} + k]; }}\n"
+              f"      tl::__sync_thread_partial({kernels.ROLE_BARRIER_IDS[2]}, 128);\n")
+    return _replace(code, o_store, flush1 + o_store, occurrence=1)
 
 
 def build():

@@ -300,7 +300,7 @@ def test_the_forward_stamp_tool_finds_its_anchors():
     code = kernels.separate_role_barriers(source)
     stamped = tool.stamped(code)
     # Ten clock64 reads: the block's start, the index row, Q (both consumers), consumer 0's S and
-    # round end, consumer 1's S, own P V and round end, and consumer 0's last store of O.
+    # round end, consumer 1's S, own P V and round end, and consumer 0's O staged for its store.
     assert stamped.count("clock64()") - code.count("clock64()") == 10
     assert stamped.count("dst[k] = trace_s[") == 2 and "__shared__ unsigned long long trace_s[32]" in stamped
     with pytest.raises(RuntimeError, match="trace_forward: kernel signature"):

@@ -26,6 +26,11 @@ refills a half as soon as its last reader is done:
 max comes after each consumer's S.) An odd tile count gets one more tile, every key of it
 unseen (zero-filled, scored -inf), so every round has two tiles.
 
+Q comes by TMA, issued at the block's start before the index row is read, and O leaves by TMA
+from shared memory (FlashMLA's order): 2-3 % faster than both halves of Q loaded by the
+consumers after the index row's barrier and O stored by their own 16-byte stores
+(docs/performance.md v27).
+
 Same arguments, grid, outputs and edge behaviour (zero output and -inf lse for a query that
 sees nothing) as :func:`forward.sparse_window_fwd_balanced_kernel`. Plain, it measured within
 3 % of "balanced" at S >= 32768 (docs/performance.md v18); with ``lean_softmax``
@@ -197,7 +202,7 @@ def sparse_window_fwd_alternating_kernel(
         for h, d in T.Parallel(HB, half):
             acc_o[h, d] *= alpha[h]
         T.copy(acc_o, q_half)
-        T.copy(q_half, Out[b, s, h0 : h0 + HB, me * half : me * half + half], disable_tma=True)
+        T.copy(q_half, Out[b, s, h0 : h0 + HB, me * half : me * half + half])  # by TMA (one thread issues)
 
     @T.prim_func
     def sparse_window_fwd_alternating(
@@ -232,6 +237,7 @@ def sparse_window_fwd_alternating_kernel(
             max_ab = T.alloc_barrier([128])  # consumer 1: the round's max in max_s
             p_a = T.alloc_barrier([128])  # consumer 0: P(A) in p_shared[0]
             p_b = T.alloc_barrier([128])  # consumer 1: P(B) in p_shared[1]
+            q_bar = T.alloc_barrier([FWD_THREADS])  # Q landed (every thread arrives; one also expects its bytes)
 
             acc_s0 = T.alloc_fragment([HB, BK], f32)
             acc_s1 = T.alloc_fragment([HB, BK], f32)
@@ -261,6 +267,10 @@ def sparse_window_fwd_alternating_kernel(
             scale_log2 = Params[0] * LOG2E
             has_sink = Params[1] > 0.5
             window = Window[0]
+            # Q by TMA before anything else (Q is read once: evict first); the consumers wait for it.
+            T.tma_copy(Q[b, s, h0 : h0 + HB, 0:half], q_l, barrier=q_bar[0], eviction_policy="evict_first")
+            T.tma_copy(Q[b, s, h0 : h0 + HB, half:D], q_r, barrier=q_bar[0], eviction_policy="evict_first")
+            T.mbarrier_arrive(q_bar[0])
             ks, n_sel, lo, window_tiles, tiles = query_plan(idx_s, Indices, KE, WindowStart, window, b, s, own, n_slots)
             rounds = T.ceildiv(tiles, 2)
 
@@ -284,9 +294,7 @@ def sparse_window_fwd_alternating_kernel(
                     T.cp_async_barrier_noinc(full_l[1])
             elif tx < 256:
                 T.set_max_nreg(consumer0_registers, 1)
-                T.copy(Q[b, s, h0 : h0 + HB, 0:half], q_l, disable_tma=True)  # each consumer loads half of Q
-                T.fence_proxy_async()
-                T.sync_threads(EXCHANGE_BARRIER, 256)
+                T.mbarrier_wait_parity(q_bar[0], 0)
                 T.fill(m_i0, M_FLOOR)
                 T.fill(row_sum0, 0)
                 T.fill(acc_o0, 0)
@@ -358,9 +366,7 @@ def sparse_window_fwd_alternating_kernel(
                 finish(0, acc_o0, m_i0, row_sum0, alpha0, sink_f0, sum_x, q_l, has_sink, Sink, Out, Lse, b, s, h0)
             else:
                 T.set_max_nreg(consumer1_registers, 1)
-                T.copy(Q[b, s, h0 : h0 + HB, half:D], q_r, disable_tma=True)
-                T.fence_proxy_async()
-                T.sync_threads(EXCHANGE_BARRIER, 256)
+                T.mbarrier_wait_parity(q_bar[0], 0)
                 T.fill(m_i1, M_FLOOR)
                 T.fill(row_sum1, 0)
                 T.fill(acc_o1, 0)
