@@ -67,3 +67,22 @@ def ptxas_report(source: str) -> str:
     if proc.returncode != 0:
         raise RuntimeError(f"nvcc failed:\n{proc.stderr[-3000:]}")
     return proc.stderr
+
+
+_TYPE_BYTES = {"uchar": 1, "char": 1, "bfloat16_t": 2, "half_t": 2, "int": 4, "float": 4, "uint64_t": 8,
+               "unsigned long long": 8, "int64_t": 8}
+_STATIC_SHARED = re.compile(r"^\s*__shared__ (?:__align__\((\d+)\) )?([\w ]+?) (\w+)\[(\d+)\];", re.MULTILINE)
+
+
+def static_shared_memory_bytes(source: str) -> int:
+    """Static shared memory of generated CUDA (the mbarriers, static buffers such as the forward's
+    index row), as the SM allocates it: each declaration at its alignment, and the total rounded
+    up to the 1 KiB the dynamic buffer (``extern __shared__ __align__(1024)``) is aligned to.
+    Together with the dynamic request it must fit HOPPER_SMEM_LIMIT, or the launch fails."""
+    total = 0
+    for align, dtype, _, count in _STATIC_SHARED.findall(source):
+        align = int(align or _TYPE_BYTES[dtype])
+        total = -(-total // align) * align + _TYPE_BYTES[dtype] * int(count)
+    if total and "extern __shared__ __align__(1024)" in source:
+        total = -(-total // 1024) * 1024
+    return total

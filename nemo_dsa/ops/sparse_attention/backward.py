@@ -15,6 +15,7 @@ from nemo_dsa.ops.sparse_attention.configs import (
     BWD_THREADS,
     LOG2E,
     STAGE_ROW_PAD,
+    STAGE_ROW_PAD_AHEAD,
 )
 from nemo_dsa.ops.sparse_attention.tiles import compressed_span, tile_plan
 
@@ -66,7 +67,10 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
     before the previous chunk's atomics (two accumulators), so the atomics overlap the tensor
     cores; "staged" is pipelined and writes each chunk to shared memory first, so that its
     atomics are 16 bytes wide and each warp's cover two whole key rows of the chunk (the
-    fragment layout gives 8-byte atomics spread over 8 rows).
+    fragment layout gives 8-byte atomics spread over 8 rows); "staged-ahead" (opt-in, not yet
+    measured: docs/performance.md v27) is staged with Q and dO loaded by TMA while delta is
+    computed, and each tile's dKV rows read one tile ahead into a second row buffer, so that no
+    tile starts with a global read and a barrier.
     """
     T = tilelang().language
     bf16, f32, i32 = T.bfloat16, T.float32, T.int32
@@ -105,7 +109,9 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
                 )
         T.ptx_commit_group()
 
-    staged = schedule == "staged"
+    staged = schedule in ("staged", "staged-ahead")
+    ahead = schedule == "staged-ahead"
+    stage_pad = STAGE_ROW_PAD_AHEAD if ahead else STAGE_ROW_PAD
     n_chunks = D // dkv_chunk
     if n_chunks % 2:
         raise ValueError(f"the backward needs an even number of dkv chunks, got {n_chunks}")
@@ -124,23 +130,49 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
         T.wgmma_gemm(ds_s, q_s[:, c * dkv_chunk : (c + 1) * dkv_chunk], acc, transpose_A=True, clear_accum=True)
         T.wgmma_gemm(p_s, do_s[:, c * dkv_chunk : (c + 1) * dkv_chunk], acc, transpose_A=True)
 
-    @T.macro
-    def add_dkv_direct(dKV, acc, rows_s, stage_s, b, c):
-        for r, d in T.Parallel(BK, dkv_chunk):
-            if rows_s[r] >= 0:
-                T.atomic_add(dKV[b, rows_s[r], c * dkv_chunk + d], acc[r, d])
+    def tile_row(rows_s, slot, r):
+        """The dKV row of key ``r`` of the current tile (``slot``: its buffer, "staged-ahead")."""
+        return rows_s[slot, r] if ahead else rows_s[r]
 
     @T.macro
-    def add_dkv_staged(dKV, acc, rows_s, stage_s, b, c):
+    def add_dkv_direct(dKV, acc, rows_s, slot, stage_s, b, c):
+        for r, d in T.Parallel(BK, dkv_chunk):
+            if tile_row(rows_s, slot, r) >= 0:
+                T.atomic_add(dKV[b, tile_row(rows_s, slot, r), c * dkv_chunk + d], acc[r, d])
+
+    @T.macro
+    def add_dkv_staged(dKV, acc, rows_s, slot, stage_s, b, c):
         T.sync_threads()  # every thread has read the previous chunk's staging tile
         for r, d in T.Parallel(BK, dkv_chunk):
             stage_s[r, d] = acc[r, d]
         T.sync_threads()
         for r, d in T.Parallel(BK, dkv_chunk):
-            if rows_s[r] >= 0:
-                T.atomic_add(dKV[b, rows_s[r], c * dkv_chunk + d], stage_s[r, d])
+            if tile_row(rows_s, slot, r) >= 0:
+                T.atomic_add(dKV[b, tile_row(rows_s, slot, r), c * dkv_chunk + d], stage_s[r, d])
 
     add_dkv = add_dkv_staged if staged else add_dkv_direct
+
+    @T.macro
+    def row_of(key, tt, r, lo, own, window_tiles, n_sel, ks, n_raw, n_comp):
+        """The dKV row of key ``r`` of tile ``tt`` (-1: unseen); ``key`` is its index-row entry
+        (indices mode; -1 past the selection)."""
+        if by_index:
+            comp_row = T.if_then_else((key >= 0) & (key < n_comp), n_raw + key, -1)
+        else:
+            comp_row = T.if_then_else((tt - window_tiles) * BK + r < n_sel, n_raw + ks + (tt - window_tiles) * BK + r, -1)
+        return T.if_then_else(
+            tt < window_tiles, T.if_then_else(lo + tt * BK + r <= own, lo + tt * BK + r, -1), comp_row
+        )
+
+    @T.macro
+    def index_entry(Indices, b, s, tt, r, window_tiles, n_sel, n_slots):
+        """Tile ``tt``'s index-row entry for key ``r`` (-1 for window tiles and past the selection)."""
+        if not by_index:
+            return -1
+        slot = (tt - window_tiles) * BK + r
+        return T.if_then_else(
+            (tt >= window_tiles) & (slot < n_sel), Indices[b, s, T.max(T.min(slot, n_slots - 1), 0)], -1
+        )
 
     @T.prim_func
     def sparse_window_bwd(
@@ -166,8 +198,9 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
             k_s = T.alloc_shared([BK, D], bf16)
             p_s = T.alloc_shared([HB, BK], bf16)
             ds_s = T.alloc_shared([HB, BK], bf16)
-            rows_s = T.alloc_shared([BK], i32)  # dKV row of each key of the tile, -1 = unseen
-            stage_s = T.alloc_shared([BK, dkv_chunk + STAGE_ROW_PAD] if staged else [1, 8], f32)
+            # dKV row of each key of the tile, -1 = unseen ("staged-ahead": tile t's in [t % 2])
+            rows_s = T.alloc_shared([2, BK] if ahead else [BK], i32)
+            stage_s = T.alloc_shared([BK, dkv_chunk + stage_pad] if staged else [1, 8], f32)
             acc_s = T.alloc_fragment([HB, BK], f32)
             acc_dp = T.alloc_fragment([HB, BK], f32)
             acc_dq = T.alloc_fragment([HB, D], f32)
@@ -178,6 +211,10 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
             o_do = T.alloc_fragment([HB, DELTA_CHUNK], f32)
             o_do_sum = T.alloc_fragment([HB], f32)
             delta_s = T.alloc_shared([HB], f32)
+            if ahead:
+                q_do_bar = T.alloc_barrier([BWD_THREADS])  # Q and dO landed (every thread arrives)
+                tx = T.get_thread_binding()
+                next_key = T.alloc_var(i32)  # threads < 64: an entry of the next tile's index row
 
             h0 = g * HB
             own = s + n_raw - seq_len
@@ -188,18 +225,27 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
             ks, n_sel = compressed_span(T, by_index, Indices, KE, b, s, n_slots)  # as in the forward
             lo, window_tiles, tiles = tile_plan(T, own, WindowStart[b, s], window, n_sel)
 
-            # The first key tile's cp.async go out before Q, dO and O are loaded (plain loads), so
-            # that the two kinds of load overlap.
+            # The first key tile's cp.async go out before Q, dO and O are loaded, so that the
+            # loads overlap ("staged-ahead": Q and dO by TMA, landing while delta is computed).
             if tiles > 0:
                 load_keys(k_s, Raw, Comp, Indices, b, s, 0, lo, own, window_tiles, n_sel, ks, n_raw, n_comp, n_slots)
-            T.copy(Q[b, s, h0 : h0 + HB, :], q_s, disable_tma=True)
-            T.copy(dO[b, s, h0 : h0 + HB, :], do_s, disable_tma=True)
+            if ahead:
+                T.tma_copy(Q[b, s, h0 : h0 + HB, :], q_s, barrier=q_do_bar[0])
+                T.tma_copy(dO[b, s, h0 : h0 + HB, :], do_s, barrier=q_do_bar[0])
+                T.mbarrier_arrive(q_do_bar[0])
+            else:
+                T.copy(Q[b, s, h0 : h0 + HB, :], q_s, disable_tma=True)
+                T.copy(dO[b, s, h0 : h0 + HB, :], do_s, disable_tma=True)
             # delta = rowsum(dO * O) here, from dO already in shared memory (the separate delta
-            # kernel read dO a second time); written out for the sink's gradient.
+            # kernel read dO a second time; "staged-ahead" reads it from L2 again, so as not to
+            # wait for the TMA); written out for the sink's gradient.
             T.clear(delta_s)
             for c in T.unroll(D // DELTA_CHUNK):  # unrolled: all of O's loads in flight at once
                 for h, d in T.Parallel(HB, DELTA_CHUNK):
-                    o_do[h, d] = T.cast(O[b, s, h0 + h, c * DELTA_CHUNK + d], f32) * T.cast(do_s[h, c * DELTA_CHUNK + d], f32)
+                    if ahead:
+                        o_do[h, d] = T.cast(O[b, s, h0 + h, c * DELTA_CHUNK + d], f32) * T.cast(dO[b, s, h0 + h, c * DELTA_CHUNK + d], f32)
+                    else:
+                        o_do[h, d] = T.cast(O[b, s, h0 + h, c * DELTA_CHUNK + d], f32) * T.cast(do_s[h, c * DELTA_CHUNK + d], f32)
                 T.reduce_sum(o_do, o_do_sum, dim=1)
                 for h in T.Parallel(HB):
                     delta_s[h] += o_do_sum[h]
@@ -209,18 +255,25 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
             for h in T.Parallel(HB):
                 Delta[b, s, h0 + h] = delta_s[h]
             T.clear(acc_dq)
+            if ahead:
+                T.mbarrier_wait_parity(q_do_bar[0], 0)
+                for r in T.Parallel(BK):  # tile 0's rows; each later tile's are written one tile ahead
+                    rows_s[0, r] = row_of(index_entry(Indices, b, s, 0, r, window_tiles, n_sel, n_slots), 0, r,
+                                          lo, own, window_tiles, n_sel, ks, n_raw, n_comp)  # fmt: skip
             for t in T.serial(tiles):
-                base = (t - window_tiles) * BK
-                for r in T.Parallel(BK):
-                    if t < window_tiles:
-                        rows_s[r] = T.if_then_else(lo + t * BK + r <= own, lo + t * BK + r, -1)
-                    else:
-                        if by_index:
-                            key = T.if_then_else(base + r < n_sel, Indices[b, s, T.min(base + r, n_slots - 1)], -1)
-                            rows_s[r] = T.if_then_else((key >= 0) & (key < n_comp), n_raw + key, -1)
+                slot = t % 2
+                if not ahead:
+                    base = (t - window_tiles) * BK
+                    for r in T.Parallel(BK):
+                        if t < window_tiles:
+                            rows_s[r] = T.if_then_else(lo + t * BK + r <= own, lo + t * BK + r, -1)
                         else:
-                            rows_s[r] = T.if_then_else(base + r < n_sel, n_raw + ks + base + r, -1)
-                T.sync_threads()
+                            if by_index:
+                                key = T.if_then_else(base + r < n_sel, Indices[b, s, T.min(base + r, n_slots - 1)], -1)
+                                rows_s[r] = T.if_then_else((key >= 0) & (key < n_comp), n_raw + key, -1)
+                            else:
+                                rows_s[r] = T.if_then_else(base + r < n_sel, n_raw + ks + base + r, -1)
+                    T.sync_threads()
                 # The tile's key rows were prefetched (before the loop, or during the previous
                 # tile's dkv GEMMs): wait for them here.
                 T.ptx_wait_group(0)
@@ -232,7 +285,7 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
                 T.warpgroup_fence_operand(acc_dp, num_regs=pair_regs)
                 for h, c in T.Parallel(HB, BK):
                     acc_s[h, c] = T.if_then_else(
-                        rows_s[c] >= 0, T.exp2(acc_s[h, c] * scale_log2 - lse2[h]), T.cast(0, f32)
+                        tile_row(rows_s, slot, c) >= 0, T.exp2(acc_s[h, c] * scale_log2 - lse2[h]), T.cast(0, f32)
                     )
                     acc_dp[h, c] = acc_s[h, c] * (acc_dp[h, c] - delta[h]) * scale
                 T.copy(acc_s, p_s)
@@ -251,25 +304,34 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
                     T.warpgroup_fence_operand(acc_dq, num_regs=dq_regs)
                     T.sync_threads()  # every warp is done with k_s
                     next_keys(k_s, Raw, Comp, Indices, b, s, t, tiles, lo, own, window_tiles, n_sel, ks, n_raw, n_comp, n_slots)
+                    if ahead:  # the next tile's index entries now, stored at the tile's end
+                        if tx < BK:
+                            next_key = index_entry(Indices, b, s, t + 1, tx, window_tiles, n_sel, n_slots)
                     # Chunks in pairs (n_chunks is even): acc_kv holds the even ones, acc_kv1
                     # the odd ones; chunk c + 1's GEMMs run while chunk c is added.
                     for j in T.unroll(n_chunks // 2):
                         issue_dkv(ds_s, p_s, q_s, do_s, acc_kv1, 2 * j + 1)
                         T.wait_wgmma(2)
                         T.warpgroup_fence_operand(acc_kv, num_regs=kv_regs)
-                        add_dkv(dKV, acc_kv, rows_s, stage_s, b, 2 * j)
+                        add_dkv(dKV, acc_kv, rows_s, slot, stage_s, b, 2 * j)
                         if 2 * j + 2 < n_chunks:
                             issue_dkv(ds_s, p_s, q_s, do_s, acc_kv, 2 * j + 2)
                             T.wait_wgmma(2)
                         else:
                             T.wait_wgmma(0)
                         T.warpgroup_fence_operand(acc_kv1, num_regs=kv_regs)
-                        add_dkv(dKV, acc_kv1, rows_s, stage_s, b, 2 * j + 1)
+                        add_dkv(dKV, acc_kv1, rows_s, slot, stage_s, b, 2 * j + 1)
                 else:
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(acc_dq, num_regs=dq_regs)
                     T.sync_threads()
                     next_keys(k_s, Raw, Comp, Indices, b, s, t, tiles, lo, own, window_tiles, n_sel, ks, n_raw, n_comp, n_slots)
+                    if ahead:  # the next tile's index entries now, stored at the tile's end
+                        if tx < BK:
+                            next_key = index_entry(Indices, b, s, t + 1, tx, window_tiles, n_sel, n_slots)
+                if ahead:
+                    if (tx < BK) & (t + 1 < tiles):
+                        rows_s[1 - slot, tx] = row_of(next_key, t + 1, tx, lo, own, window_tiles, n_sel, ks, n_raw, n_comp)
                 T.sync_threads()
             if need_dq:
                 T.copy(acc_dq, q_s)

@@ -50,11 +50,17 @@ DEFAULT_FWD_SCHEDULE = "alternating-lean"
 # fwd + bwd 34.9 against 37.5 ms at S = 32768, 69.0 against 74.5 ms at 65536 (v20). Adding the
 # staged chunk by the TMA (cp.reduce.async.bulk, one per key row) measured a 37 % slower
 # backward than pipelined (v20) and was removed.
-BWD_SCHEDULES = ("pipelined", "staged")
+# "staged-ahead" (opt-in, lowered and checked on the CPU, not yet measured: v27) is staged with Q
+# and dO loaded by TMA and each tile's dKV rows read one tile ahead.
+BWD_SCHEDULES = ("pipelined", "staged", "staged-ahead")
 DEFAULT_BWD_SCHEDULE = "staged"
 # Staging rows are padded by 8 floats: a warp writes 8 accumulator rows at once, and with the
 # pad its 256-byte store takes 2 shared-memory wavefronts (the minimum), not 8.
 STAGE_ROW_PAD = 8
+# "staged-ahead" pads by 4 (its TMA barrier is static shared memory, padded to 1 KiB, which the
+# 8-float pad leaves no room for): row r then starts 4 banks after row r - 1, and over a warp's
+# 8 rows x 8 columns 4r + c still hits every bank exactly twice, so 2 wavefronts as well.
+STAGE_ROW_PAD_AHEAD = 4
 # setmaxnreg (consumer 0, consumer 1, producer) per schedule. The warpgroups trade registers
 # inside the block's launch allocation (168 a thread at 384 threads: 504 per thread-triple), so
 # the three must sum to <= 504: a setmaxnreg.inc beyond it waits forever (the first balanced
@@ -93,10 +99,6 @@ class ForwardConfig:
         for the alternating schedules)."""
         p_tiles = 2 if self.schedule.startswith("alternating") else 1
         return 2 * self.dim * (BLOCK_HEADS + self.num_stages * BLOCK_KEYS) + p_tiles * 2 * BLOCK_HEADS * BLOCK_KEYS
-
-    def static_shared_memory_bytes(self) -> int:
-        """The index row (indices mode), in static shared memory (see NO_COPY_WAIT)."""
-        return 4 * MAX_SELECTED if self.mode == "indices" else 0
 
 
 @dataclass(frozen=True)
