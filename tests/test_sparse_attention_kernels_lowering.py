@@ -69,6 +69,13 @@ def _forward_problems(config: ForwardConfig, source: str) -> list[str]:
             problems.append(f"consumer setmaxnreg.inc {registers}")
     if "cp_async_gs_conditional<16>" not in source:
         problems.append("16-byte zero-filling cp.async gathers")
+    if config.schedule.startswith("alternating"):
+        # Q by TMA before the index row is read (the block's first loads), O stored by TMA.
+        q_load, index_row = source.find("tl::tma_load"), source.find("Indices[")
+        if q_load < 0 or (config.mode == "indices" and not q_load < index_row):
+            problems.append("Q loaded by TMA ahead of the index row")
+        if source.count("tl::tma_store(") != 2 or source.count("tma_store_wait<0, true>") != 2:
+            problems.append("O stored by TMA from each consumer's staging tile")
     # The producer never waits for its own copies: they arrive on the stage's mbarrier themselves.
     producer = re.search(r"warpgroup_reg_dealloc<\d+>(.*?)warpgroup_reg_alloc<", source, re.S)
     if "mbarrier_cp_async_arrive_noinc" not in source or producer is None or "cp_async_wait" in producer.group(1):
