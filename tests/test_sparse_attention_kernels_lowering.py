@@ -254,15 +254,16 @@ def test_pipelined_backward_keeps_its_wgmmas_asynchronous():
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found: cannot run ptxas")
 def test_forwards_keep_their_wgmmas_asynchronous():
     """The same ptxas check for every forward schedule at D = 512: no wgmma serialised (C7514 /
-    C7517) in either mode, and no spill with per-query indices, the V4 indexer layers' mode.
-    (Range mode spills a few bytes, 32 or 4-40: measured in docs/performance.md v19, left alone.)"""
+    C7517) in either mode, and no spill, except in the `balanced` control's range mode (32 bytes,
+    docs/performance.md v19, left alone; the alternating forwards' range-mode spill of v19 went
+    with the TMA load of Q, v27)."""
     from _lowering import ptxas_report
 
     configs = [forward_config(512, mode, schedule) for schedule in kernels.FWD_SCHEDULES for mode in ("indices", "range")]
     for config, source, _ in map_in_workers(_lower, configs):
         report = ptxas_report(source)
         assert "C7514" not in report and "C7517" not in report, f"{config}: {report[-2000:]}"
-        if config.mode == "indices":
+        if config.mode == "indices" or config.schedule != "balanced":
             assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", report), f"{config}: {report[-2000:]}"
 
 
