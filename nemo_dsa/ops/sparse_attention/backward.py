@@ -262,7 +262,7 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
                                           lo, own, window_tiles, n_sel, ks, n_raw, n_comp)  # fmt: skip
             for t in T.serial(tiles):
                 slot = t % 2
-                if not ahead:
+                if not ahead:  # as GPU-tested (row_of / index_entry give the same rows; unify once measured)
                     base = (t - window_tiles) * BK
                     for r in T.Parallel(BK):
                         if t < window_tiles:
