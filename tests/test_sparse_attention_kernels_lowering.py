@@ -143,6 +143,14 @@ def test_every_dispatched_config_lowers_with_wgmma_and_fits_shared_memory():
                 # Each chunk staged in shared memory, then added by 16-byte atomics, each warp's
                 # covering whole 128-byte lines of two key rows.
                 assert "AtomicAddx4(" in source and "AtomicAddx2(" not in source, f"{config}: not 16-byte atomics"
+            elif config.schedule == "shuffled":
+                # Straight from the two accumulators to 16-byte atomics (after the lane-pair
+                # exchange): no staging tile, so no barrier inside the chunk loop.
+                for acc in ("acc_kv", "acc_kv1"):
+                    assert f"dkv_add_shuffled({acc}, " in source, f"{config}: {acc} not added by the exchange"
+                assert "atomicAdd(reinterpret_cast<float4*>" in source and "AtomicAdd" not in source, config
+                chunk_loop = source[source.index("dkv_add_shuffled(acc_kv, "):source.rindex("dkv_add_shuffled(acc_kv1, ")]
+                assert "__syncthreads()" not in chunk_loop, f"{config}: a barrier between the chunks' adds"
             else:
                 assert "AtomicAdd" in source, f"{config}: dkv is not accumulated atomically"
             # The key rows come by zero-filling cp.async, not through registers (LDG, then STS).
@@ -244,7 +252,8 @@ def test_pipelined_backward_keeps_its_wgmmas_asynchronous():
 
     configs = [backward_config(512, "indices", "pipelined"), backward_config(128, "range", "pipelined"),
                backward_config(512, "indices", "staged"), backward_config(512, "range", "staged"),
-               backward_config(512, "indices", "staged-ahead"), backward_config(512, "range", "staged-ahead")]  # fmt: skip
+               backward_config(512, "indices", "staged-ahead"), backward_config(512, "range", "staged-ahead"),
+               backward_config(512, "indices", "shuffled"), backward_config(128, "range", "shuffled")]  # fmt: skip
     for config, source, _ in map_in_workers(_lower, configs):
         report = ptxas_report(source)
         assert "C7514" not in report and "C7517" not in report, f"{config}: {report[-2000:]}"

@@ -22,6 +22,39 @@ from nemo_dsa.ops.sparse_attention.tiles import compressed_span, tile_plan
 DELTA_ROWS = 32
 DELTA_CHUNK = 128
 
+# "shuffled": a 64 x 64 fp32 dkv chunk goes from the wgmma accumulator straight to 16-byte
+# atomics, without a pass through shared memory. The accumulator of 256 threads (as TileLang
+# lays out an m64n64 fp32 wgmma result over two warpgroups): warpgroup wg holds columns
+# [32 wg, 32 wg + 32), warp w rows 16 w + (lane >> 2) and that + 8, and float2 number 2 j + h
+# (h: the row + 8) columns 8 j + 2 (lane & 3) and + 1. A lane holds 2 consecutive columns of a
+# group, so two lanes of a pair swap halves: the even lane gets 4 consecutive columns of group
+# 2 jp, the odd lane of group 2 jp + 1, and a quad adds 64 contiguous bytes of its row.
+SHUFFLED_ADD_SOURCE = r"""
+__device__ __forceinline__ void dkv_add_shuffled(const float* acc, float* dkv, const int* rows, int row_stride) {
+  const int lane = threadIdx.x & 31, quad_lane = lane & 3;
+  const bool odd = quad_lane & 1;
+  const int first_col = 32 * (threadIdx.x >> 7) + (odd ? 8 + 2 * (quad_lane - 1) : 2 * quad_lane);
+  const int first_row = 16 * ((threadIdx.x & 127) >> 5) + (lane >> 2);
+  #pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = rows[first_row + 8 * h];
+    #pragma unroll
+    for (int jp = 0; jp < 2; ++jp) {
+      const float2 even_group = reinterpret_cast<const float2*>(acc)[4 * jp + h];
+      const float2 odd_group = reinterpret_cast<const float2*>(acc)[4 * jp + 2 + h];
+      const float2 keep = odd ? odd_group : even_group;
+      const float2 send = odd ? even_group : odd_group;
+      const float got_x = __shfl_xor_sync(0xffffffffu, send.x, 1);
+      const float got_y = __shfl_xor_sync(0xffffffffu, send.y, 1);
+      const float4 sum = odd ? make_float4(got_x, got_y, keep.x, keep.y) : make_float4(keep.x, keep.y, got_x, got_y);
+      if (row >= 0) {
+        atomicAdd(reinterpret_cast<float4*>(dkv + (long long)row * row_stride + first_col + 16 * jp), sum);
+      }
+    }
+  }
+}
+"""
+
 
 def attention_delta_kernel(dim: int):
     """PrimFunc of delta[r] = sum_d O[r, d] * dO[r, d] in fp32 over rows r of [R, D] bf16."""
@@ -70,7 +103,9 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
     fragment layout gives 8-byte atomics spread over 8 rows); "staged-ahead" (opt-in, not yet
     measured: docs/performance.md v27) is staged with Q and dO loaded by TMA while delta is
     computed, and each tile's dKV rows read one tile ahead into a second row buffer, so that no
-    tile starts with a global read and a barrier.
+    tile starts with a global read and a barrier; "shuffled" (opt-in) is pipelined with each
+    chunk's atomics 16 bytes wide after an exchange between lane pairs (SHUFFLED_ADD_SOURCE):
+    no shared staging, no barrier per chunk.
     """
     T = tilelang().language
     bf16, f32, i32 = T.bfloat16, T.float32, T.int32
@@ -111,6 +146,9 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
 
     staged = schedule in ("staged", "staged-ahead")
     ahead = schedule == "staged-ahead"
+    shuffled = schedule == "shuffled"
+    if shuffled and (BK, dkv_chunk, BWD_THREADS) != (64, 64, 256):
+        raise ValueError("the shuffled dkv add is written for 64 x 64 chunks over 256 threads")
     stage_pad = STAGE_ROW_PAD_AHEAD if ahead else STAGE_ROW_PAD
     n_chunks = D // dkv_chunk
     if n_chunks % 2:
@@ -150,7 +188,14 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
             if tile_row(rows_s, slot, r) >= 0:
                 T.atomic_add(dKV[b, tile_row(rows_s, slot, r), c * dkv_chunk + d], stage_s[r, d])
 
-    add_dkv = add_dkv_staged if staged else add_dkv_direct
+    @T.macro
+    def add_dkv_shuffled(dKV, acc, rows_s, slot, stage_s, b, c):
+        # acc.data: the accumulator's registers as the local array TileLang declares (an element
+        # access here would make layout inference replicate the fragment).
+        T.call_extern("handle", "dkv_add_shuffled", acc.data, T.address_of(dKV[b, 0, c * dkv_chunk]),
+                      T.address_of(rows_s[0]), D)
+
+    add_dkv = add_dkv_staged if staged else (add_dkv_shuffled if shuffled else add_dkv_direct)
 
     @T.macro
     def row_of(key, tt, r, lo, own, window_tiles, n_sel, ks, n_raw, n_comp):
@@ -193,6 +238,8 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
         dKV: T.Tensor([batch, n_raw + n_comp, D], f32),
     ):
         with T.Kernel(seq_len, heads // HB, batch, threads=BWD_THREADS) as (s, g, b):
+            if shuffled:
+                T.import_source(SHUFFLED_ADD_SOURCE)
             q_s = T.alloc_shared([HB, D], bf16)
             do_s = T.alloc_shared([HB, D], bf16)
             k_s = T.alloc_shared([BK, D], bf16)

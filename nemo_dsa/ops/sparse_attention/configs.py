@@ -51,8 +51,10 @@ DEFAULT_FWD_SCHEDULE = "alternating-lean"
 # staged chunk by the TMA (cp.reduce.async.bulk, one per key row) measured a 37 % slower
 # backward than pipelined (v20) and was removed.
 # "staged-ahead" (opt-in, lowered and checked on the CPU, not yet measured: v27) is staged with Q
-# and dO loaded by TMA and each tile's dKV rows read one tile ahead.
-BWD_SCHEDULES = ("pipelined", "staged", "staged-ahead")
+# and dO loaded by TMA and each tile's dKV rows read one tile ahead. "shuffled" (opt-in, not yet
+# measured: v28) is pipelined with 16-byte atomics straight from the accumulator, after an
+# exchange between lane pairs: no staging, no barriers in the chunk loop.
+BWD_SCHEDULES = ("pipelined", "staged", "staged-ahead", "shuffled")
 DEFAULT_BWD_SCHEDULE = "staged"
 # Staging rows are padded by 8 floats: a warp writes 8 accumulator rows at once, and with the
 # pad its 256-byte store takes 2 shared-memory wavefronts (the minimum), not 8.
