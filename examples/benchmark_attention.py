@@ -239,7 +239,7 @@ def main():
     parser.add_argument("--ours-only", action="store_true", help="skip the built-in (and its compile)")
     parser.add_argument("--variants", nargs="+", default=None,
                         help="<forward schedule>/<window dkv>[/<backward schedule>]: balanced|balanced-lean|alternating|alternating-lean"
-                             " / atomic|key-major / pipelined|staged|staged-ahead")
+                             " / atomic|key-major / pipelined|staged|shuffled|shuffled-ahead")
     parser.add_argument("--parts", action="store_true", help="also time the backward's pieces")
     parser.add_argument("--topk", type=int, default=TOPK,
                         help="compressed entries a query selects (0: window only): the forward's time against its"

@@ -139,11 +139,11 @@ def test_every_dispatched_config_lowers_with_wgmma_and_fits_shared_memory():
                 assert static >= 4 * kernels.MAX_SELECTED, config
         elif isinstance(config, BackwardConfig):
             assert "wgmma_ss<" in source, f"{config}: no wgmma"
-            if config.schedule in ("staged", "staged-ahead"):
+            if config.schedule == "staged":
                 # Each chunk staged in shared memory, then added by 16-byte atomics, each warp's
                 # covering whole 128-byte lines of two key rows.
                 assert "AtomicAddx4(" in source and "AtomicAddx2(" not in source, f"{config}: not 16-byte atomics"
-            elif config.schedule == "shuffled":
+            elif config.schedule.startswith("shuffled"):
                 # Straight from the two accumulators to 16-byte atomics (after the lane-pair
                 # exchange): no staging tile, so no barrier inside the chunk loop.
                 for acc in ("acc_kv", "acc_kv1"):
@@ -162,10 +162,10 @@ def test_every_dispatched_config_lowers_with_wgmma_and_fits_shared_memory():
             # (Both schedules prefetch in each of their two dkv branches.)
             assert source.count("cp_async_commit") == 3 and tile_loop.count("cp_async_commit") == 2, config
             assert not _pipelined_backward_problems(config, source), f"{config}: {_pipelined_backward_problems(config, source)}"
-            # A tile starts with its key wait: "staged-ahead" read its dKV rows a tile earlier
+            # A tile starts with its key wait: "shuffled-ahead" read its dKV rows a tile earlier
             # (the others read the index row and meet at a barrier first), and Q and dO come by TMA.
             tile_start = tile_loop[: tile_loop.index("cp_async_wait<0>")]
-            ahead = config.schedule == "staged-ahead"
+            ahead = config.schedule == "shuffled-ahead"
             assert ("__syncthreads()" in tile_start) != ahead, config
             assert ("Indices[" in tile_start) == (config.mode == "indices" and not ahead), config
             assert source.count("tl::tma_load") == (2 if ahead else 0), config
@@ -252,8 +252,9 @@ def test_pipelined_backward_keeps_its_wgmmas_asynchronous():
 
     configs = [backward_config(512, "indices", "pipelined"), backward_config(128, "range", "pipelined"),
                backward_config(512, "indices", "staged"), backward_config(512, "range", "staged"),
-               backward_config(512, "indices", "staged-ahead"), backward_config(512, "range", "staged-ahead"),
-               backward_config(512, "indices", "shuffled"), backward_config(128, "range", "shuffled")]  # fmt: skip
+               backward_config(512, "indices", "shuffled"), backward_config(512, "range", "shuffled"),
+               backward_config(512, "indices", "shuffled-ahead"), backward_config(512, "range", "shuffled-ahead"),
+               backward_config(128, "range", "shuffled-ahead")]  # fmt: skip
     for config, source, _ in map_in_workers(_lower, configs):
         report = ptxas_report(source)
         assert "C7514" not in report and "C7517" not in report, f"{config}: {report[-2000:]}"

@@ -15,31 +15,31 @@ from nemo_dsa.ops.sparse_attention.configs import (
     BWD_THREADS,
     LOG2E,
     STAGE_ROW_PAD,
-    STAGE_ROW_PAD_AHEAD,
 )
 from nemo_dsa.ops.sparse_attention.tiles import compressed_span, tile_plan
 
 DELTA_ROWS = 32
 DELTA_CHUNK = 128
 
-# "shuffled": a 64 x 64 fp32 dkv chunk goes from the wgmma accumulator straight to 16-byte
+# "shuffled": a [64, chunk] fp32 dkv chunk goes from the wgmma accumulator straight to 16-byte
 # atomics, without a pass through shared memory. The accumulator of 256 threads (as TileLang
-# lays out an m64n64 fp32 wgmma result over two warpgroups): warpgroup wg holds columns
-# [32 wg, 32 wg + 32), warp w rows 16 w + (lane >> 2) and that + 8, and float2 number 2 j + h
-# (h: the row + 8) columns 8 j + 2 (lane & 3) and + 1. A lane holds 2 consecutive columns of a
-# group, so two lanes of a pair swap halves: the even lane gets 4 consecutive columns of group
-# 2 jp, the odd lane of group 2 jp + 1, and a quad adds 64 contiguous bytes of its row.
+# lays out an m64 fp32 wgmma result over two warpgroups): warpgroup wg holds columns
+# [wg chunk / 2, (wg + 1) chunk / 2), warp w rows 16 w + (lane >> 2) and that + 8, and float2
+# number 2 j + h (h: the row + 8) columns 8 j + 2 (lane & 3) and + 1 of its half. A lane holds 2
+# consecutive columns of a group of 8, so the two lanes of a pair swap halves: the even lane gets
+# 4 consecutive columns of group 2 jp, the odd lane of group 2 jp + 1, and a quad adds 64
+# contiguous bytes of its row.
 SHUFFLED_ADD_SOURCE = r"""
-__device__ __forceinline__ void dkv_add_shuffled(const float* acc, float* dkv, const int* rows, int row_stride) {
+__device__ __forceinline__ void dkv_add_shuffled(const float* acc, float* dkv, const int* rows, int row_stride, int chunk) {
   const int lane = threadIdx.x & 31, quad_lane = lane & 3;
   const bool odd = quad_lane & 1;
-  const int first_col = 32 * (threadIdx.x >> 7) + (odd ? 8 + 2 * (quad_lane - 1) : 2 * quad_lane);
+  const int first_col = (chunk / 2) * (threadIdx.x >> 7) + (odd ? 8 + 2 * (quad_lane - 1) : 2 * quad_lane);
   const int first_row = 16 * ((threadIdx.x & 127) >> 5) + (lane >> 2);
   #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = rows[first_row + 8 * h];
     #pragma unroll
-    for (int jp = 0; jp < 2; ++jp) {
+    for (int jp = 0; jp < chunk / 32; ++jp) {
       const float2 even_group = reinterpret_cast<const float2*>(acc)[4 * jp + h];
       const float2 odd_group = reinterpret_cast<const float2*>(acc)[4 * jp + 2 + h];
       const float2 keep = odd ? odd_group : even_group;
@@ -100,12 +100,11 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
     before the previous chunk's atomics (two accumulators), so the atomics overlap the tensor
     cores; "staged" is pipelined and writes each chunk to shared memory first, so that its
     atomics are 16 bytes wide and each warp's cover two whole key rows of the chunk (the
-    fragment layout gives 8-byte atomics spread over 8 rows); "staged-ahead" (opt-in, not yet
-    measured: docs/performance.md v27) is staged with Q and dO loaded by TMA while delta is
-    computed, and each tile's dKV rows read one tile ahead into a second row buffer, so that no
-    tile starts with a global read and a barrier; "shuffled" (opt-in) is pipelined with each
-    chunk's atomics 16 bytes wide after an exchange between lane pairs (SHUFFLED_ADD_SOURCE):
-    no shared staging, no barrier per chunk.
+    fragment layout gives 8-byte atomics spread over 8 rows); "shuffled" is pipelined with each
+    chunk's atomics 16 bytes wide after an exchange between lane pairs (SHUFFLED_ADD_SOURCE): no
+    shared staging, no barrier per chunk; "shuffled-ahead" is shuffled with Q and dO loaded by
+    TMA while delta is computed, and each tile's dKV rows read one tile ahead into a second row
+    buffer, so that no tile starts with a global read and a barrier.
     """
     T = tilelang().language
     bf16, f32, i32 = T.bfloat16, T.float32, T.int32
@@ -144,12 +143,12 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
                 )
         T.ptx_commit_group()
 
-    staged = schedule in ("staged", "staged-ahead")
-    ahead = schedule == "staged-ahead"
-    shuffled = schedule == "shuffled"
-    if shuffled and (BK, dkv_chunk, BWD_THREADS) != (64, 64, 256):
-        raise ValueError("the shuffled dkv add is written for 64 x 64 chunks over 256 threads")
-    stage_pad = STAGE_ROW_PAD_AHEAD if ahead else STAGE_ROW_PAD
+    staged = schedule == "staged"
+    ahead = schedule == "shuffled-ahead"
+    shuffled = schedule in ("shuffled", "shuffled-ahead")
+    if shuffled and (BK, BWD_THREADS, dkv_chunk % 32) != (64, 256, 0):
+        raise ValueError("the shuffled dkv add needs 64-key tiles, 256 threads and chunks of a multiple of 32 columns")
+    stage_pad = STAGE_ROW_PAD
     n_chunks = D // dkv_chunk
     if n_chunks % 2:
         raise ValueError(f"the backward needs an even number of dkv chunks, got {n_chunks}")
@@ -169,7 +168,7 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
         T.wgmma_gemm(p_s, do_s[:, c * dkv_chunk : (c + 1) * dkv_chunk], acc, transpose_A=True)
 
     def tile_row(rows_s, slot, r):
-        """The dKV row of key ``r`` of the current tile (``slot``: its buffer, "staged-ahead")."""
+        """The dKV row of key ``r`` of the current tile (``slot``: its buffer, "shuffled-ahead")."""
         return rows_s[slot, r] if ahead else rows_s[r]
 
     @T.macro
@@ -193,7 +192,7 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
         # acc.data: the accumulator's registers as the local array TileLang declares (an element
         # access here would make layout inference replicate the fragment).
         T.call_extern("handle", "dkv_add_shuffled", acc.data, T.address_of(dKV[b, 0, c * dkv_chunk]),
-                      T.address_of(rows_s[0]), D)
+                      T.address_of(rows_s[slot, 0] if ahead else rows_s[0]), D, dkv_chunk)
 
     add_dkv = add_dkv_staged if staged else (add_dkv_shuffled if shuffled else add_dkv_direct)
 
@@ -245,7 +244,7 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
             k_s = T.alloc_shared([BK, D], bf16)
             p_s = T.alloc_shared([HB, BK], bf16)
             ds_s = T.alloc_shared([HB, BK], bf16)
-            # dKV row of each key of the tile, -1 = unseen ("staged-ahead": tile t's in [t % 2])
+            # dKV row of each key of the tile, -1 = unseen ("shuffled-ahead": tile t's in [t % 2])
             rows_s = T.alloc_shared([2, BK] if ahead else [BK], i32)
             stage_s = T.alloc_shared([BK, dkv_chunk + stage_pad] if staged else [1, 8], f32)
             acc_s = T.alloc_fragment([HB, BK], f32)
@@ -273,7 +272,7 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
             lo, window_tiles, tiles = tile_plan(T, own, WindowStart[b, s], window, n_sel)
 
             # The first key tile's cp.async go out before Q, dO and O are loaded, so that the
-            # loads overlap ("staged-ahead": Q and dO by TMA, landing while delta is computed).
+            # loads overlap ("shuffled-ahead": Q and dO by TMA, landing while delta is computed).
             if tiles > 0:
                 load_keys(k_s, Raw, Comp, Indices, b, s, 0, lo, own, window_tiles, n_sel, ks, n_raw, n_comp, n_slots)
             if ahead:
@@ -284,7 +283,7 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
                 T.copy(Q[b, s, h0 : h0 + HB, :], q_s, disable_tma=True)
                 T.copy(dO[b, s, h0 : h0 + HB, :], do_s, disable_tma=True)
             # delta = rowsum(dO * O) here, from dO already in shared memory (the separate delta
-            # kernel read dO a second time; "staged-ahead" reads it from L2 again, so as not to
+            # kernel read dO a second time; "shuffled-ahead" reads it from L2 again, so as not to
             # wait for the TMA); written out for the sink's gradient.
             T.clear(delta_s)
             for c in T.unroll(D // DELTA_CHUNK):  # unrolled: all of O's loads in flight at once

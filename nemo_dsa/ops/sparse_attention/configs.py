@@ -50,19 +50,19 @@ DEFAULT_FWD_SCHEDULE = "alternating-lean"
 # fwd + bwd 34.9 against 37.5 ms at S = 32768, 69.0 against 74.5 ms at 65536 (v20). Adding the
 # staged chunk by the TMA (cp.reduce.async.bulk, one per key row) measured a 37 % slower
 # backward than pipelined (v20) and was removed.
-# "staged-ahead" (opt-in, lowered and checked on the CPU, not yet measured: v27) is staged with Q
-# and dO loaded by TMA and each tile's dKV rows read one tile ahead. "shuffled" (opt-in, not yet
-# measured: v28) is pipelined with 16-byte atomics straight from the accumulator, after an
-# exchange between lane pairs: no staging, no barriers in the chunk loop.
-BWD_SCHEDULES = ("pipelined", "staged", "staged-ahead", "shuffled")
+# "shuffled" (opt-in) adds each chunk straight from the accumulator by 16-byte atomics after an
+# exchange between lane pairs (no staging, no barriers in the chunk loop), in chunks of 128
+# columns at D = 512: 3.9 % faster than staged on an H100 at S = 16K and 32K (v28), dq bitwise
+# equal; the default once its GPU tests have run at 128-column chunks (they ran at 64).
+# "shuffled-ahead" (opt-in, not yet run on a GPU) is shuffled with Q and dO loaded by TMA and
+# each tile's dKV rows read one tile ahead (as v27's "staged-ahead", which lost 2-3 % to staged
+# through the narrower staging pad its TMA barrier forced; inside staged the two measured -3.5
+# and -1 %, v28).
+BWD_SCHEDULES = ("pipelined", "staged", "shuffled", "shuffled-ahead")
 DEFAULT_BWD_SCHEDULE = "staged"
 # Staging rows are padded by 8 floats: a warp writes 8 accumulator rows at once, and with the
 # pad its 256-byte store takes 2 shared-memory wavefronts (the minimum), not 8.
 STAGE_ROW_PAD = 8
-# "staged-ahead" pads by 4 (its TMA barrier is static shared memory, padded to 1 KiB, which the
-# 8-float pad leaves no room for): row r then starts 4 banks after row r - 1, and over a warp's
-# 8 rows x 8 columns 4r + c still hits every bank exactly twice, so 2 wavefronts as well.
-STAGE_ROW_PAD_AHEAD = 4
 # setmaxnreg (consumer 0, consumer 1, producer) per schedule. The warpgroups trade registers
 # inside the block's launch allocation (168 a thread at 384 threads: 504 per thread-triple), so
 # the three must sum to <= 504: a setmaxnreg.inc beyond it waits forever (the first balanced
@@ -185,7 +185,11 @@ def window_dkv_mode() -> str:
 def backward_config(dim: int, mode: str, schedule: str | None = None) -> BackwardConfig:
     """``schedule`` None: :func:`backward_schedule`."""
     schedule = _checked_schedule(dim, mode, schedule, BWD_SCHEDULES, backward_schedule)
-    return BackwardConfig(dim, mode, dkv_chunk=64, schedule=schedule)
+    # Chunks of 128 columns: half the re-reads of dS and P from shared memory a tile (each
+    # warpgroup reads both for every chunk), -3.9 % with the shuffled add at D = 512 (v28); the
+    # staging tile of "staged" would not fit at 128, and D = 128 needs an even chunk count.
+    wide = dim == 512 and schedule.startswith("shuffled")
+    return BackwardConfig(dim, mode, dkv_chunk=128 if wide else 64, schedule=schedule)
 
 
 def dispatched_configs() -> list:

@@ -181,14 +181,12 @@ def sparse_window_fwd_alternating_kernel(
             acc_o[h, d] *= alpha[h]
 
     @T.macro
-    def finish(me, acc_o, m_i, row_sum, alpha, sink_f, sum_x, q_half, has_sink, Sink, Out, Lse, b, s, h0):
+    def finish(me, acc_o, m_i, row_sum, alpha, sink_f, sum_x, q_half, has_sink, Out, Lse, b, s, h0):
         """Both consumers end on the same max: add the two row sums and the sink, write lse
         (consumer 0) and this consumer's half of O (staged in its half of Q, dead by now)."""
         for h in T.Parallel(HB):
             sum_x[me, h] = row_sum[h]
         T.sync_threads(EXCHANGE_BARRIER, 256)
-        for h in T.Parallel(HB):
-            sink_f[h] = T.if_then_else(has_sink, Sink[h0 + h] * LOG2E, M_FLOOR)
         for h in T.Parallel(HB):
             final_max = T.max(m_i[h], sink_f[h])
             row_sum[h] = (sum_x[0, h] + sum_x[1, h]) * T.exp2(m_i[h] - final_max) + T.if_then_else(
@@ -298,6 +296,8 @@ def sparse_window_fwd_alternating_kernel(
                 T.fill(m_i0, M_FLOOR)
                 T.fill(row_sum0, 0)
                 T.fill(acc_o0, 0)
+                for h in T.Parallel(HB):  # the sinks read now: the epilogue then starts without a global load
+                    sink_f0[h] = T.if_then_else(has_sink, Sink[h0 + h] * LOG2E, M_FLOOR)
                 if lean_softmax:
                     tile_flags(seen_s, 0, 0, 0, window_tiles, lo, own, n_sel, idx_s)
                 for r in T.serial(rounds):
@@ -363,13 +363,15 @@ def sparse_window_fwd_alternating_kernel(
                     if lean_softmax:
                         if r + 1 < rounds:  # the next round's flags, the logits dead
                             tile_flags(seen_s, 0, (r + 1) % 2, 2 * r + 2, window_tiles, lo, own, n_sel, idx_s)
-                finish(0, acc_o0, m_i0, row_sum0, alpha0, sink_f0, sum_x, q_l, has_sink, Sink, Out, Lse, b, s, h0)
+                finish(0, acc_o0, m_i0, row_sum0, alpha0, sink_f0, sum_x, q_l, has_sink, Out, Lse, b, s, h0)
             else:
                 T.set_max_nreg(consumer1_registers, 1)
                 T.mbarrier_wait_parity(q_bar[0], 0)
                 T.fill(m_i1, M_FLOOR)
                 T.fill(row_sum1, 0)
                 T.fill(acc_o1, 0)
+                for h in T.Parallel(HB):  # the sinks read now: the epilogue then starts without a global load
+                    sink_f1[h] = T.if_then_else(has_sink, Sink[h0 + h] * LOG2E, M_FLOOR)
                 if lean_softmax:
                     tile_flags(seen_s, 1, 0, 1, window_tiles, lo, own, n_sel, idx_s)
                 for r in T.serial(rounds):
@@ -425,6 +427,6 @@ def sparse_window_fwd_alternating_kernel(
                     if lean_softmax:
                         if r + 1 < rounds:
                             tile_flags(seen_s, 1, (r + 1) % 2, 2 * r + 3, window_tiles, lo, own, n_sel, idx_s)
-                finish(1, acc_o1, m_i1, row_sum1, alpha1, sink_f1, sum_x, q_r, has_sink, Sink, Out, Lse, b, s, h0)
+                finish(1, acc_o1, m_i1, row_sum1, alpha1, sink_f1, sum_x, q_r, has_sink, Out, Lse, b, s, h0)
 
     return sparse_window_fwd_alternating
