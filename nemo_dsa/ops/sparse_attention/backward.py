@@ -148,7 +148,6 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
     shuffled = schedule in ("shuffled", "shuffled-ahead")
     if shuffled and (BK, BWD_THREADS, dkv_chunk % 32) != (64, 256, 0):
         raise ValueError("the shuffled dkv add needs 64-key tiles, 256 threads and chunks of a multiple of 32 columns")
-    stage_pad = STAGE_ROW_PAD
     n_chunks = D // dkv_chunk
     if n_chunks % 2:
         raise ValueError(f"the backward needs an even number of dkv chunks, got {n_chunks}")
@@ -166,6 +165,11 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
         """acc = dS^T Q + P^T dO for columns of chunk ``c``, issued and not waited for."""
         T.wgmma_gemm(ds_s, q_s[:, c * dkv_chunk : (c + 1) * dkv_chunk], acc, transpose_A=True, clear_accum=True)
         T.wgmma_gemm(p_s, do_s[:, c * dkv_chunk : (c + 1) * dkv_chunk], acc, transpose_A=True)
+
+    def grad_out(dO, do_s, b, s, h0, h, col):
+        """dO[h, col] of the block's query for delta: "shuffled-ahead" reads it from L2 (its TMA
+        copy in do_s may still be landing), the others from shared memory."""
+        return dO[b, s, h0 + h, col] if ahead else do_s[h, col]
 
     def tile_row(rows_s, slot, r):
         """The dKV row of key ``r`` of the current tile (``slot``: its buffer, "shuffled-ahead")."""
@@ -246,7 +250,7 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
             ds_s = T.alloc_shared([HB, BK], bf16)
             # dKV row of each key of the tile, -1 = unseen ("shuffled-ahead": tile t's in [t % 2])
             rows_s = T.alloc_shared([2, BK] if ahead else [BK], i32)
-            stage_s = T.alloc_shared([BK, dkv_chunk + stage_pad] if staged else [1, 8], f32)
+            stage_s = T.alloc_shared([BK, dkv_chunk + STAGE_ROW_PAD] if staged else [1, 8], f32)
             acc_s = T.alloc_fragment([HB, BK], f32)
             acc_dp = T.alloc_fragment([HB, BK], f32)
             acc_dq = T.alloc_fragment([HB, D], f32)
@@ -288,10 +292,9 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
             T.clear(delta_s)
             for c in T.unroll(D // DELTA_CHUNK):  # unrolled: all of O's loads in flight at once
                 for h, d in T.Parallel(HB, DELTA_CHUNK):
-                    if ahead:
-                        o_do[h, d] = T.cast(O[b, s, h0 + h, c * DELTA_CHUNK + d], f32) * T.cast(dO[b, s, h0 + h, c * DELTA_CHUNK + d], f32)
-                    else:
-                        o_do[h, d] = T.cast(O[b, s, h0 + h, c * DELTA_CHUNK + d], f32) * T.cast(do_s[h, c * DELTA_CHUNK + d], f32)
+                    o_do[h, d] = T.cast(O[b, s, h0 + h, c * DELTA_CHUNK + d], f32) * T.cast(
+                        grad_out(dO, do_s, b, s, h0, h, c * DELTA_CHUNK + d), f32
+                    )
                 T.reduce_sum(o_do, o_do_sum, dim=1)
                 for h in T.Parallel(HB):
                     delta_s[h] += o_do_sum[h]
