@@ -10,7 +10,7 @@ writes JSON (``--json``).
 
     python examples/benchmark_attention.py --seq 4096 16384 32768 65536 --json out.json
 
-``--variants balanced-lean/atomic balanced/key-major/pipelined`` times nemo_dsa once per kernel
+``--variants balanced-lean/atomic balanced/key-major/staged`` times nemo_dsa once per kernel
 variant (forward schedule / how the window keys' dkv is summed [/ backward schedule], see
 ``ops/sparse_attention/configs.py``);
 the first is the table's, the others are printed after it; without it, the defaults run. ``--parts`` also times the backward's
@@ -239,7 +239,7 @@ def main():
     parser.add_argument("--ours-only", action="store_true", help="skip the built-in (and its compile)")
     parser.add_argument("--variants", nargs="+", default=None,
                         help="<forward schedule>/<window dkv>[/<backward schedule>]: balanced|balanced-lean|alternating|alternating-lean"
-                             " / atomic|key-major / pipelined|staged|shuffled|shuffled-ahead")
+                             " / atomic|key-major / staged|transposed|transposed-ahead")
     parser.add_argument("--parts", action="store_true", help="also time the backward's pieces")
     parser.add_argument("--topk", type=int, default=TOPK,
                         help="compressed entries a query selects (0: window only): the forward's time against its"

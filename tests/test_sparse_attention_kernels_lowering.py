@@ -99,7 +99,7 @@ def _check_window_dkv(config: WindowDkvConfig, source: str) -> None:
 
 
 def _pipelined_backward_problems(config: BackwardConfig, source: str) -> list[str]:
-    """What the pipelined backward's CUDA lacks: S and dP issued before one wait, and each dkv
+    """What the backward's CUDA lacks for its pipeline: S and dP issued before one wait, and each dkv
     chunk's GEMMs issued into the other accumulator before this chunk's atomics."""
     problems = []
     tile_loop = source[source.index("for (int t = 0; t < tiles; ++t)"):]
@@ -143,29 +143,28 @@ def test_every_dispatched_config_lowers_with_wgmma_and_fits_shared_memory():
                 # Each chunk staged in shared memory, then added by 16-byte atomics, each warp's
                 # covering whole 128-byte lines of two key rows.
                 assert "AtomicAddx4(" in source and "AtomicAddx2(" not in source, f"{config}: not 16-byte atomics"
-            elif config.schedule.startswith("shuffled"):
-                # Straight from the two accumulators to 16-byte atomics (after the lane-pair
-                # exchange): no staging tile, so no barrier inside the chunk loop.
-                for acc in ("acc_kv", "acc_kv1"):
-                    assert f"dkv_add_shuffled({acc}, " in source, f"{config}: {acc} not added by the exchange"
-                assert "atomicAdd(reinterpret_cast<float4*>" in source and "AtomicAdd" not in source, config
-                chunk_loop = source[source.index("dkv_add_shuffled(acc_kv, "):source.rindex("dkv_add_shuffled(acc_kv1, ")]
-                assert "__syncthreads()" not in chunk_loop, f"{config}: a barrier between the chunks' adds"
             else:
-                assert "AtomicAdd" in source, f"{config}: dkv is not accumulated atomically"
+                # Straight from the two accumulators to 16-byte atomics (after the lane exchanges
+                # of the helper): no staging tile, so no barrier inside the chunk loop.
+                helper = "dkv_add_transposed"
+                for acc in ("acc_kv", "acc_kv1"):
+                    assert f"{helper}({acc}, " in source, f"{config}: {acc} not added by {helper}"
+                assert "atomicAdd(reinterpret_cast<float4*>" in source and "AtomicAdd" not in source, config
+                chunk_loop = source[source.index(f"{helper}(acc_kv, "):source.rindex(f"{helper}(acc_kv1, ")]
+                assert "__syncthreads()" not in chunk_loop, f"{config}: a barrier between the chunks' adds"
             # The key rows come by zero-filling cp.async, not through registers (LDG, then STS).
             assert "cp_async_gs_conditional<16>" in source, f"{config}: key rows not gathered by cp.async"
             # One wait, at the top of each tile: the next tile's rows are copied during this
             # tile's dkv GEMMs (a commit before the loop and one inside it), not waited for at once.
             tile_loop = source[source.index("for (int t = 0; t < tiles; ++t)"):]
             assert source.count("cp_async_wait<0>") == 1 and tile_loop.count("cp_async_wait<0>") == 1, config
-            # (Both schedules prefetch in each of their two dkv branches.)
+            # (Every schedule prefetches in each of its two dkv branches.)
             assert source.count("cp_async_commit") == 3 and tile_loop.count("cp_async_commit") == 2, config
             assert not _pipelined_backward_problems(config, source), f"{config}: {_pipelined_backward_problems(config, source)}"
-            # A tile starts with its key wait: "shuffled-ahead" read its dKV rows a tile earlier
+            # A tile starts with its key wait: the "-ahead" schedules read its dKV rows a tile earlier
             # (the others read the index row and meet at a barrier first), and Q and dO come by TMA.
             tile_start = tile_loop[: tile_loop.index("cp_async_wait<0>")]
-            ahead = config.schedule == "shuffled-ahead"
+            ahead = config.schedule.endswith("-ahead")
             assert ("__syncthreads()" in tile_start) != ahead, config
             assert ("Indices[" in tile_start) == (config.mode == "indices" and not ahead), config
             assert source.count("tl::tma_load") == (2 if ahead else 0), config
@@ -239,22 +238,19 @@ def test_representative_configs_compile_to_cubin():
         # (the producer has none left: it never waits for its own copies).
         for role_id in kernels.ROLE_BARRIER_IDS[1:]:
             assert f"__sync_thread_partial({role_id}, 128)" in source
-    assert "AtomicAdd" in bwd_source
+    assert "dkv_add_transposed(acc_kv, " in bwd_source and "atomicAdd(reinterpret_cast<float4*>" in bwd_source
     _check_window_dkv(window_dkv, window_source)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found: cannot run ptxas")
-def test_pipelined_backward_keeps_its_wgmmas_asynchronous():
+def test_backwards_keep_their_wgmmas_asynchronous():
     """ptxas serialises every wgmma of a kernel (remark C7514) when it cannot prove that no
     accumulator is read while its wgmma runs; that would undo the pipeline silently. No spills
     either."""
     from _lowering import ptxas_report
 
-    configs = [backward_config(512, "indices", "pipelined"), backward_config(128, "range", "pipelined"),
-               backward_config(512, "indices", "staged"), backward_config(512, "range", "staged"),
-               backward_config(512, "indices", "shuffled"), backward_config(512, "range", "shuffled"),
-               backward_config(512, "indices", "shuffled-ahead"), backward_config(512, "range", "shuffled-ahead"),
-               backward_config(128, "range", "shuffled-ahead")]  # fmt: skip
+    shapes = ((512, "indices"), (512, "range"), (128, "range"))
+    configs = [backward_config(d, m, schedule) for schedule in kernels.BWD_SCHEDULES for d, m in shapes]
     for config, source, _ in map_in_workers(_lower, configs):
         report = ptxas_report(source)
         assert "C7514" not in report and "C7517" not in report, f"{config}: {report[-2000:]}"

@@ -21,34 +21,53 @@ from nemo_dsa.ops.sparse_attention.tiles import compressed_span, tile_plan
 DELTA_ROWS = 32
 DELTA_CHUNK = 128
 
-# "shuffled": a [64, chunk] fp32 dkv chunk goes from the wgmma accumulator straight to 16-byte
+# "transposed": a [64, chunk] fp32 dkv chunk goes from the wgmma accumulator straight to 16-byte
 # atomics, without a pass through shared memory. The accumulator of 256 threads (as TileLang
 # lays out an m64 fp32 wgmma result over two warpgroups): warpgroup wg holds columns
 # [wg chunk / 2, (wg + 1) chunk / 2), warp w rows 16 w + (lane >> 2) and that + 8, and float2
-# number 2 j + h (h: the row + 8) columns 8 j + 2 (lane & 3) and + 1 of its half. A lane holds 2
-# consecutive columns of a group of 8, so the two lanes of a pair swap halves: the even lane gets
-# 4 consecutive columns of group 2 jp, the odd lane of group 2 jp + 1, and a quad adds 64
-# contiguous bytes of its row.
-SHUFFLED_ADD_SOURCE = r"""
-__device__ __forceinline__ void dkv_add_shuffled(const float* acc, float* dkv, const int* rows, int row_stride, int chunk) {
+# number 2 j + h (h: the row + 8) columns 8 j + 2 (lane & 3) and + 1 of its half. Two exchanges
+# turn that into whole 128-byte lines a request:
+# - the two lanes of a pair swap halves of their float2s: the even lane gets 4 consecutive
+#   columns of group 2 jp, the odd lane of group 2 jp + 1 (a quad then holds 64 contiguous bytes
+#   of its row, which as atomics reach the L2 as 8 half lines a warp: v28's "shuffled");
+# - the quads of rows 2 k and 2 k + 1 (lanes 8 k .. 8 k + 7) swap a float4: of each 32 columns the
+#   even quad takes both rows' first 16, the odd quad both rows' last 16, so that 8 lanes add 128
+#   contiguous bytes of one row and a warp's request covers 4 whole lines (-6 to -7 % of the
+#   backward against the pair exchange alone, v29).
+TRANSPOSED_ADD_SOURCE = r"""
+__device__ __forceinline__ void dkv_add_transposed(const float* acc, float* dkv, const int* rows, int row_stride, int chunk) {
   const int lane = threadIdx.x & 31, quad_lane = lane & 3;
-  const bool odd = quad_lane & 1;
-  const int first_col = (chunk / 2) * (threadIdx.x >> 7) + (odd ? 8 + 2 * (quad_lane - 1) : 2 * quad_lane);
-  const int first_row = 16 * ((threadIdx.x & 127) >> 5) + (lane >> 2);
+  const bool odd = quad_lane & 1, upper = lane & 4;
+  const int first_col = (chunk / 2) * (threadIdx.x >> 7) + (odd ? 8 + 2 * (quad_lane - 1) : 2 * quad_lane) + (upper ? 16 : 0);
+  const int pair_row = 16 * ((threadIdx.x & 127) >> 5) + ((lane >> 2) & 6);
   #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int row = rows[first_row + 8 * h];
     #pragma unroll
-    for (int jp = 0; jp < chunk / 32; ++jp) {
-      const float2 even_group = reinterpret_cast<const float2*>(acc)[4 * jp + h];
-      const float2 odd_group = reinterpret_cast<const float2*>(acc)[4 * jp + 2 + h];
-      const float2 keep = odd ? odd_group : even_group;
-      const float2 send = odd ? even_group : odd_group;
-      const float got_x = __shfl_xor_sync(0xffffffffu, send.x, 1);
-      const float got_y = __shfl_xor_sync(0xffffffffu, send.y, 1);
-      const float4 sum = odd ? make_float4(got_x, got_y, keep.x, keep.y) : make_float4(keep.x, keep.y, got_x, got_y);
-      if (row >= 0) {
-        atomicAdd(reinterpret_cast<float4*>(dkv + (long long)row * row_stride + first_col + 16 * jp), sum);
+    for (int seg = 0; seg < chunk / 64; ++seg) {
+      float4 own[2];  // this lane's row, columns 32 seg + 16 k + (its 4 of the quad's 16)
+      #pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        const int jp = 2 * seg + k;
+        const float2 even_group = reinterpret_cast<const float2*>(acc)[4 * jp + h];
+        const float2 odd_group = reinterpret_cast<const float2*>(acc)[4 * jp + 2 + h];
+        const float2 keep = odd ? odd_group : even_group;
+        const float2 send = odd ? even_group : odd_group;
+        const float got_x = __shfl_xor_sync(0xffffffffu, send.x, 1);
+        const float got_y = __shfl_xor_sync(0xffffffffu, send.y, 1);
+        own[k] = odd ? make_float4(got_x, got_y, keep.x, keep.y) : make_float4(keep.x, keep.y, got_x, got_y);
+      }
+      const float4 send = upper ? own[0] : own[1];
+      const float4 keep = upper ? own[1] : own[0];
+      const float4 got = make_float4(__shfl_xor_sync(0xffffffffu, send.x, 4), __shfl_xor_sync(0xffffffffu, send.y, 4),
+                                     __shfl_xor_sync(0xffffffffu, send.z, 4), __shfl_xor_sync(0xffffffffu, send.w, 4));
+      const int col = first_col + 32 * seg;
+      // Read here, not before the loops: held across them, the rows made ptxas spill.
+      const int row_a = rows[pair_row + 8 * h], row_b = rows[pair_row + 8 * h + 1];
+      if (row_a >= 0) {
+        atomicAdd(reinterpret_cast<float4*>(dkv + (long long)row_a * row_stride + col), upper ? got : keep);
+      }
+      if (row_b >= 0) {
+        atomicAdd(reinterpret_cast<float4*>(dkv + (long long)row_b * row_stride + col), upper ? keep : got);
       }
     }
   }
@@ -96,14 +115,14 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
     which must hold zeros on entry in the wanted rows (the tiles' contributions are added
     atomically; unwanted rows are never touched).
 
-    ``schedule`` (BWD_SCHEDULES): "pipelined" issues S and dP together, and each dkv chunk's GEMMs
-    before the previous chunk's atomics (two accumulators), so the atomics overlap the tensor
-    cores; "staged" is pipelined and writes each chunk to shared memory first, so that its
-    atomics are 16 bytes wide and each warp's cover two whole key rows of the chunk (the
-    fragment layout gives 8-byte atomics spread over 8 rows); "shuffled" is pipelined with each
-    chunk's atomics 16 bytes wide after an exchange between lane pairs (SHUFFLED_ADD_SOURCE): no
-    shared staging, no barrier per chunk; "shuffled-ahead" is shuffled with Q and dO loaded by
-    TMA while delta is computed, and each tile's dKV rows read one tile ahead into a second row
+    ``schedule`` (BWD_SCHEDULES): every schedule issues S and dP together, and each dkv chunk's
+    GEMMs before the previous chunk's atomics (two accumulators), so that the atomics overlap the
+    tensor cores. "staged" writes each chunk to shared memory first, so that its atomics are 16
+    bytes wide and each warp's cover two whole key rows of the chunk (the fragment layout gives
+    8-byte atomics spread over 8 rows); "transposed" adds each chunk from the accumulator by
+    16-byte atomics over whole lines after two lane exchanges (TRANSPOSED_ADD_SOURCE): no
+    staging, no barrier per chunk; "transposed-ahead" is transposed with Q and dO loaded by TMA
+    while delta is computed, and each tile's dKV rows read one tile ahead into a second row
     buffer, so that no tile starts with a global read and a barrier.
     """
     T = tilelang().language
@@ -144,10 +163,9 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
         T.ptx_commit_group()
 
     staged = schedule == "staged"
-    ahead = schedule == "shuffled-ahead"
-    shuffled = schedule in ("shuffled", "shuffled-ahead")
-    if shuffled and (BK, BWD_THREADS, dkv_chunk % 32) != (64, 256, 0):
-        raise ValueError("the shuffled dkv add needs 64-key tiles, 256 threads and chunks of a multiple of 32 columns")
+    ahead = schedule == "transposed-ahead"
+    if not staged and (BK, BWD_THREADS, dkv_chunk % 64) != (64, 256, 0):
+        raise ValueError("the transposed dkv add needs 64-key tiles, 256 threads and chunks of a multiple of 64 columns")
     n_chunks = D // dkv_chunk
     if n_chunks % 2:
         raise ValueError(f"the backward needs an even number of dkv chunks, got {n_chunks}")
@@ -167,19 +185,13 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
         T.wgmma_gemm(p_s, do_s[:, c * dkv_chunk : (c + 1) * dkv_chunk], acc, transpose_A=True)
 
     def grad_out(dO, do_s, b, s, h0, h, col):
-        """dO[h, col] of the block's query for delta: "shuffled-ahead" reads it from L2 (its TMA
+        """dO[h, col] of the block's query for delta: "transposed-ahead" reads it from L2 (its TMA
         copy in do_s may still be landing), the others from shared memory."""
         return dO[b, s, h0 + h, col] if ahead else do_s[h, col]
 
     def tile_row(rows_s, slot, r):
-        """The dKV row of key ``r`` of the current tile (``slot``: its buffer, "shuffled-ahead")."""
+        """The dKV row of key ``r`` of the current tile (``slot``: its buffer, "transposed-ahead")."""
         return rows_s[slot, r] if ahead else rows_s[r]
-
-    @T.macro
-    def add_dkv_direct(dKV, acc, rows_s, slot, stage_s, b, c):
-        for r, d in T.Parallel(BK, dkv_chunk):
-            if tile_row(rows_s, slot, r) >= 0:
-                T.atomic_add(dKV[b, tile_row(rows_s, slot, r), c * dkv_chunk + d], acc[r, d])
 
     @T.macro
     def add_dkv_staged(dKV, acc, rows_s, slot, stage_s, b, c):
@@ -192,13 +204,13 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
                 T.atomic_add(dKV[b, tile_row(rows_s, slot, r), c * dkv_chunk + d], stage_s[r, d])
 
     @T.macro
-    def add_dkv_shuffled(dKV, acc, rows_s, slot, stage_s, b, c):
+    def add_dkv_transposed(dKV, acc, rows_s, slot, stage_s, b, c):
         # acc.data: the accumulator's registers as the local array TileLang declares (an element
         # access here would make layout inference replicate the fragment).
-        T.call_extern("handle", "dkv_add_shuffled", acc.data, T.address_of(dKV[b, 0, c * dkv_chunk]),
+        T.call_extern("handle", "dkv_add_transposed", acc.data, T.address_of(dKV[b, 0, c * dkv_chunk]),
                       T.address_of(rows_s[slot, 0] if ahead else rows_s[0]), D, dkv_chunk)
 
-    add_dkv = add_dkv_staged if staged else (add_dkv_shuffled if shuffled else add_dkv_direct)
+    add_dkv = add_dkv_staged if staged else add_dkv_transposed
 
     @T.macro
     def row_of(key, tt, r, lo, own, window_tiles, n_sel, ks, n_raw, n_comp):
@@ -241,14 +253,14 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
         dKV: T.Tensor([batch, n_raw + n_comp, D], f32),
     ):
         with T.Kernel(seq_len, heads // HB, batch, threads=BWD_THREADS) as (s, g, b):
-            if shuffled:
-                T.import_source(SHUFFLED_ADD_SOURCE)
+            if not staged:
+                T.import_source(TRANSPOSED_ADD_SOURCE)
             q_s = T.alloc_shared([HB, D], bf16)
             do_s = T.alloc_shared([HB, D], bf16)
             k_s = T.alloc_shared([BK, D], bf16)
             p_s = T.alloc_shared([HB, BK], bf16)
             ds_s = T.alloc_shared([HB, BK], bf16)
-            # dKV row of each key of the tile, -1 = unseen ("shuffled-ahead": tile t's in [t % 2])
+            # dKV row of each key of the tile, -1 = unseen ("transposed-ahead": tile t's in [t % 2])
             rows_s = T.alloc_shared([2, BK] if ahead else [BK], i32)
             stage_s = T.alloc_shared([BK, dkv_chunk + STAGE_ROW_PAD] if staged else [1, 8], f32)
             acc_s = T.alloc_fragment([HB, BK], f32)
@@ -276,7 +288,7 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
             lo, window_tiles, tiles = tile_plan(T, own, WindowStart[b, s], window, n_sel)
 
             # The first key tile's cp.async go out before Q, dO and O are loaded, so that the
-            # loads overlap ("shuffled-ahead": Q and dO by TMA, landing while delta is computed).
+            # loads overlap ("transposed-ahead": Q and dO by TMA, landing while delta is computed).
             if tiles > 0:
                 load_keys(k_s, Raw, Comp, Indices, b, s, 0, lo, own, window_tiles, n_sel, ks, n_raw, n_comp, n_slots)
             if ahead:
@@ -287,7 +299,7 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
                 T.copy(Q[b, s, h0 : h0 + HB, :], q_s, disable_tma=True)
                 T.copy(dO[b, s, h0 : h0 + HB, :], do_s, disable_tma=True)
             # delta = rowsum(dO * O) here, from dO already in shared memory (the separate delta
-            # kernel read dO a second time; "shuffled-ahead" reads it from L2 again, so as not to
+            # kernel read dO a second time; "transposed-ahead" reads it from L2 again, so as not to
             # wait for the TMA); written out for the sink's gradient.
             T.clear(delta_s)
             for c in T.unroll(D // DELTA_CHUNK):  # unrolled: all of O's loads in flight at once
@@ -311,17 +323,10 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
                                           lo, own, window_tiles, n_sel, ks, n_raw, n_comp)  # fmt: skip
             for t in T.serial(tiles):
                 slot = t % 2
-                if not ahead:  # as GPU-tested (row_of / index_entry give the same rows; unify once measured)
-                    base = (t - window_tiles) * BK
+                if not ahead:
                     for r in T.Parallel(BK):
-                        if t < window_tiles:
-                            rows_s[r] = T.if_then_else(lo + t * BK + r <= own, lo + t * BK + r, -1)
-                        else:
-                            if by_index:
-                                key = T.if_then_else(base + r < n_sel, Indices[b, s, T.min(base + r, n_slots - 1)], -1)
-                                rows_s[r] = T.if_then_else((key >= 0) & (key < n_comp), n_raw + key, -1)
-                            else:
-                                rows_s[r] = T.if_then_else(base + r < n_sel, n_raw + ks + base + r, -1)
+                        rows_s[r] = row_of(index_entry(Indices, b, s, t, r, window_tiles, n_sel, n_slots), t, r,
+                                           lo, own, window_tiles, n_sel, ks, n_raw, n_comp)  # fmt: skip
                     T.sync_threads()
                 # The tile's key rows were prefetched (before the loop, or during the previous
                 # tile's dkv GEMMs): wait for them here.

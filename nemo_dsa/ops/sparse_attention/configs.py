@@ -43,23 +43,22 @@ BWD_PASS_CONFIGS = {"tl.disable_warp_specialized": True, "tl.disable_tma_lower":
 #   same run (7.42 against 7.58 ms at S=32768 on an H100; v23).
 FWD_SCHEDULES = ("balanced", "balanced-lean", "alternating", "alternating-lean")
 DEFAULT_FWD_SCHEDULE = "alternating-lean"
-# Backward schedules (NEMO_DSA_ATTN_BWD selects): "pipelined" issues S and dP together and
-# overlaps each dkv chunk's atomics with the next chunk's GEMMs (2-4 % faster than waiting for
-# every GEMM, v19; that schedule was removed in v22); "staged", the default, is pipelined with
-# each chunk passed through shared memory so that a warp's atomics cover whole 128-byte lines:
-# fwd + bwd 34.9 against 37.5 ms at S = 32768, 69.0 against 74.5 ms at 65536 (v20). Adding the
-# staged chunk by the TMA (cp.reduce.async.bulk, one per key row) measured a 37 % slower
-# backward than pipelined (v20) and was removed.
-# "shuffled" (opt-in) adds each chunk straight from the accumulator by 16-byte atomics after an
-# exchange between lane pairs (no staging, no barriers in the chunk loop), in chunks of 128
-# columns at D = 512: 3.9 % faster than staged on an H100 at S = 16K and 32K (v28), dq bitwise
-# equal; the default once its GPU tests have run at 128-column chunks (they ran at 64).
-# "shuffled-ahead" (opt-in, not yet run on a GPU) is shuffled with Q and dO loaded by TMA and
-# each tile's dKV rows read one tile ahead (as v27's "staged-ahead", which lost 2-3 % to staged
-# through the narrower staging pad its TMA barrier forced; inside staged the two measured -3.5
-# and -1 %, v28).
-BWD_SCHEDULES = ("pipelined", "staged", "shuffled", "shuffled-ahead")
-DEFAULT_BWD_SCHEDULE = "staged"
+# Backward schedules (NEMO_DSA_ATTN_BWD selects). All issue S and dP together and overlap each
+# dkv chunk's atomics with the next chunk's GEMMs (2-4 % faster than waiting for every GEMM, v19).
+# - "staged" (the control; the default of v20-v28) passes each chunk through shared memory so
+#   that a warp's atomics cover whole 128-byte lines: fwd + bwd 34.9 against 37.5 ms at
+#   S = 32768 for 8-byte atomics from the accumulator (v20). Its probes: the staging 23 % of the
+#   backward, the atomics 21 % (v28).
+# - "transposed": each chunk from the accumulator to 16-byte atomics over whole lines after two
+#   lane exchanges (no staging, no barriers in the chunk loop), in chunks of 128 columns at
+#   D = 512: 10-12.5 % faster than staged on an H100 at S = 16K-32K (v29; v28's "shuffled", with
+#   the first exchange only and so half lines, gained 4-6 %).
+# - "transposed-ahead", the default: transposed with Q and dO loaded by TMA and each tile's dKV
+#   rows read one tile ahead: 13.7-14.1 % faster than staged (v29).
+# Removed after measurement: a TMA add of the staged chunk (+37 %, v20), "staged-ahead" (+2-3 %,
+# v28), "pipelined" (8-byte atomics, +12.5 %, v28), "shuffled" and "shuffled-ahead" (v29).
+BWD_SCHEDULES = ("staged", "transposed", "transposed-ahead")
+DEFAULT_BWD_SCHEDULE = "transposed-ahead"
 # Staging rows are padded by 8 floats: a warp writes 8 accumulator rows at once, and with the
 # pad its 256-byte store takes 2 shared-memory wavefronts (the minimum), not 8.
 STAGE_ROW_PAD = 8
@@ -186,9 +185,9 @@ def backward_config(dim: int, mode: str, schedule: str | None = None) -> Backwar
     """``schedule`` None: :func:`backward_schedule`."""
     schedule = _checked_schedule(dim, mode, schedule, BWD_SCHEDULES, backward_schedule)
     # Chunks of 128 columns: half the re-reads of dS and P from shared memory a tile (each
-    # warpgroup reads both for every chunk), -3.9 % with the shuffled add at D = 512 (v28); the
+    # warpgroup reads both for every chunk), -3.9 % with the register add at D = 512 (v28); the
     # staging tile of "staged" would not fit at 128, and D = 128 needs an even chunk count.
-    wide = dim == 512 and schedule.startswith("shuffled")
+    wide = dim == 512 and schedule != "staged"
     return BackwardConfig(dim, mode, dkv_chunk=128 if wide else 64, schedule=schedule)
 
 
