@@ -163,7 +163,8 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
         T.ptx_commit_group()
 
     staged = schedule == "staged"
-    ahead = schedule == "transposed-ahead"
+    stacked = schedule == "stacked"
+    ahead = schedule in ("transposed-ahead", "stacked")
     if not staged and (BK, BWD_THREADS, dkv_chunk % 64) != (64, 256, 0):
         raise ValueError("the transposed dkv add needs 64-key tiles, 256 threads and chunks of a multiple of 64 columns")
     n_chunks = D // dkv_chunk
@@ -180,9 +181,15 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
 
     @T.macro
     def issue_dkv(ds_s, p_s, q_s, do_s, acc, c):
-        """acc = dS^T Q + P^T dO for columns of chunk ``c``, issued and not waited for."""
-        T.wgmma_gemm(ds_s, q_s[:, c * dkv_chunk : (c + 1) * dkv_chunk], acc, transpose_A=True, clear_accum=True)
-        T.wgmma_gemm(p_s, do_s[:, c * dkv_chunk : (c + 1) * dkv_chunk], acc, transpose_A=True)
+        """acc = dS^T Q + P^T dO for columns of chunk ``c``, issued and not waited for ("stacked":
+        ds_s / do_s are None, dS and dO the second halves of p_s and q_s)."""
+        if stacked:
+            T.wgmma_gemm(p_s[HB : 2 * HB, :], q_s[0:HB, c * dkv_chunk : (c + 1) * dkv_chunk], acc, transpose_A=True,
+                         clear_accum=True)  # fmt: skip
+            T.wgmma_gemm(p_s[0:HB, :], q_s[HB : 2 * HB, c * dkv_chunk : (c + 1) * dkv_chunk], acc, transpose_A=True)
+        else:
+            T.wgmma_gemm(ds_s, q_s[:, c * dkv_chunk : (c + 1) * dkv_chunk], acc, transpose_A=True, clear_accum=True)
+            T.wgmma_gemm(p_s, do_s[:, c * dkv_chunk : (c + 1) * dkv_chunk], acc, transpose_A=True)
 
     def grad_out(dO, do_s, b, s, h0, h, col):
         """dO[h, col] of the block's query for delta: "transposed-ahead" reads it from L2 (its TMA
@@ -255,21 +262,33 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
         with T.Kernel(seq_len, heads // HB, batch, threads=BWD_THREADS) as (s, g, b):
             if not staged:
                 T.import_source(TRANSPOSED_ADD_SOURCE)
-            q_s = T.alloc_shared([HB, D], bf16)
-            do_s = T.alloc_shared([HB, D], bf16)
+            if stacked:
+                # Q's rows, then dO's: S and dP are one M = 128 GEMM, warpgroup 0 computing S and
+                # warpgroup 1 dP, each reading its own operand once and all the keys; P's rows, then
+                # dS's; P in fp32 from warpgroup 0 to 1 (dS = P (dP - delta) needs both).
+                q_s = T.alloc_shared([2 * HB, D], bf16)
+                p_s = T.alloc_shared([2 * HB, BK], bf16)
+                pf_s = T.alloc_shared([HB, BK], f32)
+                acc_sdp = T.alloc_fragment([2 * HB, BK], f32)
+                row_shift = T.alloc_fragment([2 * HB], f32)  # lse (log2 units) for S's rows, delta for dP's
+                do_s = ds_s = None
+            else:
+                q_s = T.alloc_shared([HB, D], bf16)
+                do_s = T.alloc_shared([HB, D], bf16)
+                p_s = T.alloc_shared([HB, BK], bf16)
+                ds_s = T.alloc_shared([HB, BK], bf16)
+                acc_s = T.alloc_fragment([HB, BK], f32)
+                acc_dp = T.alloc_fragment([HB, BK], f32)
             k_s = T.alloc_shared([BK, D], bf16)
-            p_s = T.alloc_shared([HB, BK], bf16)
-            ds_s = T.alloc_shared([HB, BK], bf16)
             # dKV row of each key of the tile, -1 = unseen ("transposed-ahead": tile t's in [t % 2])
             rows_s = T.alloc_shared([2, BK] if ahead else [BK], i32)
             stage_s = T.alloc_shared([BK, dkv_chunk + STAGE_ROW_PAD] if staged else [1, 8], f32)
-            acc_s = T.alloc_fragment([HB, BK], f32)
-            acc_dp = T.alloc_fragment([HB, BK], f32)
             acc_dq = T.alloc_fragment([HB, D], f32)
             acc_kv = T.alloc_fragment([BK, dkv_chunk], f32)
             acc_kv1 = T.alloc_fragment([BK, dkv_chunk], f32)  # the odd chunks
-            lse2 = T.alloc_fragment([HB], f32)
-            delta = T.alloc_fragment([HB], f32)
+            if not stacked:
+                lse2 = T.alloc_fragment([HB], f32)
+                delta = T.alloc_fragment([HB], f32)
             o_do = T.alloc_fragment([HB, DELTA_CHUNK], f32)
             o_do_sum = T.alloc_fragment([HB], f32)
             delta_s = T.alloc_shared([HB], f32)
@@ -291,7 +310,11 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
             # loads overlap ("transposed-ahead": Q and dO by TMA, landing while delta is computed).
             if tiles > 0:
                 load_keys(k_s, Raw, Comp, Indices, b, s, 0, lo, own, window_tiles, n_sel, ks, n_raw, n_comp, n_slots)
-            if ahead:
+            if stacked:  # (TMA into half of the swizzled [128, D] tile does not lower)
+                T.copy(Q[b, s, h0 : h0 + HB, :], q_s[0:HB, :], disable_tma=True)
+                T.copy(dO[b, s, h0 : h0 + HB, :], q_s[HB : 2 * HB, :], disable_tma=True)
+                T.mbarrier_arrive(q_do_bar[0])
+            elif ahead:
                 T.tma_copy(Q[b, s, h0 : h0 + HB, :], q_s, barrier=q_do_bar[0])
                 T.tma_copy(dO[b, s, h0 : h0 + HB, :], do_s, barrier=q_do_bar[0])
                 T.mbarrier_arrive(q_do_bar[0])
@@ -310,9 +333,13 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
                 T.reduce_sum(o_do, o_do_sum, dim=1)
                 for h in T.Parallel(HB):
                     delta_s[h] += o_do_sum[h]
-            for h in T.Parallel(HB):
-                lse2[h] = Lse[b, s, h0 + h] * LOG2E
-                delta[h] = delta_s[h]
+            if stacked:
+                for h in T.Parallel(2 * HB):
+                    row_shift[h] = T.if_then_else(h < HB, Lse[b, s, h0 + T.min(h, HB - 1)] * LOG2E, delta_s[T.max(h - HB, 0)])
+            else:
+                for h in T.Parallel(HB):
+                    lse2[h] = Lse[b, s, h0 + h] * LOG2E
+                    delta[h] = delta_s[h]
             for h in T.Parallel(HB):
                 Delta[b, s, h0 + h] = delta_s[h]
             T.clear(acc_dq)
@@ -332,24 +359,40 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
                 # tile's dkv GEMMs): wait for them here.
                 T.ptx_wait_group(0)
                 T.sync_threads()
-                T.wgmma_gemm(q_s, k_s, acc_s, transpose_B=True, clear_accum=True)
-                T.wgmma_gemm(do_s, k_s, acc_dp, transpose_B=True, clear_accum=True)
-                T.wait_wgmma(0)
-                T.warpgroup_fence_operand(acc_s, num_regs=pair_regs)
-                T.warpgroup_fence_operand(acc_dp, num_regs=pair_regs)
-                for h, c in T.Parallel(HB, BK):
-                    acc_s[h, c] = T.if_then_else(
-                        tile_row(rows_s, slot, c) >= 0, T.exp2(acc_s[h, c] * scale_log2 - lse2[h]), T.cast(0, f32)
-                    )
-                    acc_dp[h, c] = acc_s[h, c] * (acc_dp[h, c] - delta[h]) * scale
-                T.copy(acc_s, p_s)
-                T.copy(acc_dp, ds_s)
+                if stacked:
+                    T.wgmma_gemm(q_s, k_s, acc_sdp, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(acc_sdp, num_regs=2 * pair_regs)
+                    for h, c in T.Parallel(2 * HB, BK):  # S's rows (warpgroup 0): P
+                        if h < HB:
+                            acc_sdp[h, c] = T.if_then_else(
+                                tile_row(rows_s, slot, c) >= 0, T.exp2(acc_sdp[h, c] * scale_log2 - row_shift[h]), T.cast(0, f32)
+                            )  # fmt: skip
+                            pf_s[h, c] = acc_sdp[h, c]
+                    T.sync_threads()
+                    for h, c in T.Parallel(2 * HB, BK):  # dP's rows (warpgroup 1): dS
+                        if h >= HB:
+                            acc_sdp[h, c] = pf_s[h - HB, c] * (acc_sdp[h, c] - row_shift[h]) * scale
+                    T.copy(acc_sdp, p_s)
+                else:
+                    T.wgmma_gemm(q_s, k_s, acc_s, transpose_B=True, clear_accum=True)
+                    T.wgmma_gemm(do_s, k_s, acc_dp, transpose_B=True, clear_accum=True)
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(acc_s, num_regs=pair_regs)
+                    T.warpgroup_fence_operand(acc_dp, num_regs=pair_regs)
+                    for h, c in T.Parallel(HB, BK):
+                        acc_s[h, c] = T.if_then_else(
+                            tile_row(rows_s, slot, c) >= 0, T.exp2(acc_s[h, c] * scale_log2 - lse2[h]), T.cast(0, f32)
+                        )
+                        acc_dp[h, c] = acc_s[h, c] * (acc_dp[h, c] - delta[h]) * scale
+                    T.copy(acc_s, p_s)
+                    T.copy(acc_dp, ds_s)
                 T.fence_proxy_async()  # P and dS are written by st.shared and read by wgmma
                 T.sync_threads()
                 # Uniform branches: gradients nobody asked for are neither computed nor added.
                 want_dkv = ((t < window_tiles) & need_d_raw) | ((t >= window_tiles) & need_d_comp)
                 if need_dq:
-                    T.wgmma_gemm(ds_s, k_s, acc_dq)
+                    T.wgmma_gemm(p_s[HB : 2 * HB, :] if stacked else ds_s, k_s, acc_dq)
                 # One branch holds every wgmma of the dkv chunks, so ptxas sees each wait
                 # on every path (it serialises all wgmmas when it cannot).
                 if want_dkv:
@@ -388,8 +431,8 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
                         rows_s[1 - slot, tx] = row_of(next_key, t + 1, tx, lo, own, window_tiles, n_sel, ks, n_raw, n_comp)
                 T.sync_threads()
             if need_dq:
-                T.copy(acc_dq, q_s)
-                T.copy(q_s, dQ[b, s, h0 : h0 + HB, :], disable_tma=True)
+                T.copy(acc_dq, q_s[0:HB, :])
+                T.copy(q_s[0:HB, :], dQ[b, s, h0 : h0 + HB, :], disable_tma=True)
 
     return sparse_window_bwd
 

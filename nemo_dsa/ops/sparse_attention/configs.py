@@ -57,7 +57,7 @@ DEFAULT_FWD_SCHEDULE = "alternating-lean"
 #   rows read one tile ahead: 13.7-14.1 % faster than staged (v29).
 # Removed after measurement: a TMA add of the staged chunk (+37 %, v20), "staged-ahead" (+2-3 %,
 # v28), "pipelined" (8-byte atomics, +12.5 %, v28), "shuffled" and "shuffled-ahead" (v29).
-BWD_SCHEDULES = ("staged", "transposed", "transposed-ahead")
+BWD_SCHEDULES = ("staged", "transposed", "transposed-ahead", "stacked")
 DEFAULT_BWD_SCHEDULE = "transposed-ahead"
 # Staging rows are padded by 8 floats: a warp writes 8 accumulator rows at once, and with the
 # pad its 256-byte store takes 2 shared-memory wavefronts (the minimum), not 8.
