@@ -123,7 +123,9 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
     16-byte atomics over whole lines after two lane exchanges (TRANSPOSED_ADD_SOURCE): no
     staging, no barrier per chunk; "transposed-ahead" is transposed with Q and dO loaded by TMA
     while delta is computed, and each tile's dKV rows read one tile ahead into a second row
-    buffer, so that no tile starts with a global read and a barrier.
+    buffer, so that no tile starts with a global read and a barrier; "stacked" is
+    transposed-ahead with Q and dO (plain copies) stacked into one [128, D] tile, so that S and
+    dP are one GEMM whose warpgroups split the rows (each reads Q or dO once, not both).
     """
     T = tilelang().language
     bf16, f32, i32 = T.bfloat16, T.float32, T.int32

@@ -55,6 +55,10 @@ DEFAULT_FWD_SCHEDULE = "alternating-lean"
 #   the first exchange only and so half lines, gained 4-6 %).
 # - "transposed-ahead", the default: transposed with Q and dO loaded by TMA and each tile's dKV
 #   rows read one tile ahead: 13.7-14.1 % faster than staged (v29).
+# - "stacked" (opt-in, not yet run on a GPU): transposed-ahead's tiles with S and dP as one
+#   M = 128 GEMM split by rows, so that each warpgroup reads Q or dO once (256 instead of 384 KiB
+#   of shared memory a tile), P handed over in fp32; Q and dO by plain copies (a TMA into half of
+#   the stacked tile does not lower).
 # Removed after measurement: a TMA add of the staged chunk (+37 %, v20), "staged-ahead" (+2-3 %,
 # v28), "pipelined" (8-byte atomics, +12.5 %, v28), "shuffled" and "shuffled-ahead" (v29).
 BWD_SCHEDULES = ("staged", "transposed", "transposed-ahead", "stacked")
