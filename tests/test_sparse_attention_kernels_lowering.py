@@ -104,12 +104,12 @@ def _pipelined_backward_problems(config: BackwardConfig, source: str) -> list[st
     problems = []
     tile_loop = source[source.index("for (int t = 0; t < tiles; ++t)"):]
     first_wait = tile_loop.find("wait_wgmma<")
-    # "stacked": S and dP as one M = 128 GEMM split by rows (each warpgroup's wgmmas N = 64).
-    stacked = config.schedule == "stacked"
-    if first_wait < 0 or tile_loop[:first_wait].count("warpgroup_commit_batch") != (1 if stacked else 2):
+    # "split": S on warpgroup 0 and dP on warpgroup 1 (each one wgmma batch of N = 64).
+    one_each = config.schedule == "split"
+    if first_wait < 0 or tile_loop[:first_wait].count("warpgroup_commit_batch") != (1 if one_each else 2):
         problems.append("S and dP committed before the first wait")
-    elif stacked and "kFloat32, 64, 64, 16, false, false" not in tile_loop[:first_wait]:
-        problems.append("S and dP split between the warpgroups by rows")
+    elif one_each and "kFloat32, 64, 64, 16, false, false" not in tile_loop[:first_wait]:
+        problems.append("S and dP split between the warpgroups")
     if "warpgroup_wait<" in tile_loop:
         problems.append("an implicit wait after a GEMM (T.gemm instead of T.wgmma_gemm)")
     # In the source: chunk 0's wait before the key prefetch, then in the (unrolled) loop over
@@ -168,10 +168,10 @@ def test_every_dispatched_config_lowers_with_wgmma_and_fits_shared_memory():
             # A tile starts with its key wait: the "-ahead" schedules read its dKV rows a tile earlier
             # (the others read the index row and meet at a barrier first), and Q and dO come by TMA.
             tile_start = tile_loop[: tile_loop.index("cp_async_wait<0>")]
-            ahead = config.schedule in ("transposed-ahead", "stacked")
+            ahead = config.schedule in ("transposed-ahead", "split")
             assert ("__syncthreads()" in tile_start) != ahead, config
             assert ("Indices[" in tile_start) == (config.mode == "indices" and not ahead), config
-            assert source.count("tl::tma_load") == (2 if config.schedule == "transposed-ahead" else 0), config
+            assert source.count("tl::tma_load") == (2 if config.schedule in ("transposed-ahead", "split") else 0), config
             assert smem > 0
         elif isinstance(config, WindowDkvConfig):
             _check_window_dkv(config, source)

@@ -20,6 +20,7 @@ from nemo_dsa.ops.sparse_attention.tiles import compressed_span, tile_plan
 
 DELTA_ROWS = 32
 DELTA_CHUNK = 128
+P_HANDOVER_BARRIER = 8  # "split": warpgroup 0 has written P, which warpgroup 1 reads (named, 256 threads)
 
 # "transposed": a [64, chunk] fp32 dkv chunk goes from the wgmma accumulator straight to 16-byte
 # atomics, without a pass through shared memory. The accumulator of 256 threads (as TileLang
@@ -123,9 +124,9 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
     16-byte atomics over whole lines after two lane exchanges (TRANSPOSED_ADD_SOURCE): no
     staging, no barrier per chunk; "transposed-ahead" is transposed with Q and dO loaded by TMA
     while delta is computed, and each tile's dKV rows read one tile ahead into a second row
-    buffer, so that no tile starts with a global read and a barrier; "stacked" is
-    transposed-ahead with Q and dO (plain copies) stacked into one [128, D] tile, so that S and
-    dP are one GEMM whose warpgroups split the rows (each reads Q or dO once, not both).
+    buffer, so that no tile starts with a global read and a barrier; "split" is
+    transposed-ahead with S computed by warpgroup 0 and dP by warpgroup 1, each over all 64 keys
+    (each reads Q or dO once, not both), P handed over in fp32 through shared memory.
     """
     T = tilelang().language
     bf16, f32, i32 = T.bfloat16, T.float32, T.int32
@@ -165,8 +166,8 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
         T.ptx_commit_group()
 
     staged = schedule == "staged"
-    stacked = schedule == "stacked"
-    ahead = schedule in ("transposed-ahead", "stacked")
+    split = schedule == "split"
+    ahead = schedule in ("transposed-ahead", "split")
     if not staged and (BK, BWD_THREADS, dkv_chunk % 64) != (64, 256, 0):
         raise ValueError("the transposed dkv add needs 64-key tiles, 256 threads and chunks of a multiple of 64 columns")
     n_chunks = D // dkv_chunk
@@ -183,15 +184,9 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
 
     @T.macro
     def issue_dkv(ds_s, p_s, q_s, do_s, acc, c):
-        """acc = dS^T Q + P^T dO for columns of chunk ``c``, issued and not waited for ("stacked":
-        ds_s / do_s are None, dS and dO the second halves of p_s and q_s)."""
-        if stacked:
-            T.wgmma_gemm(p_s[HB : 2 * HB, :], q_s[0:HB, c * dkv_chunk : (c + 1) * dkv_chunk], acc, transpose_A=True,
-                         clear_accum=True)  # fmt: skip
-            T.wgmma_gemm(p_s[0:HB, :], q_s[HB : 2 * HB, c * dkv_chunk : (c + 1) * dkv_chunk], acc, transpose_A=True)
-        else:
-            T.wgmma_gemm(ds_s, q_s[:, c * dkv_chunk : (c + 1) * dkv_chunk], acc, transpose_A=True, clear_accum=True)
-            T.wgmma_gemm(p_s, do_s[:, c * dkv_chunk : (c + 1) * dkv_chunk], acc, transpose_A=True)
+        """acc = dS^T Q + P^T dO for columns of chunk ``c``, issued and not waited for."""
+        T.wgmma_gemm(ds_s, q_s[:, c * dkv_chunk : (c + 1) * dkv_chunk], acc, transpose_A=True, clear_accum=True)
+        T.wgmma_gemm(p_s, do_s[:, c * dkv_chunk : (c + 1) * dkv_chunk], acc, transpose_A=True)
 
     def grad_out(dO, do_s, b, s, h0, h, col):
         """dO[h, col] of the block's query for delta: "transposed-ahead" reads it from L2 (its TMA
@@ -264,33 +259,23 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
         with T.Kernel(seq_len, heads // HB, batch, threads=BWD_THREADS) as (s, g, b):
             if not staged:
                 T.import_source(TRANSPOSED_ADD_SOURCE)
-            if stacked:
-                # Q's rows, then dO's: S and dP are one M = 128 GEMM, warpgroup 0 computing S and
-                # warpgroup 1 dP, each reading its own operand once and all the keys; P's rows, then
-                # dS's; P in fp32 from warpgroup 0 to 1 (dS = P (dP - delta) needs both).
-                q_s = T.alloc_shared([2 * HB, D], bf16)
-                p_s = T.alloc_shared([2 * HB, BK], bf16)
-                pf_s = T.alloc_shared([HB, BK], f32)
-                acc_sdp = T.alloc_fragment([2 * HB, BK], f32)
-                row_shift = T.alloc_fragment([2 * HB], f32)  # lse (log2 units) for S's rows, delta for dP's
-                do_s = ds_s = None
-            else:
-                q_s = T.alloc_shared([HB, D], bf16)
-                do_s = T.alloc_shared([HB, D], bf16)
-                p_s = T.alloc_shared([HB, BK], bf16)
-                ds_s = T.alloc_shared([HB, BK], bf16)
-                acc_s = T.alloc_fragment([HB, BK], f32)
-                acc_dp = T.alloc_fragment([HB, BK], f32)
+            q_s = T.alloc_shared([HB, D], bf16)
+            do_s = T.alloc_shared([HB, D], bf16)
             k_s = T.alloc_shared([BK, D], bf16)
+            p_s = T.alloc_shared([HB, BK], bf16)
+            ds_s = T.alloc_shared([HB, BK], bf16)
+            if split:  # P in fp32 from warpgroup 0 (S) to warpgroup 1 (dP)
+                pf_s = T.alloc_shared([HB, BK], f32)
             # dKV row of each key of the tile, -1 = unseen ("transposed-ahead": tile t's in [t % 2])
             rows_s = T.alloc_shared([2, BK] if ahead else [BK], i32)
             stage_s = T.alloc_shared([BK, dkv_chunk + STAGE_ROW_PAD] if staged else [1, 8], f32)
+            acc_s = T.alloc_fragment([HB, BK], f32)
+            acc_dp = T.alloc_fragment([HB, BK], f32)
             acc_dq = T.alloc_fragment([HB, D], f32)
             acc_kv = T.alloc_fragment([BK, dkv_chunk], f32)
             acc_kv1 = T.alloc_fragment([BK, dkv_chunk], f32)  # the odd chunks
-            if not stacked:
-                lse2 = T.alloc_fragment([HB], f32)
-                delta = T.alloc_fragment([HB], f32)
+            lse2 = T.alloc_fragment([HB], f32)
+            delta = T.alloc_fragment([HB], f32)
             o_do = T.alloc_fragment([HB, DELTA_CHUNK], f32)
             o_do_sum = T.alloc_fragment([HB], f32)
             delta_s = T.alloc_shared([HB], f32)
@@ -312,11 +297,7 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
             # loads overlap ("transposed-ahead": Q and dO by TMA, landing while delta is computed).
             if tiles > 0:
                 load_keys(k_s, Raw, Comp, Indices, b, s, 0, lo, own, window_tiles, n_sel, ks, n_raw, n_comp, n_slots)
-            if stacked:  # (TMA into half of the swizzled [128, D] tile does not lower)
-                T.copy(Q[b, s, h0 : h0 + HB, :], q_s[0:HB, :], disable_tma=True)
-                T.copy(dO[b, s, h0 : h0 + HB, :], q_s[HB : 2 * HB, :], disable_tma=True)
-                T.mbarrier_arrive(q_do_bar[0])
-            elif ahead:
+            if ahead:
                 T.tma_copy(Q[b, s, h0 : h0 + HB, :], q_s, barrier=q_do_bar[0])
                 T.tma_copy(dO[b, s, h0 : h0 + HB, :], do_s, barrier=q_do_bar[0])
                 T.mbarrier_arrive(q_do_bar[0])
@@ -335,9 +316,13 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
                 T.reduce_sum(o_do, o_do_sum, dim=1)
                 for h in T.Parallel(HB):
                     delta_s[h] += o_do_sum[h]
-            if stacked:
-                for h in T.Parallel(2 * HB):
-                    row_shift[h] = T.if_then_else(h < HB, Lse[b, s, h0 + T.min(h, HB - 1)] * LOG2E, delta_s[T.max(h - HB, 0)])
+            if split:  # each where its warpgroup reads it
+                if tx < 128:
+                    for h in T.Parallel(HB):
+                        lse2[h] = Lse[b, s, h0 + h] * LOG2E
+                else:
+                    for h in T.Parallel(HB):
+                        delta[h] = delta_s[h]
             else:
                 for h in T.Parallel(HB):
                     lse2[h] = Lse[b, s, h0 + h] * LOG2E
@@ -361,21 +346,28 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
                 # tile's dkv GEMMs): wait for them here.
                 T.ptx_wait_group(0)
                 T.sync_threads()
-                if stacked:
-                    T.wgmma_gemm(q_s, k_s, acc_sdp, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                    T.wait_wgmma(0)
-                    T.warpgroup_fence_operand(acc_sdp, num_regs=2 * pair_regs)
-                    for h, c in T.Parallel(2 * HB, BK):  # S's rows (warpgroup 0): P
-                        if h < HB:
-                            acc_sdp[h, c] = T.if_then_else(
-                                tile_row(rows_s, slot, c) >= 0, T.exp2(acc_sdp[h, c] * scale_log2 - row_shift[h]), T.cast(0, f32)
-                            )  # fmt: skip
-                            pf_s[h, c] = acc_sdp[h, c]
-                    T.sync_threads()
-                    for h, c in T.Parallel(2 * HB, BK):  # dP's rows (warpgroup 1): dS
-                        if h >= HB:
-                            acc_sdp[h, c] = pf_s[h - HB, c] * (acc_sdp[h, c] - row_shift[h]) * scale
-                    T.copy(acc_sdp, p_s)
+                if split:
+                    if tx < 128:
+                        T.wgmma_gemm(q_s, k_s, acc_s, transpose_B=True, clear_accum=True)
+                        T.wait_wgmma(0)
+                        T.warpgroup_fence_operand(acc_s, num_regs=2 * pair_regs)
+                        for h, c in T.Parallel(HB, BK):
+                            acc_s[h, c] = T.if_then_else(
+                                tile_row(rows_s, slot, c) >= 0, T.exp2(acc_s[h, c] * scale_log2 - lse2[h]), T.cast(0, f32)
+                            )
+                            pf_s[h, c] = acc_s[h, c]
+                        T.copy(acc_s, p_s)
+                        T.sync_threads(P_HANDOVER_BARRIER, BWD_THREADS)
+                    else:
+                        T.wgmma_gemm(do_s, k_s, acc_dp, transpose_B=True, clear_accum=True)
+                        T.wait_wgmma(0)
+                        T.warpgroup_fence_operand(acc_dp, num_regs=2 * pair_regs)
+                        # Met here, not after the branches: there ptxas would keep acc_dp live on
+                        # warpgroup 0's path beside acc_s (and spill).
+                        T.sync_threads(P_HANDOVER_BARRIER, BWD_THREADS)
+                        for h, c in T.Parallel(HB, BK):
+                            acc_dp[h, c] = pf_s[h, c] * (acc_dp[h, c] - delta[h]) * scale
+                        T.copy(acc_dp, ds_s)
                 else:
                     T.wgmma_gemm(q_s, k_s, acc_s, transpose_B=True, clear_accum=True)
                     T.wgmma_gemm(do_s, k_s, acc_dp, transpose_B=True, clear_accum=True)
@@ -394,7 +386,7 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
                 # Uniform branches: gradients nobody asked for are neither computed nor added.
                 want_dkv = ((t < window_tiles) & need_d_raw) | ((t >= window_tiles) & need_d_comp)
                 if need_dq:
-                    T.wgmma_gemm(p_s[HB : 2 * HB, :] if stacked else ds_s, k_s, acc_dq)
+                    T.wgmma_gemm(ds_s, k_s, acc_dq)
                 # One branch holds every wgmma of the dkv chunks, so ptxas sees each wait
                 # on every path (it serialises all wgmmas when it cannot).
                 if want_dkv:
@@ -433,8 +425,8 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
                         rows_s[1 - slot, tx] = row_of(next_key, t + 1, tx, lo, own, window_tiles, n_sel, ks, n_raw, n_comp)
                 T.sync_threads()
             if need_dq:
-                T.copy(acc_dq, q_s[0:HB, :])
-                T.copy(q_s[0:HB, :], dQ[b, s, h0 : h0 + HB, :], disable_tma=True)
+                T.copy(acc_dq, q_s)
+                T.copy(q_s, dQ[b, s, h0 : h0 + HB, :], disable_tma=True)
 
     return sparse_window_bwd
 
