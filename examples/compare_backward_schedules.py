@@ -39,14 +39,14 @@ def compare(seq: int, schedules: list[str], launches: int) -> dict:
     row = {"seq": seq, "checks": {}, "median_ms": {}}
     first = backward(inputs, out, lse, grad, schedules[0])
     for schedule in schedules[1:]:
-        other = backward(inputs, out, lse, grad, schedule)
+        dq, d_raw, d_comp, delta = backward(inputs, out, lse, grad, schedule)
         row["checks"][schedule] = {
-            "dq_equal": torch.equal(other[0], first[0]),
-            "delta_equal": torch.equal(other[3], first[3]),
-            "d_raw_max_diff": (other[1].float() - first[1].float()).abs().max().item(),
-            "d_comp_max_diff": (other[2].float() - first[2].float()).abs().max().item(),
+            "dq_equal": torch.equal(dq, first[0]),
+            "delta_equal": torch.equal(delta, first[3]),
+            "d_raw_max_diff": (d_raw.float() - first[1].float()).abs().max().item(),
+            "d_comp_max_diff": (d_comp.float() - first[2].float()).abs().max().item(),
         }
-    del first, other
+    del first
     times = {schedule: [] for schedule in schedules}
     for _ in range(launches):
         for schedule in schedules:
