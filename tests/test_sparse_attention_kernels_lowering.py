@@ -165,10 +165,10 @@ def test_every_dispatched_config_lowers_with_wgmma_and_fits_shared_memory():
             # (Every schedule prefetches in each of its two dkv branches.)
             assert source.count("cp_async_commit") == 3 and tile_loop.count("cp_async_commit") == 2, config
             assert not _pipelined_backward_problems(config, source), f"{config}: {_pipelined_backward_problems(config, source)}"
-            # A tile starts with its key wait: transposed-ahead and split read its dKV rows a tile earlier
+            # A tile starts with its key wait: AHEAD_SCHEDULES read its dKV rows a tile earlier
             # (the others read the index row and meet at a barrier first), and Q and dO come by TMA.
             tile_start = tile_loop[: tile_loop.index("cp_async_wait<0>")]
-            ahead = config.schedule in ("transposed-ahead", "split")
+            ahead = config.schedule in kernels.AHEAD_SCHEDULES
             assert ("__syncthreads()" in tile_start) != ahead, config
             assert ("Indices[" in tile_start) == (config.mode == "indices" and not ahead), config
             assert source.count("tl::tma_load") == (2 if ahead else 0), config

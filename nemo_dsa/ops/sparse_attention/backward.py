@@ -10,6 +10,7 @@ after.
 
 from nemo_dsa.ops._tilelang import tilelang
 from nemo_dsa.ops.sparse_attention.configs import (
+    AHEAD_SCHEDULES,
     BLOCK_HEADS,
     BLOCK_KEYS,
     BWD_THREADS,
@@ -167,7 +168,7 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
 
     staged = schedule == "staged"
     split = schedule == "split"
-    ahead = schedule in ("transposed-ahead", "split")
+    ahead = schedule in AHEAD_SCHEDULES
     if not staged and (BK, BWD_THREADS, dkv_chunk % 64) != (64, 256, 0):
         raise ValueError("the transposed dkv add needs 64-key tiles, 256 threads and chunks of a multiple of 64 columns")
     n_chunks = D // dkv_chunk
@@ -189,12 +190,12 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
         T.wgmma_gemm(p_s, do_s[:, c * dkv_chunk : (c + 1) * dkv_chunk], acc, transpose_A=True)
 
     def grad_out(dO, do_s, b, s, h0, h, col):
-        """dO[h, col] of the block's query for delta: "transposed-ahead" reads it from L2 (its TMA
+        """dO[h, col] of the block's query for delta: AHEAD_SCHEDULES read it from L2 (its TMA
         copy in do_s may still be landing), the others from shared memory."""
         return dO[b, s, h0 + h, col] if ahead else do_s[h, col]
 
     def tile_row(rows_s, slot, r):
-        """The dKV row of key ``r`` of the current tile (``slot``: its buffer, "transposed-ahead")."""
+        """The dKV row of key ``r`` of the current tile (``slot``: its buffer, AHEAD_SCHEDULES)."""
         return rows_s[slot, r] if ahead else rows_s[r]
 
     @T.macro
@@ -266,7 +267,7 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
             ds_s = T.alloc_shared([HB, BK], bf16)
             if split:  # P in fp32 from warpgroup 0 (S) to warpgroup 1 (dP)
                 pf_s = T.alloc_shared([HB, BK], f32)
-            # dKV row of each key of the tile, -1 = unseen ("transposed-ahead": tile t's in [t % 2])
+            # dKV row of each key of the tile, -1 = unseen (AHEAD_SCHEDULES: tile t's in [t % 2])
             rows_s = T.alloc_shared([2, BK] if ahead else [BK], i32)
             stage_s = T.alloc_shared([BK, dkv_chunk + STAGE_ROW_PAD] if staged else [1, 8], f32)
             acc_s = T.alloc_fragment([HB, BK], f32)
@@ -294,7 +295,7 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
             lo, window_tiles, tiles = tile_plan(T, own, WindowStart[b, s], window, n_sel)
 
             # The first key tile's cp.async go out before Q, dO and O are loaded, so that the
-            # loads overlap ("transposed-ahead": Q and dO by TMA, landing while delta is computed).
+            # loads overlap (AHEAD_SCHEDULES: Q and dO by TMA, landing while delta is computed).
             if tiles > 0:
                 load_keys(k_s, Raw, Comp, Indices, b, s, 0, lo, own, window_tiles, n_sel, ks, n_raw, n_comp, n_slots)
             if ahead:
@@ -305,7 +306,7 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
                 T.copy(Q[b, s, h0 : h0 + HB, :], q_s, disable_tma=True)
                 T.copy(dO[b, s, h0 : h0 + HB, :], do_s, disable_tma=True)
             # delta = rowsum(dO * O) here, from dO already in shared memory (the separate delta
-            # kernel read dO a second time; "transposed-ahead" reads it from L2 again, so as not to
+            # kernel read dO a second time; AHEAD_SCHEDULES read it from L2 again, so as not to
             # wait for the TMA); written out for the sink's gradient.
             T.clear(delta_s)
             for c in T.unroll(D // DELTA_CHUNK):  # unrolled: all of O's loads in flight at once

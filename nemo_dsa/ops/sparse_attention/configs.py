@@ -61,6 +61,8 @@ DEFAULT_FWD_SCHEDULE = "alternating-lean"
 # Removed after measurement: a TMA add of the staged chunk (+37 %, v20), "staged-ahead" (+2-3 %,
 # v28), "pipelined" (8-byte atomics, +12.5 %, v28), "shuffled" and "shuffled-ahead" (v29).
 BWD_SCHEDULES = ("staged", "transposed", "transposed-ahead", "split")
+# The schedules that load Q and dO by TMA and read each tile's dKV rows one tile ahead.
+AHEAD_SCHEDULES = ("transposed-ahead", "split")
 DEFAULT_BWD_SCHEDULE = "transposed-ahead"
 # Staging rows are padded by 8 floats: a warp writes 8 accumulator rows at once, and with the
 # pad its 256-byte store takes 2 shared-memory wavefronts (the minimum), not 8.

@@ -20,6 +20,7 @@ import torch
 from nemo_dsa.ops._tilelang import HOPPER_SMEM_LIMIT, compile_cached, tilelang
 from nemo_dsa.ops.sparse_attention.backward import attention_delta_kernel, sparse_window_bwd_kernel, window_dkv_kernel
 from nemo_dsa.ops.sparse_attention.configs import (
+    AHEAD_SCHEDULES,
     BLOCK_HEADS,
     BLOCK_KEYS,
     BWD_SCHEDULES,
@@ -56,8 +57,8 @@ from nemo_dsa.ops.sparse_attention.forward_alternating import sparse_window_fwd_
 # Re-exported for tests, benchmarks and scripts: ``kernels`` is the sparse-attention kernels' one
 # import (configs, factories, launches).
 __all__ = [
-    "BWD_SCHEDULES", "DEFAULT_BWD_SCHEDULE", "DEFAULT_FWD_SCHEDULE", "DEFAULT_WINDOW_DKV", "EXCHANGE_BARRIER",
-    "FWD_SCHEDULES", "FWD_THREADS", "HOPPER_SMEM_LIMIT", "KERNEL_DIMS", "LAUNCH_REGISTERS", "MAX_SELECTED", "MODES",
+    "AHEAD_SCHEDULES", "BWD_SCHEDULES", "DEFAULT_BWD_SCHEDULE", "DEFAULT_FWD_SCHEDULE", "DEFAULT_WINDOW_DKV",
+    "EXCHANGE_BARRIER", "FWD_SCHEDULES", "FWD_THREADS", "HOPPER_SMEM_LIMIT", "KERNEL_DIMS", "LAUNCH_REGISTERS", "MAX_SELECTED", "MODES",
     "P_READY_BARRIER", "ROLE_BARRIER_IDS", "WINDOW_DKV_MODES", "BackwardConfig", "ForwardConfig", "KernelInputs",
     "WindowDkvConfig", "attention_delta", "attention_delta_kernel", "backward_config", "compile_config",
     "dispatched_configs", "forward_config", "forward_schedule", "kernel_dim", "last_valid_slots",
