@@ -83,6 +83,19 @@ def _v41_rows(chunk_bytes: int):
         q, _, k, w, _, ks, ke = inputs
         return v41_select_topk(q, k, w, ks, ke, TOPK, backend="tilelang", chunk_bytes=budget)
 
+    def shortcuts(run, tops: bool, lists: bool):
+        """``run`` with the scorer's row maxima and / or the select's window lists (v30)."""
+
+        def patched(inputs, blocks, allowed):
+            with mock.patch.object(fused, "SCORER_TOPS", tops), mock.patch.object(topk_kernels, "WINDOW_LISTS", lists):
+                return run(inputs, blocks, allowed)
+
+        return patched
+
+    def scores_with_tops(inputs, blocks, allowed):
+        q, _, k, w, _, ks, ke = inputs
+        return v41_scores_tilelang(q, k, w, ks, ke, tops=torch.empty(ks.shape, dtype=torch.int32, device=ks.device))
+
     def stream_generic(inputs, blocks, allowed):
         with mock.patch.dict(topk_kernels.TOP_WINDOW, {"bfloat16": False}):
             return stream(inputs, blocks, allowed)
@@ -130,6 +143,11 @@ def _v41_rows(chunk_bytes: int):
     return {
         "nemo_dsa scores only v41": (scores, False, None),
         "nemo_dsa stream v41": (stream, False, None),
+        "nemo_dsa scores only v41, with row tops": (scores_with_tops, False, None),
+        "nemo_dsa stream v41, scorer tops": (shortcuts(stream, True, False), False, None),
+        "nemo_dsa stream v41, window lists": (shortcuts(stream, False, True), False, None),
+        "nemo_dsa stream v41, tops + lists": (shortcuts(stream, True, True), False, None),
+        "nemo_dsa stream v41 reindex, tops + lists": (shortcuts(reindex, True, True), False, None),
         "nemo_dsa stream v41, 1 GiB chunks": (lambda *a: stream(*a, budget=2**30), False, None),
         "nemo_dsa stream v41, generic select": (stream_generic, False, None),
         "nemo_dsa stream v41 reindex": (reindex, False, None),
@@ -156,6 +174,8 @@ def _run_v41(args, results: list) -> None:
                                      candidate_topk_blocks=V41_TOPK_BLOCKS, backend="tilelang")[1]  # fmt: skip
             allowed = None
             for name, (fn, dense, longest) in rows.items():
+                if args.v41_rows is not None and not any(part in name for part in args.v41_rows):
+                    continue
                 entry = {"shape": "v41", "S": seq, "K": seq // ratio, "ratio": ratio, "row": name}
                 builtin_limit = args.builtin_max_seq if name.startswith("built-in") else None
                 if (longest is not None and seq > longest) or (builtin_limit is not None and seq > builtin_limit):
@@ -191,7 +211,10 @@ def _v41_check(rows, inputs, blocks, seq: int, ratio: int) -> dict:
         "generic_select_equal": torch.equal(stream, rows["nemo_dsa stream v41, generic select"][0](inputs, blocks, None)),
         "kernel_equals_reference": torch.equal(stream, select_topk_reference(v41_scores_tilelang(q, k, w, ks, ke), TOPK, order="index")),
     }  # fmt: skip
+    for variant in ("scorer tops", "window lists", "tops + lists"):
+        same[f"{variant.replace(' ', '_')}_equal"] = torch.equal(stream, rows[f"nemo_dsa stream v41, {variant}"][0](inputs, blocks, None))
     reindex = rows["nemo_dsa stream v41 reindex"][0](inputs, blocks, None)
+    same["reindex_tops_lists_equal"] = torch.equal(reindex, rows["nemo_dsa stream v41 reindex, tops + lists"][0](inputs, blocks, None))
     same["reindex_equals_torch_mask"] = torch.equal(reindex, rows["nemo_dsa stream v41 reindex, torch block mask"][0](inputs, blocks, None))
     same["reindex_generic_equal"] = torch.equal(reindex, rows["nemo_dsa stream v41 reindex, generic select"][0](inputs, blocks, None))
     keep = blocks_to_mask(blocks, ks, ke, V41_BLOCK_SIZE, k.shape[1])
@@ -321,6 +344,8 @@ def main() -> None:
                         help="v4: H=64, R=4 (both scorings); v41: the released V4.1 indexer (H=32, ratios 1 and 2)")
     parser.add_argument("--v41-ratios", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--builtin-max-seq", type=int, default=1 << 30, help="skip the built-in rows above this S")
+    parser.add_argument("--v41-rows", nargs="+", default=None,
+                        help="V4.1 rows whose name contains one of these strings (default: every row)")  # fmt: skip
     parser.add_argument("--out", default="selection_benchmark.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
