@@ -83,19 +83,6 @@ def _v41_rows(chunk_bytes: int):
         q, _, k, w, _, ks, ke = inputs
         return v41_select_topk(q, k, w, ks, ke, TOPK, backend="tilelang", chunk_bytes=budget)
 
-    def shortcuts(run, tops: bool, lists: bool):
-        """``run`` with the scorer's row maxima and / or the select's window lists (v30)."""
-
-        def patched(inputs, blocks, allowed):
-            with mock.patch.object(fused, "SCORER_TOPS", tops), mock.patch.object(topk_kernels, "WINDOW_LISTS", lists):
-                return run(inputs, blocks, allowed)
-
-        return patched
-
-    def scores_with_tops(inputs, blocks, allowed):
-        q, _, k, w, _, ks, ke = inputs
-        return v41_scores_tilelang(q, k, w, ks, ke, tops=torch.empty(ks.shape, dtype=torch.int32, device=ks.device))
-
     def stream_generic(inputs, blocks, allowed):
         with mock.patch.dict(topk_kernels.TOP_WINDOW, {"bfloat16": False}):
             return stream(inputs, blocks, allowed)
@@ -143,11 +130,6 @@ def _v41_rows(chunk_bytes: int):
     return {
         "nemo_dsa scores only v41": (scores, False, None),
         "nemo_dsa stream v41": (stream, False, None),
-        "nemo_dsa scores only v41, with row tops": (scores_with_tops, False, None),
-        "nemo_dsa stream v41, scorer tops": (shortcuts(stream, True, False), False, None),
-        "nemo_dsa stream v41, window lists": (shortcuts(stream, False, True), False, None),
-        "nemo_dsa stream v41, tops + lists": (shortcuts(stream, True, True), False, None),
-        "nemo_dsa stream v41 reindex, tops + lists": (shortcuts(reindex, True, True), False, None),
         "nemo_dsa stream v41, 1 GiB chunks": (lambda *a: stream(*a, budget=2**30), False, None),
         "nemo_dsa stream v41, generic select": (stream_generic, False, None),
         "nemo_dsa stream v41 reindex": (reindex, False, None),
@@ -211,10 +193,7 @@ def _v41_check(rows, inputs, blocks, seq: int, ratio: int) -> dict:
         "generic_select_equal": torch.equal(stream, rows["nemo_dsa stream v41, generic select"][0](inputs, blocks, None)),
         "kernel_equals_reference": torch.equal(stream, select_topk_reference(v41_scores_tilelang(q, k, w, ks, ke), TOPK, order="index")),
     }  # fmt: skip
-    for variant in ("scorer tops", "window lists", "tops + lists"):
-        same[f"{variant.replace(' ', '_')}_equal"] = torch.equal(stream, rows[f"nemo_dsa stream v41, {variant}"][0](inputs, blocks, None))
     reindex = rows["nemo_dsa stream v41 reindex"][0](inputs, blocks, None)
-    same["reindex_tops_lists_equal"] = torch.equal(reindex, rows["nemo_dsa stream v41 reindex, tops + lists"][0](inputs, blocks, None))
     same["reindex_equals_torch_mask"] = torch.equal(reindex, rows["nemo_dsa stream v41 reindex, torch block mask"][0](inputs, blocks, None))
     same["reindex_generic_equal"] = torch.equal(reindex, rows["nemo_dsa stream v41 reindex, generic select"][0](inputs, blocks, None))
     keep = blocks_to_mask(blocks, ks, ke, V41_BLOCK_SIZE, k.shape[1])

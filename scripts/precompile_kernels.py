@@ -20,13 +20,11 @@ def _jobs(heads: list[int], dims: list[int], counts: list[int]) -> list[tuple]:
 
     from nemo_dsa.ops.topk.kernels import select_config
 
-    scorers = [(kind, h, d) for kind in ("v4_fwd", "v4_bwd", "v41", "v41_tops") for h in heads for d in dims]
+    scorers = [(kind, h, d) for kind in ("v4_fwd", "v4_bwd", "v41") for h in heads for d in dims]
     # Selectors for both dtypes and orders (V4 sorts fp32 by score, V4.1 bf16 by index; the other
     # pairs serve the generic select_topk).
     configs = {select_config(dtype, count, order) for dtype in (torch.float32, torch.bfloat16)
                for order in ("score", "index") for count in counts}
-    # V4.1's select given the scorer's row maxima (fused_selection.SCORER_TOPS)
-    configs |= {select_config(torch.bfloat16, count, "index", given_top=True) for count in counts}
     selectors = [("select", c) for c in sorted(configs, key=str)]
     # The sparse-attention kernels (forwards, backward, window dkv, delta) of every head dim/mode.
     from nemo_dsa.ops.sparse_attention.kernels import KERNEL_DIMS, dispatched_configs
@@ -53,10 +51,10 @@ def _compile(job: tuple) -> str:
         kernels.compile_config(job[1])
         return f"attention {job[1]} {time.perf_counter() - start:5.1f} s"
     _, heads, dim = job
-    if kind.startswith("v41"):
+    if kind == "v41":
         from nemo_dsa.ops.v41_indexer import kernels
 
-        config = kernels.scorer_config(heads, dim, row_tops=kind == "v41_tops")
+        config = kernels.scorer_config(heads, dim)
         compile_cubin(kernels.v41_scorer_kernel(**config.kernel_kwargs()), pass_configs=config.pass_configs())
     else:
         from nemo_dsa.ops.v4_indexer import kernels
@@ -66,7 +64,7 @@ def _compile(job: tuple) -> str:
             compile_cubin(kernels.v4_logits_kernel(**config.as_kwargs()), pass_configs=config.pass_configs())
         else:
             compile_cubin(kernels.v4_topk_backward_kernel(**kernels.backward_config(heads, dim).as_kwargs()))
-    return f"{kind:8s} heads={heads:<3d} dim={dim:<3d} {time.perf_counter() - start:5.1f} s"
+    return f"{kind:7s} heads={heads:<3d} dim={dim:<3d} {time.perf_counter() - start:5.1f} s"
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -69,7 +69,7 @@ def ptxas_report(source: str) -> str:
     return proc.stderr
 
 
-_TYPE_BYTES = {"uchar": 1, "char": 1, "bfloat16_t": 2, "half_t": 2, "int": 4, "uint": 4, "float": 4, "uint64_t": 8,
+_TYPE_BYTES = {"uchar": 1, "char": 1, "bfloat16_t": 2, "half_t": 2, "int": 4, "float": 4, "uint64_t": 8,
                "unsigned long long": 8, "int64_t": 8}
 _STATIC_SHARED = re.compile(r"^\s*__shared__ (?:__align__\((\d+)\) )?([\w ]+?) (\w+)\[(\d+)\];", re.MULTILINE)
 

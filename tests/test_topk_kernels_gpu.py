@@ -191,8 +191,7 @@ def test_bf16_window_and_generic_passes_agree(spread):
     for top_window in (False, True):
         kernel = compile_cached(radix_select_kernel, pass_configs=SELECT_PASS_CONFIGS, **{**config, "top_window": top_window})
         index2, picked2 = _poisoned(rows, count, torch.bfloat16)
-        kernel(scores, ks, ke, index2, picked2, 0, torch.empty((1, 1), dtype=torch.int32, device="cuda"),
-               torch.empty((1,), dtype=torch.int32, device="cuda"))
+        kernel(scores, ks, ke, index2, picked2, 0, torch.empty((1, 1), dtype=torch.int32, device="cuda"))
         assert torch.equal(index2, want_index) and torch.equal(picked2, want_picked), top_window
 
 

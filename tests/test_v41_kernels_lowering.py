@@ -50,12 +50,10 @@ def _pingpong_problems(config, source: str) -> list[str]:
 def test_every_dispatched_config_lowers_to_the_pingpong_schedule_and_fits_shared_memory():
     configs = dispatched_configs()
     assert {c.heads for c in configs if c.head_sum_wgmma} == {h for h in kernels.SUPPORTED_HEADS if h >= 8}
-    assert len(configs) == len(set(configs)) == len(kernels.SUPPORTED_HEADS) * len(kernels.KERNEL_DIMS) * 2
+    assert len(configs) == len(set(configs)) == len(kernels.SUPPORTED_HEADS) * len(kernels.KERNEL_DIMS)
     results = map_in_workers(_lower, configs)
     for config, source, smem in results:
         assert not _pingpong_problems(config, source), f"{config}: missing {_pingpong_problems(config, source)}"
-        # Row tops: each consumer thread adds its running maximum once, after its key tiles.
-        assert source.count("AtomicMax(") == (2 if config.row_tops else 0), config
         assert 0 < smem <= HOPPER_SMEM_LIMIT, f"{config}: {smem} bytes of dynamic shared memory"
         assert smem >= config.shared_memory_bytes(), f"{config}: tiles need more than {smem} bytes"
     budget = configs[0].producer_registers * 128 + configs[0].consumer_registers * 256

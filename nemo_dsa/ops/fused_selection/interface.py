@@ -26,7 +26,7 @@ from nemo_dsa.ops.fused_selection.plan import DEFAULT_CHUNK_BYTES, planned_chunk
 from nemo_dsa.ops.fused_selection.window import select_chunks
 from nemo_dsa.ops.topk.candidates import blocks_to_mask, candidate_blocks_validated as find_blocks
 from nemo_dsa.ops.topk.candidates import uses_maxima_kernel
-from nemo_dsa.ops.topk.kernels import MAX_COUNT, TOP_WINDOW, fits_block_mask
+from nemo_dsa.ops.topk.kernels import MAX_COUNT, fits_block_mask
 from nemo_dsa.ops.v4_indexer.kernels import v4_logits_tilelang
 from nemo_dsa.ops.v4_indexer.naive import v4_logits
 from nemo_dsa.ops.v41_indexer.kernels import v41_scores_tilelang
@@ -39,9 +39,6 @@ from nemo_dsa.visibility import check_ks_ke
 # docs/performance.md v12). False restores the torch mask (tests/test_fused_selection_gpu.py
 # and test_topk_kernels_gpu.py run both).
 SELECT_APPLIES_BLOCKS = True
-# V4.1 on the GPU: the scorer also writes each row's largest score (as the select's image), so
-# the select skips its max walk. Opt-in until measured (docs/performance.md v30).
-SCORER_TOPS = False
 
 
 def v4_chunk_logits(backend, q, k, w, ks, ke, buffer, chunk_bytes):
@@ -51,11 +48,10 @@ def v4_chunk_logits(backend, q, k, w, ks, ke, buffer, chunk_bytes):
     return v4_logits(q, k, w, ks, ke, budget_bytes=chunk_bytes)
 
 
-def v41_chunk_scores(backend, q, k, w, ks, ke, chunk_bytes, tops=None):
-    """The scorer seam: V4.1 scores of one chunk's queries on its key window (``tops``: int32
-    [B, rows] receiving each row's largest score as the select's image; TileLang only)."""
+def v41_chunk_scores(backend, q, k, w, ks, ke, chunk_bytes):
+    """The scorer seam: V4.1 scores of one chunk's queries on its key window."""
     if backend == "tilelang":
-        return v41_scores_tilelang(q, k, w, ks, ke, tops=tops)
+        return v41_scores_tilelang(q, k, w, ks, ke)
     return v41_scores(q, k, w, ks, ke, budget_bytes=chunk_bytes)
 
 
@@ -141,7 +137,7 @@ def v4_select_topk_validated(q, k, w, ks, ke, topk: int, backend: str, chunk_byt
             backend, q[:, chunk.rows], k[:, chunk.key_start : chunk.key_end], w[:, chunk.rows],
             local_ks, local_ke, out, chunk_bytes,
         )
-        return logits, local_ks, local_ke, None, None
+        return logits, local_ks, local_ke, None
 
     def emit(chunk, index, value):
         if index is None:
@@ -227,17 +223,15 @@ def v41_select_topk(
     kept_width = candidate_blocks.shape[-1] if mask_in_select else 0
     block_backend = "torch" if backend == "torch" else "auto"
     maxima_kernel = source and uses_maxima_kernel(torch.bfloat16, q.device, block_backend)
-    scorer_tops = SCORER_TOPS and on_gpu and backend == "tilelang" and TOP_WINDOW["bfloat16"]
     row_key = ("v41", heads, dim, count, source or (reindex and not mask_in_select), candidate_block_size or 1,
                on_gpu, batch > 1, kept_width, maxima_kernel)  # fmt: skip
     row_bytes = v41_row_bytes(*row_key[1:])
 
     def score_chunk(chunk, first_pass):
         local_ks, local_ke = plan.ranges(chunk)
-        tops = torch.empty(local_ks.shape, dtype=torch.int32, device=q.device) if scorer_tops else None
         scores = v41_chunk_scores(
             backend, q[:, chunk.rows], k[:, chunk.key_start : chunk.key_end], w[:, chunk.rows],
-            local_ks, local_ke, chunk_bytes, tops,
+            local_ks, local_ke, chunk_bytes,
         )
         # Candidate blocks count from ks, so they are the same relative to the window.
         if source and first_pass:
@@ -251,12 +245,12 @@ def v41_select_topk(
             if mask_in_select:
                 # The radix select reads the kept blocks itself: keys of other blocks are -inf to
                 # it, so no [rows, W] mask is built and the scores are not rewritten.
-                return scores, local_ks, local_ke, kept, tops
+                return scores, local_ks, local_ke, kept
             # A block past the window's last block holds no key the row sees: drop it (-1).
             kept = torch.where(kept < -(-chunk.width // candidate_block_size), kept, -1)
             keep = blocks_to_mask(kept, local_ks, local_ke, candidate_block_size, chunk.width, budget_bytes=chunk_bytes)
             scores.masked_fill_(~keep, float("-inf"))
-        return scores, local_ks, local_ke, None, tops
+        return scores, local_ks, local_ke, None
 
     def emit(chunk, index, value):
         if index is None:

@@ -67,8 +67,7 @@ def select_chunks(
 
     ``score_chunk(chunk, first_pass)`` returns the chunk's scores [B, rows, W], its queries'
     window-local ks/ke [B, rows] and, on the GPU only, None or kept candidate blocks [B, rows, NBk]
-    of ``block_size`` keys that the select applies itself (keys outside them count as -inf), and
-    None or the scorer's row maxima [B, rows] (``select_rows_tilelang``'s ``tops``).
+    of ``block_size`` keys that the select applies itself (keys outside them count as -inf).
     On the GPU (``on_gpu``) the TileLang radix select decides
     every row exactly, reading only [ks, ke). Otherwise the loop runs select_rows and never waits
     for the device: rows it flags (ties beyond its candidates, NaN/+inf) are collected, and after
@@ -80,7 +79,7 @@ def select_chunks(
         if chunk.width == 0:
             emit(chunk, None, None)
             continue
-        scores, local_ks, local_ke, blocks, tops = score_chunk(chunk, True)
+        scores, local_ks, local_ke, blocks = score_chunk(chunk, True)
         scores = scores.reshape(-1, chunk.width)
         if on_gpu:
             take = min(count, chunk.width)
@@ -88,7 +87,7 @@ def select_chunks(
             masking = {} if blocks is None else {"blocks": blocks.reshape(scores.shape[0], -1), "block_size": block_size}
             index, values = select_rows_tilelang(
                 scores, take, order, local_ks.reshape(-1), local_ke.reshape(-1), offset=chunk.key_start, out=out,
-                tops=None if tops is None else tops.reshape(-1), **masking,
+                **masking,
             )  # fmt: skip
             if out is None:
                 emit(chunk, *_pad_columns(index, values, count))

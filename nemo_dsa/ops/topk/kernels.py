@@ -45,7 +45,6 @@ from dataclasses import asdict, dataclass
 import torch
 
 from nemo_dsa._checks import check_positive_int, check_tensor
-from nemo_dsa.ops._images import score_image
 from nemo_dsa.ops._tilelang import compile_cached, tilelang
 from nemo_dsa.ops.topk.rows import ORDERS
 
@@ -80,13 +79,6 @@ WINDOW_BINS = THREADS
 TOP_WINDOW = {"float32": False, "bfloat16": True}
 # Candidate-block masks (V4.1 reindex layers): one byte per block of the row in shared memory.
 MASK_BLOCKS = 16384
-# Window lists (bf16, index order): while the window histogram walk reads a row, each warp also
-# appends its keys inside the window (position and distance below the maximum, 4 bytes) to a
-# list in shared memory, in index order, so the gather walks those lists instead of the row; a
-# warp whose list overflows walks its keys as before. Capacities per warp keep 4 blocks an SM
-# (the masked kernel's block map takes 16 KiB of the ~56 KiB a block may hold).
-LIST_CAPACITY = {False: 1280, True: 768}  # keyed by "candidate-block masked"
-WINDOW_LISTS = False  # opt-in until measured on the GPU (docs/performance.md v30)
 # Every access of the kernel is in bounds by construction (keys below the row's end <= width,
 # outputs below count, block maps within MASK_BLOCKS), so TileLang's per-access bound checks are
 # off: they were two compares and a branch on every score load (ncu, docs/performance.md v14).
@@ -108,19 +100,14 @@ class SelectConfig:
     order: str  # "score" | "index"
     top_window: bool = False  # bf16: the cut from one histogram below the row's maximum
     block_size: int = 0  # > 0: keys outside the row's kept candidate blocks are never selected
-    given_top: bool = False  # window: the row's largest image comes in ``Tops`` (no max walk)
-    list_capacity: int = 0  # window, index order: keys per warp listed for the gather (0: none)
 
     def shared_memory_bytes(self) -> int:
         """Dynamic shared memory: the buffers live together during the gather: the per-warp
         counts, the window histograms and, for score order, the sort's 8-byte keys (the histogram
-        passes may reuse these bytes earlier)."""
+        passes may reuse these bytes earlier). The block map (MASK_BLOCKS bytes with
+        ``block_size``) is static shared memory."""
         window = 4 * WARPS * WINDOW_BINS if self.top_window else 0
         return 4 * 2 * WARPS + window + (8 * max(self.slots, THREADS) if self.order == "score" else 0)
-
-    def static_shared_memory_bytes(self) -> int:
-        """The block map (MASK_BLOCKS bytes with ``block_size``) and the window lists."""
-        return (MASK_BLOCKS if self.block_size else 0) + 4 * WARPS * self.list_capacity
 
 
 def sort_slots(count: int) -> int:
@@ -128,12 +115,9 @@ def sort_slots(count: int) -> int:
     return max(MIN_SLOTS, 1 << (count - 1).bit_length())
 
 
-def select_config(
-    score_dtype: torch.dtype, count: int, order: str, block_size: int = 0, given_top: bool = False
-) -> SelectConfig:
+def select_config(score_dtype: torch.dtype, count: int, order: str, block_size: int = 0) -> SelectConfig:
     """The selector for scores of ``score_dtype`` keeping ``count`` per row in ``order``
-    (``block_size`` > 0: masked by candidate blocks of that many keys; ``given_top``: each row's
-    largest image comes from the scorer, bf16 window selectors only)."""
+    (``block_size`` > 0: masked by candidate blocks of that many keys)."""
     name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(score_dtype)
     if name is None:
         raise TypeError(f"scores must be float32 or bfloat16 for the TileLang selector, got {score_dtype}")
@@ -143,11 +127,7 @@ def select_config(
         raise ValueError(f"count must be in [1, {MAX_COUNT}] for the TileLang selector, got {count}")
     check_positive_int("block_size", block_size, minimum=0)
     slots = sort_slots(count) if order == "score" else MIN_SLOTS
-    window = TOP_WINDOW[name]
-    if given_top and not window:
-        raise ValueError(f"given_top needs a window selector (bf16 scores with TOP_WINDOW on), got {name}")
-    lists = LIST_CAPACITY[block_size > 0] if WINDOW_LISTS and window and order == "index" else 0
-    return SelectConfig(name, slots, order, window, block_size, given_top, lists)
+    return SelectConfig(name, slots, order, TOP_WINDOW[name], block_size)
 
 
 def dispatched_configs() -> list[SelectConfig]:
@@ -170,8 +150,6 @@ def radix_select_kernel(
     order: str,
     top_window: bool | None = None,
     block_size: int = 0,
-    given_top: bool = False,
-    list_capacity: int = 0,
     *,
     cached_steps: int = CACHED_STEPS,
     min_blocks: int | None = None,
@@ -188,10 +166,6 @@ def radix_select_kernel(
     selected (as if -inf). ``top_window`` (bf16 only; None = ``TOP_WINDOW``): the cut from one
     per-warp histogram of the images' distances below the row's largest image when the T-th key
     lies within WINDOW_BINS images of it, else the generic passes.
-    ``given_top`` (window only): Tops int32 [rows] holds an upper bound of each row's largest
-    image (the scorer's maximum; 0 when unknown: the row takes the generic passes), so the max walk
-    is skipped. ``list_capacity`` (window, index order): the keys inside the window listed per
-    warp in shared memory during the histogram walk, and the gather walks the lists.
     ``cached_steps``, ``min_blocks`` (blocks an SM must hold: caps the registers) and
     ``digit_bits`` (the passes' digit widths) are tuning knobs; the defaults are the measured
     best (docs/performance.md v7).
@@ -200,6 +174,9 @@ def radix_select_kernel(
     dtype = T.float32 if score_dtype == "float32" else T.bfloat16
     score_bits = SCORE_BITS[score_dtype]
     u32, u64, i32 = T.uint32, T.uint64, T.int32
+    sign, magnitude, exponent = (
+        (0x80000000, 0x7FFFFFFF, 0x7F800000) if score_bits == 32 else (0x8000, 0x7FFF, 0x7F80)
+    )
     digit_bits = DIGIT_BITS[score_dtype] if digit_bits is None else tuple(digit_bits)
     if sum(digit_bits) != score_bits or not all(1 <= bits <= MAX_DIGIT_BITS for bits in digit_bits):
         raise ValueError(f"digit_bits must add up to {score_bits} bits, each in [1, {MAX_DIGIT_BITS}], got {digit_bits}")
@@ -208,11 +185,6 @@ def radix_select_kernel(
     top_window = TOP_WINDOW[score_dtype] if top_window is None else bool(top_window)
     if top_window and score_dtype != "bfloat16":
         raise ValueError("top_window needs bfloat16 scores (one histogram bin per image)")
-    if (given_top or list_capacity) and not top_window:
-        raise ValueError("given_top and list_capacity need top_window (they serve the window's walks)")
-    if list_capacity and order != "index":
-        raise ValueError("list_capacity needs order='index' (the score order's writes hold a barrier)")
-    check_positive_int("list_capacity", list_capacity, minimum=0)
     check_positive_int("block_size", block_size, minimum=0)
     masked = block_size > 0
     # (shift, bits) of each pass's digit of the image, most significant first
@@ -226,12 +198,14 @@ def radix_select_kernel(
         min_blocks = MIN_BLOCKS_PER_SM if per_thread <= 8 else 1
     rows, width, count = T.dynamic("rows"), T.dynamic("width"), T.dynamic("count")
     block_rows, kept_width = T.dynamic("block_rows"), T.dynamic("kept_width")
-    top_rows = T.dynamic("top_rows")
-    listed_bits = 8  # a list entry: key position in the warp's segment << 8 | distance below top
-    assert WINDOW_BINS <= 1 << listed_bits
 
     def image_of(x):
-        return score_image(x, score_bits)
+        """Order-preserving unsigned image of a score; 0 for NaN/+-inf. Branch-free: negatives
+        flip every bit, non-negatives set the sign bit, -0 moves up one to +0's image."""
+        bits = T.cast(T.reinterpret(x, T.uint32 if score_bits == 32 else T.uint16), u32)
+        image = bits ^ (((bits >> (score_bits - 1)) * magnitude) | sign)
+        image = image + T.cast(bits == sign, u32)
+        return image * T.cast((bits & exponent) != exponent, u32)
 
     @T.macro
     def load_step(Scores, row, first_key, segment_end, step, raw, base):
@@ -273,7 +247,6 @@ def radix_select_kernel(
         Picked: T.Tensor([rows, count], dtype),
         offset: i32,
         Blocks: T.Tensor([block_rows, kept_width], i32),
-        Tops: T.Tensor([top_rows], i32),
     ):
         with T.Kernel(rows, threads=THREADS) as row:
             T.annotate_min_blocks_per_sm(min_blocks)
@@ -299,14 +272,10 @@ def radix_select_kernel(
             # every key loop.
             kept = T.alloc_shared([MASK_BLOCKS if masked else 1], T.uint8, scope="shared")  # the row's kept blocks (0/1)
             whist = T.alloc_shared([WARPS * WINDOW_BINS if top_window else 1], i32)  # per-warp window counts
-            # Per-warp window keys, static shared memory too: inside the merged dynamic allocation
-            # TileLang put two barriers around every append.
-            lists = T.alloc_shared([WARPS * list_capacity], u32, scope="shared") if list_capacity else None
             warp_best = T.alloc_shared([WARPS], u32)
             window_hit = T.alloc_shared([1], i32)  # the window decided the cut
             cached = T.alloc_local([cached_steps * UNROLL], u32)
             images = T.alloc_local([UNROLL], u32)
-            positions = T.alloc_local([UNROLL], i32) if list_capacity else None  # the gather's keys of a step
             raw = T.alloc_local([cached_steps * UNROLL], dtype)  # scores as loaded, before their images
             held = T.alloc_local([per_thread], u64)  # sort: key r * THREADS + tx of the network
             start = T.alloc_var(i32)
@@ -333,11 +302,6 @@ def radix_select_kernel(
             first = T.alloc_var(u64)  # the two keys a bitonic step compares
             second = T.alloc_var(u64)
             top = T.alloc_var(u32)  # the row's largest image (window)
-            listed = T.alloc_var(i32)  # the warp's window keys (listed while they fit)
-            from_list = T.alloc_var(i32)  # the gather walks the warp's list, not its keys
-            walk = T.alloc_var(i32)  # the gather's steps
-            entry = T.alloc_var(u32)
-            window_mask = T.alloc_var(u32)
 
             start = T.min(T.max(KS[row], 0), width)
             end = T.max(T.min(KE[row], width), start)
@@ -380,45 +344,27 @@ def radix_select_kernel(
                 # The row's largest image (the cached images, then the steps past them; warp
                 # shuffles, the warps' maxima), then one histogram per warp of the distances below
                 # it, for the keys within WINDOW_BINS.
-                # With ``given_top`` the scorer's bound replaces the max walk: an image above it
-                # would be missed, one below it only narrows the window (generic passes then).
-                if given_top:
-                    top = T.cast(Tops[row], u32)
-                else:
-                    top = T.uint32(0)
-                    for i in T.unroll(cached_steps * UNROLL):
-                        top = T.max(top, cached[i])
-                    for s in T.serial(cached_steps, T.max(steps, cached_steps)):
-                        fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, kept)
-                        for u in T.unroll(UNROLL):
-                            top = T.max(top, images[u])
-                    for d in (16, 8, 4, 2, 1):
-                        top = T.max(top, T.shfl_xor(top, d))
-                    if lane == 0:
-                        warp_best[warp] = top
+                top = T.uint32(0)
+                for i in T.unroll(cached_steps * UNROLL):
+                    top = T.max(top, cached[i])
+                for s in T.serial(cached_steps, T.max(steps, cached_steps)):
+                    fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, kept)
+                    for u in T.unroll(UNROLL):
+                        top = T.max(top, images[u])
+                for d in (16, 8, 4, 2, 1):
+                    top = T.max(top, T.shfl_xor(top, d))
+                if lane == 0:
+                    warp_best[warp] = top
                 for w in range(WARPS):
                     whist[w * WINDOW_BINS + tx] = 0
                 T.sync_threads()
-                if not given_top:
-                    for w in range(WARPS):
-                        top = T.max(top, warp_best[w])
-                if list_capacity:
-                    listed = 0
+                for w in range(WARPS):
+                    top = T.max(top, warp_best[w])
                 for s in T.serial(steps):
                     fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, kept)
                     for u in T.unroll(UNROLL):
                         if (images[u] != 0) & (top - images[u] < WINDOW_BINS):
                             T.atomic_add(whist[warp * WINDOW_BINS + T.cast(top - images[u], i32)], 1)
-                        if list_capacity:
-                            # Appended in (step, u, lane) order: the warp's keys in index order.
-                            inside = (images[u] != 0) & (top - images[u] < WINDOW_BINS)
-                            window_mask = T.cast(T.ballot_sync(inside), u32)
-                            slot = listed + T.cast(T.popcount(window_mask & lanes_below), i32)
-                            if inside & (slot < list_capacity):
-                                lists[warp * list_capacity + slot] = T.shift_left(
-                                    T.cast((s * UNROLL + u) * WARP + lane, u32), listed_bits
-                                ) | (top - images[u])
-                            listed = listed + T.cast(T.popcount(window_mask), i32)
                 T.sync_threads()
                 # Thread tx owns distance tx (image top - tx); its inclusive scan counts the keys
                 # with images >= top - tx. The thread where it reaches T holds the cut.
@@ -551,30 +497,10 @@ def radix_select_kernel(
             T.sync_threads()
             taken_above = sum(T.if_then_else(w < warp, warp_taken[w], 0) for w in range(WARPS))
             seen_equal = sum(T.if_then_else(w < warp, warp_taken[WARPS + w], 0) for w in range(WARPS))
-            # The lists hold every key of the window, so every taken key, when the window made the
-            # cut and the warp's list fit (warp-uniform: ``listed`` comes from ballots).
-            if list_capacity:
-                from_list = 0
-                walk = steps
-                if (window_hit[0] == 1) & (listed <= list_capacity):
-                    from_list = 1
-                    walk = T.ceildiv(listed, UNROLL * WARP)
-            for s in T.serial(walk if list_capacity else steps):
-                if list_capacity:
-                    if from_list == 1:
-                        for u in T.unroll(UNROLL):
-                            slot = (s * UNROLL + u) * WARP + lane
-                            entry = lists[warp * list_capacity + T.min(slot, list_capacity - 1)]
-                            images[u] = T.if_then_else(slot < listed, top - (entry & ((1 << listed_bits) - 1)), 0)
-                            positions[u] = first_key - lane + T.cast(entry >> listed_bits, i32)
-                    else:
-                        fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, kept)
-                        for u in T.unroll(UNROLL):
-                            positions[u] = first_key + (s * UNROLL + u) * WARP
-                else:
-                    fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, kept)
+            for s in T.serial(steps):
+                fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, kept)
                 for u in T.unroll(UNROLL):
-                    j = positions[u] if list_capacity else first_key + (s * UNROLL + u) * WARP
+                    j = first_key + (s * UNROLL + u) * WARP
                     above_mask = T.cast(T.ballot_sync((images[u] >= above_cut) & (images[u] != 0)), u32)
                     equal_mask = T.cast(T.ballot_sync((images[u] == equal_cut) & (images[u] != 0)), u32)
                     above_before = taken_above + T.cast(T.popcount(above_mask & lanes_below), i32)
@@ -673,7 +599,6 @@ def select_rows_tilelang(
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     blocks: torch.Tensor | None = None,
     block_size: int = 0,
-    tops: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact top-``count`` of every row of ``scores [N, W]`` on the GPU (count <= W).
 
@@ -683,9 +608,7 @@ def select_rows_tilelang(
     ``blocks`` int32 [N, NBk] with ``block_size`` C: the row's kept candidate blocks (numbered
     from ks, -1 padded; blocks past the row are ignored); keys of other blocks are treated as -inf
     (docs/semantics.md, candidate blocks). Needs ``ceil(W / C) <= MASK_BLOCKS``
-    (:func:`fits_block_mask`). ``tops`` int32 [N] (bf16 scores): the image (``ops._images.bf16_images``)
-    of each row's largest score in [ks, ke) or any larger one, 0 where unknown, as the V4.1
-    scorer writes it; the select then skips its max walk.
+    (:func:`fits_block_mask`).
     """
     check_tensor("scores", scores, ndim=2, dtypes=(torch.float32, torch.bfloat16))
     if (blocks is None) != (block_size == 0):
@@ -708,13 +631,6 @@ def select_rows_tilelang(
             raise ValueError(f"blocks: rows of {width} keys have more than {MASK_BLOCKS} blocks of {block_size}")
     else:
         blocks = torch.empty((1, 1), dtype=torch.int32, device=scores.device)  # not read
-    given_top = tops is not None
-    if given_top:
-        check_tensor("tops", tops, dtypes=(torch.int32,), shape=(rows,), device=scores.device)
-        if scores.dtype != torch.bfloat16:
-            raise ValueError(f"tops serve bfloat16 scores (images of 16 bits), got {scores.dtype} scores")
-    else:
-        tops = torch.empty((1,), dtype=torch.int32, device=scores.device)  # not read
     if out is None:
         out = (
             torch.empty((rows, count), dtype=torch.int32, device=scores.device),
@@ -724,9 +640,9 @@ def select_rows_tilelang(
     check_tensor("out[0]", index, dtypes=(torch.int32,), shape=(rows, count), device=scores.device)
     check_tensor("out[1]", picked, dtypes=(scores.dtype,), shape=(rows, count), device=scores.device)
     if rows:
-        config = select_config(scores.dtype, count, order, block_size, given_top)
+        config = select_config(scores.dtype, count, order, block_size)
         kernel = compile_cached(radix_select_kernel, pass_configs=SELECT_PASS_CONFIGS, **asdict(config))
-        kernel(scores.contiguous(), ks.contiguous(), ke.contiguous(), index, picked, offset, blocks.contiguous(), tops.contiguous())
+        kernel(scores.contiguous(), ks.contiguous(), ke.contiguous(), index, picked, offset, blocks.contiguous())
     return index, picked
 
 

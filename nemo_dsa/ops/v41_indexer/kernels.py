@@ -43,7 +43,6 @@ from dataclasses import asdict, dataclass
 import torch
 
 from nemo_dsa._checks import check_qkw, check_tensor
-from nemo_dsa.ops._images import score_image
 from nemo_dsa.ops._pingpong import (
     BLOCK_K,
     CONSUMER_REGISTERS,
@@ -76,7 +75,6 @@ class ScorerConfig:
     block_q: int  # queries per tile; block_q * heads columns of the GEMM
     num_stages: int  # key tiles in flight (shared-memory ring)
     head_sum_wgmma: bool  # head sum on the tensor cores (else register adds and shuffles)
-    row_tops: bool = False  # also the image of each query's largest score (for the select)
     producer_registers: int = PRODUCER_REGISTERS
     consumer_registers: int = CONSUMER_REGISTERS
 
@@ -107,7 +105,7 @@ def kernel_index_dim(index_dim: int) -> int:
     raise ValueError(f"index_dim must be <= {MAX_INDEX_DIM}, got {index_dim}")
 
 
-def scorer_config(heads: int, index_dim: int, row_tops: bool = False) -> ScorerConfig:
+def scorer_config(heads: int, index_dim: int) -> ScorerConfig:
     """Tile shape for ``heads`` x ``index_dim`` (index_dim one of KERNEL_DIMS).
 
     Stages: 4 key tiles in flight at D <= 128 (3, 6 and 8 measured the same, within 1 %); at
@@ -119,14 +117,13 @@ def scorer_config(heads: int, index_dim: int, row_tops: bool = False) -> ScorerC
     if index_dim not in KERNEL_DIMS:
         raise ValueError(f"index_dim must be one of {KERNEL_DIMS} for a kernel, got {index_dim}")
     return ScorerConfig(
-        heads, index_dim, GEMM_COLUMNS // heads, num_stages=4 if index_dim <= 128 else 2, head_sum_wgmma=heads >= 8,
-        row_tops=row_tops,
-    )  # fmt: skip
+        heads, index_dim, GEMM_COLUMNS // heads, num_stages=4 if index_dim <= 128 else 2, head_sum_wgmma=heads >= 8
+    )
 
 
 def dispatched_configs() -> list[ScorerConfig]:
     """Every configuration the wrappers can compile, for the supported heads and dims."""
-    return [scorer_config(h, d, tops) for h in SUPPORTED_HEADS for d in KERNEL_DIMS for tops in (False, True)]
+    return [scorer_config(h, d) for h in SUPPORTED_HEADS for d in KERNEL_DIMS]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -140,7 +137,6 @@ def v41_scorer_kernel(
     block_q: int,
     num_stages: int,
     head_sum_wgmma: bool,
-    row_tops: bool,
     producer_registers: int,
     consumer_registers: int,
 ):
@@ -149,26 +145,20 @@ def v41_scorer_kernel(
     A tile of ``block_q`` queries keeps its [block_q * heads, D] queries in shared memory and
     walks only the 64-key tiles in [min ks, max ke) of its queries, heaviest (latest) query tiles
     first. Columns outside that range get -inf from the producer, so every output is written once.
-    ``row_tops``: Tops int32 [batch, seq_len] (zeroed by the caller) receives, by atomic max, the
-    select's image (``ops._images.score_image``) of each query's largest written score: each
-    consumer thread keeps the maximum of the scores it stores and adds it once at the end.
     """
     T = tilelang().language
     rows = block_q * heads
     sum_columns = head_sum_columns(block_q)
     bf16, f32, i32 = T.bfloat16, T.float32, T.int32
     batch, seq_len, num_keys = T.dynamic("batch"), T.dynamic("seq_len"), T.dynamic("num_keys")
-    top_batch, top_len = T.dynamic("top_batch"), T.dynamic("top_len")  # Tops: [batch, seq_len] or [1, 1]
 
     producer, first_turn, multiply = pingpong_macros(heads, block_q, num_stages)
 
     @T.macro
-    def consumer(me, acc, r, e_shared, sums, best, w_frag, q_shared, k_shared, full, empty, q_ready, ks_s, ke_s, W, Scores, Tops, by, q0, first, tiles):
+    def consumer(me, acc, r, e_shared, sums, w_frag, q_shared, k_shared, full, empty, q_ready, ks_s, ke_s, W, Scores, by, q0, first, tiles):
         """Consumer ``me`` (0 or 1) scores key tiles me, me + 2, ... of the query tile."""
         for i, h in T.Parallel(block_q, heads):
             w_frag[i, h] = T.if_then_else(q0 + i < seq_len, W[by, T.min(q0 + i, seq_len - 1), h], 0)
-        if row_tops:
-            T.fill(best, -T.infinity(bf16))
         first_turn(me, q_ready)
         for j in T.serial(T.ceildiv(tiles - me, 2)):
             t = 2 * j + me
@@ -191,12 +181,6 @@ def v41_scorer_kernel(
                 if q0 + i < seq_len and col < num_keys:
                     visible = (col >= ks_s[i]) & (col < ke_s[i])
                     Scores[by, q0 + i, col] = T.if_then_else(visible, T.cast(sums[n, i], bf16), -T.infinity(bf16))
-                    if row_tops:
-                        best[n, i] = T.max(best[n, i], T.if_then_else(visible, T.cast(sums[n, i], bf16), -T.infinity(bf16)))
-        if row_tops:
-            for n, i in T.Parallel(BLOCK_K, block_q):
-                if q0 + i < seq_len:
-                    T.atomic_max(Tops[by, q0 + i], T.cast(score_image(best[n, i], 16), i32))
 
     @T.prim_func
     def v41_scores(
@@ -206,7 +190,6 @@ def v41_scorer_kernel(
         KS: T.Tensor([batch, seq_len], i32),
         KE: T.Tensor([batch, seq_len], i32),
         Scores: T.Tensor([batch, seq_len, num_keys], bf16),
-        Tops: T.Tensor([top_batch, top_len], i32),
     ):
         with T.Kernel(T.ceildiv(seq_len, block_q), batch, threads=THREADS) as (bx, by):
             tx = T.get_thread_binding()
@@ -223,8 +206,6 @@ def v41_scorer_kernel(
             e_shared = T.alloc_shared([sum_columns, rows], bf16) if head_sum_wgmma else None
             sums_0 = T.alloc_fragment([BLOCK_K, sum_columns if head_sum_wgmma else block_q], f32)
             sums_1 = T.alloc_fragment([BLOCK_K, sum_columns if head_sum_wgmma else block_q], f32)
-            best_0 = T.alloc_fragment([BLOCK_K, block_q], bf16) if row_tops else None
-            best_1 = T.alloc_fragment([BLOCK_K, block_q], bf16) if row_tops else None
             w_0 = T.alloc_fragment([block_q, heads], bf16)
             w_1 = T.alloc_fragment([block_q, heads], bf16)
             ks_s = T.alloc_shared([block_q], i32)
@@ -261,10 +242,10 @@ def v41_scorer_kernel(
                 producer(Q, K, Scores, q_shared, k_shared, q_ready, full, empty, by, q0, first, last, seq_len, num_keys)
             elif tx < 256:
                 T.inc_max_nreg(consumer_registers)
-                consumer(0, acc_0, r_0, e_shared, sums_0, best_0, w_0, q_shared, k_shared, full, empty, q_ready, ks_s, ke_s, W, Scores, Tops, by, q0, first, tiles)
+                consumer(0, acc_0, r_0, e_shared, sums_0, w_0, q_shared, k_shared, full, empty, q_ready, ks_s, ke_s, W, Scores, by, q0, first, tiles)
             else:
                 T.inc_max_nreg(consumer_registers)
-                consumer(1, acc_1, r_1, e_shared, sums_1, best_1, w_1, q_shared, k_shared, full, empty, q_ready, ks_s, ke_s, W, Scores, Tops, by, q0, first, tiles)
+                consumer(1, acc_1, r_1, e_shared, sums_1, w_1, q_shared, k_shared, full, empty, q_ready, ks_s, ke_s, W, Scores, by, q0, first, tiles)
 
     return v41_scores
 
@@ -310,32 +291,21 @@ def _launch(config: ScorerConfig, *operands) -> None:
 
 
 @torch.no_grad()
-def v41_scores_tilelang(
-    q, k, w, ks, ke, *, out: torch.Tensor | None = None, tops: torch.Tensor | None = None
-) -> torch.Tensor:
+def v41_scores_tilelang(q, k, w, ks, ke, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """V4.1 scores bf16 ``[B, S, K]`` on the GPU, -inf outside ``[ks, ke)``.
 
     Args: q [B, S, H, D] bf16, k [B, K, D] bf16, w [B, S, H] bf16, ks/ke int32 [B, S] (clamped to
     [0, K] inside the kernel for memory safety; the public API validates them). ``out`` (optional,
-    bf16 [B, S, K] contiguous) receives the result; every element is written. ``tops`` (optional,
-    int32 [B, S] contiguous) receives each query's largest score as the select's image
-    (``ops._images.bf16_images``; 0 for a query that sees no finite score).
+    bf16 [B, S, K] contiguous) receives the result; every element is written.
     """
     batch, queries, heads, dim, num_keys = _check_inputs(q, k, w)
     for name, value in (("ks", ks), ("ke", ke)):
         check_tensor(name, value, ndim=2, dtypes=(torch.int32,), shape=(batch, queries), device=q.device)
     out = _check_out(out, batch, queries, num_keys, q.device)
-    if tops is not None:
-        check_tensor("tops", tops, dtypes=(torch.int32,), shape=(batch, queries), device=q.device)
-        if not tops.is_contiguous():
-            raise ValueError("tops must be contiguous")
-        tops.zero_()  # the kernel adds each thread's maximum by atomic max
     if out.numel() == 0:
         return out
     q_rows, k, w, kernel_dim = _kernel_operands(q, k, w, heads, dim)
-    config = scorer_config(heads, kernel_dim, row_tops=tops is not None)
-    unused = torch.empty((1, 1), dtype=torch.int32, device=q.device)
-    _launch(config, q_rows, k, w, ks.contiguous(), ke.contiguous(), out, unused if tops is None else tops)
+    _launch(scorer_config(heads, kernel_dim), q_rows, k, w, ks.contiguous(), ke.contiguous(), out)
     return out
 
 
