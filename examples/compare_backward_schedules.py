@@ -1,6 +1,6 @@
 """The sparse-attention backward's schedules against each other: launches interleaved, one result check.
 
-    python examples/compare_backward_schedules.py --schedules transposed-ahead split staged --seq 16384 32768
+    python examples/compare_backward_schedules.py --schedules transposed-ahead staged --seq 16384 32768
 
 On the benchmark's operands (``benchmark_attention.make_inputs``: H = 64, D = 512, window 128,
 top-512 of ratio-4 compressed rows, B = 1), the forward runs once; then each schedule's backward

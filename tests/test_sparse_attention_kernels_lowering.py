@@ -104,12 +104,8 @@ def _pipelined_backward_problems(config: BackwardConfig, source: str) -> list[st
     problems = []
     tile_loop = source[source.index("for (int t = 0; t < tiles; ++t)"):]
     first_wait = tile_loop.find("wait_wgmma<")
-    # "split": S on warpgroup 0 and dP on warpgroup 1 (each one wgmma batch of N = 64).
-    one_each = config.schedule == "split"
-    if first_wait < 0 or tile_loop[:first_wait].count("warpgroup_commit_batch") != (1 if one_each else 2):
+    if first_wait < 0 or tile_loop[:first_wait].count("warpgroup_commit_batch") != 2:
         problems.append("S and dP committed before the first wait")
-    elif one_each and "kFloat32, 64, 64, 16, false, false" not in tile_loop[:first_wait]:
-        problems.append("S and dP split between the warpgroups")
     if "warpgroup_wait<" in tile_loop:
         problems.append("an implicit wait after a GEMM (T.gemm instead of T.wgmma_gemm)")
     # In the source: chunk 0's wait before the key prefetch, then in the (unrolled) loop over

@@ -21,7 +21,6 @@ from nemo_dsa.ops.sparse_attention.tiles import compressed_span, tile_plan
 
 DELTA_ROWS = 32
 DELTA_CHUNK = 128
-P_HANDOVER_BARRIER = 8  # "split": warpgroup 0 has written P, which warpgroup 1 reads (named, 256 threads)
 
 # "transposed": a [64, chunk] fp32 dkv chunk goes from the wgmma accumulator straight to 16-byte
 # atomics, without a pass through shared memory. The accumulator of 256 threads (as TileLang
@@ -125,9 +124,7 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
     16-byte atomics over whole lines after two lane exchanges (TRANSPOSED_ADD_SOURCE): no
     staging, no barrier per chunk; "transposed-ahead" is transposed with Q and dO loaded by TMA
     while delta is computed, and each tile's dKV rows read one tile ahead into a second row
-    buffer, so that no tile starts with a global read and a barrier; "split" is
-    transposed-ahead with S computed by warpgroup 0 and dP by warpgroup 1, each over all 64 keys
-    (each reads Q or dO once, not both), P handed over in fp32 through shared memory.
+    buffer, so that no tile starts with a global read and a barrier.
     """
     T = tilelang().language
     bf16, f32, i32 = T.bfloat16, T.float32, T.int32
@@ -167,7 +164,6 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
         T.ptx_commit_group()
 
     staged = schedule == "staged"
-    split = schedule == "split"
     ahead = schedule in AHEAD_SCHEDULES
     if not staged and (BK, BWD_THREADS, dkv_chunk % 64) != (64, 256, 0):
         raise ValueError("the transposed dkv add needs 64-key tiles, 256 threads and chunks of a multiple of 64 columns")
@@ -265,8 +261,6 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
             k_s = T.alloc_shared([BK, D], bf16)
             p_s = T.alloc_shared([HB, BK], bf16)
             ds_s = T.alloc_shared([HB, BK], bf16)
-            if split:  # P in fp32 from warpgroup 0 (S) to warpgroup 1 (dP)
-                pf_s = T.alloc_shared([HB, BK], f32)
             # dKV row of each key of the tile, -1 = unseen (AHEAD_SCHEDULES: tile t's in [t % 2])
             rows_s = T.alloc_shared([2, BK] if ahead else [BK], i32)
             stage_s = T.alloc_shared([BK, dkv_chunk + STAGE_ROW_PAD] if staged else [1, 8], f32)
@@ -317,17 +311,9 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
                 T.reduce_sum(o_do, o_do_sum, dim=1)
                 for h in T.Parallel(HB):
                     delta_s[h] += o_do_sum[h]
-            if split:  # each where its warpgroup reads it
-                if tx < 128:
-                    for h in T.Parallel(HB):
-                        lse2[h] = Lse[b, s, h0 + h] * LOG2E
-                else:
-                    for h in T.Parallel(HB):
-                        delta[h] = delta_s[h]
-            else:
-                for h in T.Parallel(HB):
-                    lse2[h] = Lse[b, s, h0 + h] * LOG2E
-                    delta[h] = delta_s[h]
+            for h in T.Parallel(HB):
+                lse2[h] = Lse[b, s, h0 + h] * LOG2E
+                delta[h] = delta_s[h]
             for h in T.Parallel(HB):
                 Delta[b, s, h0 + h] = delta_s[h]
             T.clear(acc_dq)
@@ -347,41 +333,18 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
                 # tile's dkv GEMMs): wait for them here.
                 T.ptx_wait_group(0)
                 T.sync_threads()
-                if split:
-                    if tx < 128:
-                        T.wgmma_gemm(q_s, k_s, acc_s, transpose_B=True, clear_accum=True)
-                        T.wait_wgmma(0)
-                        T.warpgroup_fence_operand(acc_s, num_regs=2 * pair_regs)
-                        for h, c in T.Parallel(HB, BK):
-                            acc_s[h, c] = T.if_then_else(
-                                tile_row(rows_s, slot, c) >= 0, T.exp2(acc_s[h, c] * scale_log2 - lse2[h]), T.cast(0, f32)
-                            )
-                            pf_s[h, c] = acc_s[h, c]
-                        T.copy(acc_s, p_s)
-                        T.sync_threads(P_HANDOVER_BARRIER, BWD_THREADS)
-                    else:
-                        T.wgmma_gemm(do_s, k_s, acc_dp, transpose_B=True, clear_accum=True)
-                        T.wait_wgmma(0)
-                        T.warpgroup_fence_operand(acc_dp, num_regs=2 * pair_regs)
-                        # Met here, not after the branches: there ptxas would keep acc_dp live on
-                        # warpgroup 0's path beside acc_s (and spill).
-                        T.sync_threads(P_HANDOVER_BARRIER, BWD_THREADS)
-                        for h, c in T.Parallel(HB, BK):
-                            acc_dp[h, c] = pf_s[h, c] * (acc_dp[h, c] - delta[h]) * scale
-                        T.copy(acc_dp, ds_s)
-                else:
-                    T.wgmma_gemm(q_s, k_s, acc_s, transpose_B=True, clear_accum=True)
-                    T.wgmma_gemm(do_s, k_s, acc_dp, transpose_B=True, clear_accum=True)
-                    T.wait_wgmma(0)
-                    T.warpgroup_fence_operand(acc_s, num_regs=pair_regs)
-                    T.warpgroup_fence_operand(acc_dp, num_regs=pair_regs)
-                    for h, c in T.Parallel(HB, BK):
-                        acc_s[h, c] = T.if_then_else(
-                            tile_row(rows_s, slot, c) >= 0, T.exp2(acc_s[h, c] * scale_log2 - lse2[h]), T.cast(0, f32)
-                        )
-                        acc_dp[h, c] = acc_s[h, c] * (acc_dp[h, c] - delta[h]) * scale
-                    T.copy(acc_s, p_s)
-                    T.copy(acc_dp, ds_s)
+                T.wgmma_gemm(q_s, k_s, acc_s, transpose_B=True, clear_accum=True)
+                T.wgmma_gemm(do_s, k_s, acc_dp, transpose_B=True, clear_accum=True)
+                T.wait_wgmma(0)
+                T.warpgroup_fence_operand(acc_s, num_regs=pair_regs)
+                T.warpgroup_fence_operand(acc_dp, num_regs=pair_regs)
+                for h, c in T.Parallel(HB, BK):
+                    acc_s[h, c] = T.if_then_else(
+                        tile_row(rows_s, slot, c) >= 0, T.exp2(acc_s[h, c] * scale_log2 - lse2[h]), T.cast(0, f32)
+                    )
+                    acc_dp[h, c] = acc_s[h, c] * (acc_dp[h, c] - delta[h]) * scale
+                T.copy(acc_s, p_s)
+                T.copy(acc_dp, ds_s)
                 T.fence_proxy_async()  # P and dS are written by st.shared and read by wgmma
                 T.sync_threads()
                 # Uniform branches: gradients nobody asked for are neither computed nor added.

@@ -55,14 +55,12 @@ DEFAULT_FWD_SCHEDULE = "alternating-lean"
 #   the first exchange only and so half lines, gained 4-6 %).
 # - "transposed-ahead", the default: transposed with Q and dO loaded by TMA and each tile's dKV
 #   rows read one tile ahead: 13.7-14.1 % faster than staged (v29).
-# - "split" (opt-in, not yet run on a GPU): transposed-ahead with S on warpgroup 0 and dP on
-#   warpgroup 1, each over all 64 keys, so that each reads Q or dO once (256 instead of 384 KiB
-#   of shared memory a tile), P handed over in fp32 through shared memory (v29).
 # Removed after measurement: a TMA add of the staged chunk (+37 %, v20), "staged-ahead" (+2-3 %,
-# v28), "pipelined" (8-byte atomics, +12.5 %, v28), "shuffled" and "shuffled-ahead" (v29).
-BWD_SCHEDULES = ("staged", "transposed", "transposed-ahead", "split")
+# v28), "pipelined" (8-byte atomics, +12.5 %, v28), "shuffled" and "shuffled-ahead" (v29),
+# "split" (S on one warpgroup, dP on the other, P handed over in fp32: +15-16 %, v30).
+BWD_SCHEDULES = ("staged", "transposed", "transposed-ahead")
 # The schedules that load Q and dO by TMA and read each tile's dKV rows one tile ahead.
-AHEAD_SCHEDULES = ("transposed-ahead", "split")
+AHEAD_SCHEDULES = ("transposed-ahead",)
 DEFAULT_BWD_SCHEDULE = "transposed-ahead"
 # Staging rows are padded by 8 floats: a warp writes 8 accumulator rows at once, and with the
 # pad its 256-byte store takes 2 shared-memory wavefronts (the minimum), not 8.
