@@ -16,11 +16,13 @@ Shapes: H=64 index heads, D=128, R=4, T=512, causal, B=1, K = S/4. Rows per S:
   logits / ``indexer_scores`` with a dense allowed mask, then ``torch.topk`` (no tie rule).
 ``--shapes v41``: the released DeepSeek-V4.1 indexer, H=32 index heads of D=128 (MXFP4-rounded q
 and k), T=512, causal, B=1, each ratio of ``--v41-ratios`` (1: K = S, 2: K = S/2), candidate
-blocks of 8, 2048 kept. Rows: the scores alone; streamed (the default selector, with the window
-below the row maximum, and the generic passes); streamed reindex layers masked by candidate
+blocks of 8, 2048 kept. Rows: the scores alone; streamed (the default selector: the vector
+select, then the radix select on the rows it leaves; the radix select alone, with its window below
+the row maximum; the radix select's generic passes alone); streamed reindex layers masked by candidate
 blocks (the default: blocks applied inside the window select; then the generic passes; then the
 torch block mask over the scores); the streamed
-candidate-source layer (S <= 65,536); materialised; built-in ``indexer_scores`` + torch.topk
+candidate-source layer (S <= 65,536); materialised (the default selector, the radix select);
+built-in ``indexer_scores`` + torch.topk
 (S <= ``--builtin-max-seq``).
 Times are medians of CUDA-event timings after one warm-up call (compiles): "ms" synchronises
 before each call (so it holds the host's work before the first kernel), "queued ms" times calls
@@ -83,9 +85,16 @@ def _v41_rows(chunk_bytes: int):
         q, _, k, w, _, ks, ke = inputs
         return v41_select_topk(q, k, w, ks, ke, TOPK, backend="tilelang", chunk_bytes=budget)
 
+    def radix_only(fn):  # the radix select alone, without the vector select in front (v30's default)
+        def run(inputs, blocks, allowed):
+            with mock.patch.object(topk_kernels, "VECTOR_SELECT", False):
+                return fn(inputs, blocks, allowed)
+
+        return run
+
     def stream_generic(inputs, blocks, allowed):
         with mock.patch.dict(topk_kernels.TOP_WINDOW, {"bfloat16": False}):
-            return stream(inputs, blocks, allowed)
+            return radix_only(stream)(inputs, blocks, allowed)
 
     def reindex(inputs, blocks, allowed):
         _, q2, k, _, w2, ks, ke = inputs
@@ -131,6 +140,7 @@ def _v41_rows(chunk_bytes: int):
         "nemo_dsa scores only v41": (scores, False, None),
         "nemo_dsa stream v41": (stream, False, None),
         "nemo_dsa stream v41, 1 GiB chunks": (lambda *a: stream(*a, budget=2**30), False, None),
+        "nemo_dsa stream v41, radix select": (radix_only(stream), False, None),
         "nemo_dsa stream v41, generic select": (stream_generic, False, None),
         "nemo_dsa stream v41 reindex": (reindex, False, None),
         "nemo_dsa stream v41 reindex, generic select": (reindex_generic, False, None),
@@ -139,8 +149,14 @@ def _v41_rows(chunk_bytes: int):
         "nemo_dsa stream v41 candidate source, maxima kernel": (source_maxima(True), False, 65536),
         "nemo_dsa stream v41 candidate source, torch maxima": (source_maxima(False), False, 65536),
         "nemo_dsa materialise v41": (full, False, 65536),
+        "nemo_dsa materialise v41, radix select": (radix_only(full), False, 65536),
         "built-in v41 + torch.topk": (builtin, True, None),
     }
+
+
+def _row_matches(name: str, part: str) -> bool:
+    """``--v41-rows`` filter: ``=name`` matches that row only, anything else any row containing it."""
+    return name == part[1:] if part.startswith("=") else part in name
 
 
 def _run_v41(args, results: list) -> None:
@@ -156,7 +172,7 @@ def _run_v41(args, results: list) -> None:
                                      candidate_topk_blocks=V41_TOPK_BLOCKS, backend="tilelang")[1]  # fmt: skip
             allowed = None
             for name, (fn, dense, longest) in rows.items():
-                if args.v41_rows is not None and not any(part in name for part in args.v41_rows):
+                if args.v41_rows is not None and not any(_row_matches(name, part) for part in args.v41_rows):
                     continue
                 entry = {"shape": "v41", "S": seq, "K": seq // ratio, "ratio": ratio, "row": name}
                 builtin_limit = args.builtin_max_seq if name.startswith("built-in") else None
@@ -190,6 +206,7 @@ def _v41_check(rows, inputs, blocks, seq: int, ratio: int) -> dict:
     stream = rows["nemo_dsa stream v41"][0](inputs, blocks, None)
     same = {
         "streaming_equals_materialising": torch.equal(stream, rows["nemo_dsa materialise v41"][0](inputs, blocks, None)),
+        "radix_select_equal": torch.equal(stream, rows["nemo_dsa stream v41, radix select"][0](inputs, blocks, None)),
         "generic_select_equal": torch.equal(stream, rows["nemo_dsa stream v41, generic select"][0](inputs, blocks, None)),
         "kernel_equals_reference": torch.equal(stream, select_topk_reference(v41_scores_tilelang(q, k, w, ks, ke), TOPK, order="index")),
     }  # fmt: skip
@@ -324,7 +341,7 @@ def main() -> None:
     parser.add_argument("--v41-ratios", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--builtin-max-seq", type=int, default=1 << 30, help="skip the built-in rows above this S")
     parser.add_argument("--v41-rows", nargs="+", default=None,
-                        help="V4.1 rows whose name contains one of these strings (default: every row)")  # fmt: skip
+                        help="V4.1 rows whose name contains one of these strings, or equals one given as =name (default: every row)")  # fmt: skip
     parser.add_argument("--out", default="selection_benchmark.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():

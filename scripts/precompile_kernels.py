@@ -6,6 +6,7 @@ any machine with the same TileLang and carried along:
 
     TILELANG_CACHE_DIR=/tmp/tilelang-cache python scripts/precompile_kernels.py --workers 16
     python scripts/precompile_kernels.py --heads 64 --dims 128     # just the benchmark's shapes
+    python scripts/precompile_kernels.py --heads 32 --kinds v41 select vector   # the V4.1 selection
 """
 
 from __future__ import annotations
@@ -15,17 +16,21 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 
+KINDS = ("v4_fwd", "v4_bwd", "v41", "select", "vector", "attention")
+
+
 def _jobs(heads: list[int], dims: list[int], counts: list[int]) -> list[tuple]:
     import torch
 
-    from nemo_dsa.ops.topk.kernels import select_config
+    from nemo_dsa.ops.topk.kernels import VECTOR_FALLBACK, select_config
 
     scorers = [(kind, h, d) for kind in ("v4_fwd", "v4_bwd", "v41") for h in heads for d in dims]
     # Selectors for both dtypes and orders (V4 sorts fp32 by score, V4.1 bf16 by index; the other
     # pairs serve the generic select_topk).
     configs = {select_config(dtype, count, order) for dtype in (torch.float32, torch.bfloat16)
                for order in ("score", "index") for count in counts}
-    selectors = [("select", c) for c in sorted(configs, key=str)]
+    # bf16 index order: the vector select, then the radix select on the rows it leaves.
+    selectors = [("select", c) for c in sorted(configs | {VECTOR_FALLBACK}, key=str)] + [("vector",)]
     # The sparse-attention kernels (forwards, backward, window dkv, delta) of every head dim/mode.
     from nemo_dsa.ops.sparse_attention.kernels import KERNEL_DIMS, dispatched_configs
 
@@ -45,6 +50,11 @@ def _compile(job: tuple) -> str:
 
         compile_cubin(radix_select_kernel(**asdict(job[1])), pass_configs=SELECT_PASS_CONFIGS)
         return f"select  {job[1]} {time.perf_counter() - start:5.1f} s"
+    if kind == "vector":
+        from nemo_dsa.ops.topk.vector_kernels import vector_select_kernel
+
+        compile_cubin(vector_select_kernel())
+        return f"vector select {time.perf_counter() - start:5.1f} s"
     if kind == "attention":
         from nemo_dsa.ops.sparse_attention import kernels
 
@@ -75,8 +85,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dims", type=int, nargs="+", default=list(SUPPORTED_DIMS))
     parser.add_argument("--counts", type=int, nargs="+", default=[512], help="top-k sizes the selector serves")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--kinds", nargs="+", default=None, choices=KINDS, help="only these kernel kinds (default: all)")
     args = parser.parse_args(argv)
-    jobs = _jobs(args.heads, args.dims, args.counts)
+    jobs = [job for job in _jobs(args.heads, args.dims, args.counts) if args.kinds is None or job[0] in args.kinds]
     start = time.perf_counter()
     with ProcessPoolExecutor(args.workers) as pool:
         for line in pool.map(_compile, jobs):

@@ -36,7 +36,9 @@ SELECTORS = [
 
 
 def use_bf16_window(monkeypatch, window: bool) -> None:
+    """The radix select alone (no vector select in front), with or without its bf16 window."""
     monkeypatch.setitem(topk_kernels.TOP_WINDOW, "bfloat16", window)
+    monkeypatch.setattr(topk_kernels, "VECTOR_SELECT", False)
 
 
 def _rows(kind: str, rows: int, width: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -45,6 +47,14 @@ def _rows(kind: str, rows: int, width: int, dtype: torch.dtype, seed: int) -> to
         x = torch.randn(rows, width, generator=g) * 3
     elif kind == "quantised":  # a handful of values: every cut falls inside a long run of ties
         x = torch.randint(-3, 4, (rows, width), generator=g) / 2
+    elif kind == "spread":  # many binades a row: the T-th key lies far below the maximum
+        x = torch.randn(rows, width, generator=g) * torch.exp(torch.randn(rows, width, generator=g) * 4)
+    elif kind in ("signed", "nonpositive"):  # signed zeros, NaN and -inf, no +inf (the vector select decides)
+        x = torch.randint(-2, 3 if kind == "signed" else 1, (rows, width), generator=g).float()
+        x[x == 0] = torch.where(torch.rand(int((x == 0).sum()), generator=g) < 0.5, 0.0, -0.0)
+        pick = torch.rand(rows, width, generator=g)
+        x[pick < 0.05] = float("nan")
+        x[(pick >= 0.05) & (pick < 0.15)] = float("-inf")
     else:  # "special": signed zeros, infinities and NaN among a few finite values
         x = torch.randint(-2, 3, (rows, width), generator=g).float()
         x[x == 0] = torch.where(torch.rand(int((x == 0).sum()), generator=g) < 0.5, 0.0, -0.0)
@@ -191,7 +201,8 @@ def test_bf16_window_and_generic_passes_agree(spread):
     for top_window in (False, True):
         kernel = compile_cached(radix_select_kernel, pass_configs=SELECT_PASS_CONFIGS, **{**config, "top_window": top_window})
         index2, picked2 = _poisoned(rows, count, torch.bfloat16)
-        kernel(scores, ks, ke, index2, picked2, 0, torch.empty((1, 1), dtype=torch.int32, device="cuda"))
+        unused = torch.empty((1, 1), dtype=torch.int32, device="cuda")
+        kernel(scores, ks, ke, index2, picked2, 0, unused, unused.view(1))
         assert torch.equal(index2, want_index) and torch.equal(picked2, want_picked), top_window
 
 
@@ -233,3 +244,68 @@ def test_block_maxima_kernel_equals_brute_force(dtype, block_size):
     want = torch.full((rows, num_blocks), float("-inf"), device="cuda").scatter_reduce(1, block, values, "amax")
     assert got.dtype == dtype and torch.equal(got.float(), want)
     assert bool(torch.isfinite(got).any())
+
+
+# The vector select (docs/performance.md v31): bf16 rows in index order, read in 16-byte vectors.
+VECTOR_KINDS = ["continuous", "quantised", "signed", "nonpositive", "spread", "special"]
+
+
+@pytest.mark.parametrize("kind", VECTOR_KINDS)
+# Odd widths put rows at every alignment; 20,001 and 40,000 keys pass the 16,384 kept in registers.
+@pytest.mark.parametrize("count,width", [(64, 304), (100, 1001), (512, 4096), (2048, 8191), (512, 20_001), (512, 40_000)])
+def test_vector_select_equals_reference(kind, count, width):
+    """The default bf16 index-order path (the vector select, then the radix select on the rows it
+    leaves) against the reference; the vector kernel alone writes exactly the rows it flags."""
+    from nemo_dsa.ops._tilelang import compile_cached
+    from nemo_dsa.ops.topk.vector_kernels import WINDOW_BINS, vector_select_kernel
+
+    rows = 67
+    seed = zlib.crc32(f"vector{kind}{count}{width}".encode()) % 1000
+    ks, ke = _ranges(rows, width, seed)
+    scores = _mask_outside(_rows(kind, rows, width, torch.bfloat16, seed), ks, ke)
+    assert topk_kernels.uses_vector_select(scores, "index", 0)
+    want_index, want_picked = _expected(scores, count, "index")
+    index, picked = select_rows_tilelang(scores, count, "index", ks, ke, offset=0, out=_poisoned(rows, count, torch.bfloat16))
+    assert torch.equal(index, want_index)
+    assert torch.equal(picked, want_picked)
+
+    index, picked = _poisoned(rows, count, torch.bfloat16)
+    resolved = torch.full((rows,), -5, dtype=torch.int32, device="cuda")
+    compile_cached(vector_select_kernel)(scores, ks, ke, index, picked, 0, resolved)
+    done = resolved == 1
+    assert bool(((resolved == 0) | done).all())
+    assert torch.equal(index[done], want_index[done]) and torch.equal(picked[done], want_picked[done])
+    assert bool((index[~done] == -7).all()) and bool(picked[~done].isnan().all())  # left to the radix select
+    # Decided here unless +inf is among the row's keys or the row has more than T keys but fewer than T
+    # finite ones; rows whose T-th key lies far below the top ("spread") take the coarse window.
+    finite = torch.isfinite(scores)
+    short = (ke - ks).long() <= count
+    want_done = ~(scores == float("inf")).any(-1) & (short | ~finite.any(-1) | (finite.sum(-1) >= count))
+    assert torch.equal(done, want_done)
+    if kind == "special" and width >= 1000:
+        assert bool((~done).any())  # rows with +inf: left to the radix select
+    if kind == "spread" and width >= 1000:  # some rows' T-th key lies past the first window: the coarse one
+        images = _bf16_images(scores)
+        cut = _bf16_images(want_picked).masked_fill(want_index < 0, 1 << 16).amin(-1)
+        assert bool(((images.amax(-1) - cut >= WINDOW_BINS) & done & (want_index >= 0).all(-1)).any())
+
+
+def _bf16_images(x: torch.Tensor) -> torch.Tensor:
+    """The selects' order-preserving images of bf16 scores (int32; 0 for NaN and +-inf)."""
+    bits = x.view(torch.int16).int() & 0xFFFF
+    image = (bits ^ (((bits >> 15) * 0x7FFF) | 0x8000)) + (bits == 0x8000).int()
+    return torch.where((bits & 0x7F80) == 0x7F80, 0, image)
+
+
+def test_vector_select_offset_and_misaligned_storage():
+    """Window-local indices + offset, and a matrix stored 2 bytes off alignment (the radix select alone)."""
+    rows, width, count = 40, 3001, 300
+    scores = _rows("continuous", rows, width, torch.bfloat16, 11)
+    want_index, want_picked = _expected(scores, count, "index")
+    index, picked = select_rows_tilelang(scores, count, "index", offset=777, out=_poisoned(rows, count, torch.bfloat16))
+    assert torch.equal(index, want_index + 777) and torch.equal(picked, want_picked)
+    shifted = torch.empty(rows * width + 1, dtype=torch.bfloat16, device="cuda")[1:].view(rows, width)
+    shifted.copy_(scores)
+    assert not topk_kernels.uses_vector_select(shifted, "index", 0)
+    index, picked = select_rows_tilelang(shifted, count, "index", out=_poisoned(rows, count, torch.bfloat16))
+    assert torch.equal(index, want_index) and torch.equal(picked, want_picked)

@@ -14,6 +14,8 @@ import pytest
 import torch
 from _lowering import map_in_workers
 
+from nemo_dsa.ops.topk import kernels as topk_kernels
+
 from nemo_dsa.ops._tilelang import HOPPER_SMEM_LIMIT
 from nemo_dsa.ops.topk.interface import select_topk
 from nemo_dsa.ops.topk.kernels import (
@@ -25,6 +27,7 @@ from nemo_dsa.ops.topk.kernels import (
     SELECT_PASS_CONFIGS,
     TOP_WINDOW,
     UNROLL,
+    VECTOR_FALLBACK,
     WINDOW_BINS,
     SelectConfig,
     dispatched_configs,
@@ -33,7 +36,11 @@ from nemo_dsa.ops.topk.kernels import (
     select_config,
     select_rows_tilelang,
     sort_slots,
+    uses_vector_select,
 )
+from nemo_dsa.ops.topk.vector_kernels import SCRATCH_INTS, WARPS
+from nemo_dsa.ops.topk.vector_kernels import WINDOW_BINS as VECTOR_BINS
+from nemo_dsa.ops.topk.vector_kernels import vector_select_kernel
 
 
 def _barriers_per_step_loop(source: str) -> list[int]:
@@ -98,7 +105,8 @@ EXTRA = [
 def test_every_config_lowers_within_shared_memory():
     configs = dispatched_configs()
     assert len(configs) == len(set(configs))
-    assert {c.top_window for c in configs if c.score_dtype == "bfloat16"} == {TOP_WINDOW["bfloat16"]}
+    assert {c.top_window for c in configs if c.score_dtype == "bfloat16" and not c.skip_resolved} == {TOP_WINDOW["bfloat16"]}
+    assert [c for c in configs if c.skip_resolved] == [VECTOR_FALLBACK]
     results = map_in_workers(_lower, configs + EXTRA)
     for config, source, smem in results:
         assert smem >= config.shared_memory_bytes(), f"{config}: the kernel needs more than {smem} bytes"
@@ -125,6 +133,8 @@ def test_every_config_lowers_within_shared_memory():
         assert (f"__shared__ __align__(16) uchar kept[{MASK_BLOCKS}];" in source) == bool(config.block_size), config
         assert writing == (1 if config.order == "score" else 0), config
         assert not _barriers_under_thread_branches(source), config
+        # The vector select's fallback leaves the rows it wrote: the whole body under one block-uniform test.
+        assert ("if (Resolved[((int64_t)((int)blockIdx.x))] == 0) {" in source) == config.skip_resolved, config
         # Score order sorts in registers: lane shuffles for the strides below a warp (the window
         # reduces its maximum and counts with them too).
         assert ("__shfl_xor_sync" in source) == (config.order == "score" or config.top_window), config
@@ -211,3 +221,34 @@ def test_block_mask_limits_and_arguments():
     with pytest.raises(ValueError, match="blocks and block_size"):
         select_rows_tilelang(scores, 4, "index", block_size=8)
 
+
+
+def test_vector_select_lowers_and_serves_aligned_bf16_index_rows(monkeypatch):
+    """The vector select (bf16 index order, docs/performance.md v31) lowers for sm_90a: one row a block
+    of 256 threads, 4 blocks an SM, the row's CUDA with 16-byte loads and bf16x2 maxima, a per-warp
+    window histogram in shared memory; the wrapper hands it only rows it can read in 16-byte vectors."""
+    from nemo_dsa.ops._tilelang import dynamic_shared_memory_bytes, lower
+
+    artifact = lower(vector_select_kernel())
+    source, smem = str(artifact.kernel_source), dynamic_shared_memory_bytes(artifact)
+    assert "__launch_bounds__(256, 4)" in source and "vector_select::select_row<8>(" in source
+    assert "reinterpret_cast<const uint4*>" in source and "__hmax2" in source and "atomicAdd(hist" in source
+    assert 4 * (WARPS * VECTOR_BINS + SCRATCH_INTS) <= smem <= HOPPER_SMEM_LIMIT
+    with pytest.raises(ValueError, match="cached_vectors"):
+        vector_select_kernel(cached_vectors=0)
+    bf16 = torch.randn(4, 1001).bfloat16()
+    assert uses_vector_select(bf16, "index", 0)  # any width: vectors are aligned in the matrix
+    assert not uses_vector_select(bf16.float(), "index", 0)
+    assert not uses_vector_select(bf16, "score", 0)
+    assert not uses_vector_select(bf16, "index", 8)  # candidate blocks: the radix select applies them
+    misaligned = torch.empty(4 * 1001 + 1, dtype=torch.bfloat16)[1:].view(4, 1001)
+    assert not uses_vector_select(misaligned, "index", 0)
+    monkeypatch.setattr(topk_kernels, "VECTOR_SELECT", False)
+    assert not uses_vector_select(bf16, "index", 0)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found: cannot build cubins")
+def test_vector_select_compiles_to_cubin():
+    from nemo_dsa.ops._tilelang import compile_cubin
+
+    assert "vector_select::select_row<8>(" in compile_cubin(vector_select_kernel()).get_kernel_source()

@@ -1,0 +1,534 @@
+"""A bf16 index-order select that reads a row in 16-byte vectors and decides most rows in one window.
+
+Same semantics as the radix select (docs/semantics.md "Top-k selection"; ``naive.select_topk_reference``):
+the best T finite scores of each row in ascending index order, ties to the smaller index, -1 /
+-inf padding. It serves the V4.1 selection (bf16 scores, index order, no candidate blocks) and
+decides a row when one of two cases holds, writing ``Resolved[row] = 1``:
+- the row has at most T keys, or no finite one: every finite key is taken;
+- the T-th largest image lies within WINDOW_BINS images of the row's largest (two binades): one
+  histogram of the images' distances below the top gives the cut, as in the radix select's window.
+Any other row (its maximum +inf, or its cut further down) gets ``Resolved[row] = 0`` and no
+output: ``select_rows_tilelang`` then runs the radix select on the same rows with
+``skip_resolved``, so every row is exact.
+
+Why a second kernel (docs/performance.md v31): ncu put the radix select at 73.6 % issue-slot
+utilisation, the ALU its busiest pipe, ~130 thread instructions a key (one 2-byte load, an image
+and a test per key and walk, two ballots per key in the gather). Here a lane loads 8 consecutive
+keys with one 16-byte load, and a walk first takes the vector's maximum with three bf16x2 max
+instructions: only vectors holding a key above the walk's bound look at their keys one by one.
+The gather ranks keys with one warp scan of packed (taken, equal) counts per 256 keys instead of
+two ballots per 32. TileLang's Python layer has no bf16x2 max and proves no 16-byte alignment for
+a load at a run-time offset, so the row's work is CUDA (ROW_SOURCE) inside a TileLang kernel that
+owns the launch, the shared memory and the register budget.
+"""
+
+from nemo_dsa._checks import check_positive_int
+from nemo_dsa.ops._tilelang import tilelang
+
+THREADS = 256
+WARPS = THREADS // 32
+# Bins of the window below the row's top image (one image each: two bf16 binades).
+WINDOW_BINS = 256
+# 16-byte vectors a lane keeps in registers (4 words each): 8 hold a row's first 16,384 keys;
+# keys past them are loaded again in each of the two later walks.
+CACHED_VECTORS = 8
+# Blocks an SM holds (__launch_bounds__): 4 caps a thread at 64 registers.
+MIN_BLOCKS_PER_SM = 4
+# Shared ints of the vector maxima's histogram (4096 bins of 16 images, one pad int per 16 bins).
+MAX_BIN_SLOTS = 4096 + 4096 // 16
+# Ints of the block's scratch: per-warp maxima (as floats), taken / tied counts, scan sums, counts above
+# the window; the cut and the vector maxima's cut.
+SCRATCH_INTS = 5 * WARPS + 8
+
+ROW_SOURCE = r"""
+#include <cuda_bf16.h>
+
+namespace vector_select {
+
+constexpr int kThreads = 256, kWarps = 8, kBins = 256, kKeys = 8;
+constexpr unsigned kNegInf = 0xFF80u;          // bf16 bits of -inf
+constexpr unsigned kLowestFinite = 0xFF7Fu;    // bf16 bits of the most negative finite value
+constexpr unsigned kLowestImage = 0x0080u;     // its image: every finite key's image is >= this
+
+// Order-preserving image of bf16 bits (as the radix select's): negatives flip every bit,
+// non-negatives set the sign bit, -0 moves up to +0's image, NaN / +-inf map to 0.
+__device__ __forceinline__ unsigned image_of(unsigned bits) {
+  unsigned image = bits ^ (((bits >> 15) * 0x7FFFu) | 0x8000u);
+  image += bits == 0x8000u;
+  return (bits & 0x7F80u) != 0x7F80u ? image : 0u;
+}
+
+__device__ __forceinline__ float float_of_bits(unsigned bits) { return __uint_as_float(bits << 16); }
+
+// The finite value whose image is ``image`` (>= kLowestImage): for finite x, x >= value <=> image_of(x) >= image.
+__device__ __forceinline__ float float_of_image(unsigned image) {
+  return float_of_bits(image >= 0x8000u ? image & 0x7FFFu : ~image & 0xFFFFu);
+}
+
+// Key k's bf16 bits (k may be a run-time value: selects, not an indexed register array).
+__device__ __forceinline__ unsigned key_bits(const unsigned* w, int k) {
+  const unsigned word = k < 4 ? (k < 2 ? w[0] : w[1]) : (k < 6 ? w[2] : w[3]);
+  return (word >> (16 * (k & 1))) & 0xFFFFu;
+}
+
+__device__ __forceinline__ __nv_bfloat162 as_pair(unsigned word) { return *reinterpret_cast<__nv_bfloat162*>(&word); }
+
+// A bf16 value (exact in ``x``) in both halves of a pair.
+__device__ __forceinline__ __nv_bfloat162 splat(float x) {
+  const unsigned bits = __float_as_uint(x) >> 16;
+  return as_pair(bits | (bits << 16));
+}
+
+// The largest of a vector's 8 keys (NaN ignored, as by fmaxf; NaN only if all are).
+__device__ __forceinline__ float vector_max(const unsigned* w) {
+  __nv_bfloat162 m = __hmax2(__hmax2(as_pair(w[0]), as_pair(w[1])), __hmax2(as_pair(w[2]), as_pair(w[3])));
+  return fmaxf(__low2float(m), __high2float(m));
+}
+
+// Bit k: key k >= bound (``greater``) or == bound, by packed bf16 compares (NaN compares false, -0 == +0).
+template <bool kGreater>
+__device__ __forceinline__ unsigned key_mask(const unsigned* w, __nv_bfloat162 bound) {
+  unsigned bits = 0u;
+  #pragma unroll
+  for (int q = 0; q < kKeys / 2; ++q) {
+    const unsigned m = kGreater ? __hge2_mask(as_pair(w[q]), bound) : __heq2_mask(as_pair(w[q]), bound);
+    bits |= ((m & 1u) | ((m >> 15) & 2u)) << (2 * q);
+  }
+  return bits;
+}
+
+// The 8 keys from ``first`` (row-local; the vector starts 16-byte aligned in the matrix): one 16-byte load
+// when all lie in [start, end) and ``valid``, else key by key, -inf outside (no byte past the row is read).
+__device__ __forceinline__ void load_vector(const unsigned short* row_keys, bool valid, int first, int start, int end,
+                                            unsigned* w) {
+  if (valid && first >= start && first + kKeys <= end) {
+    const uint4 t = *reinterpret_cast<const uint4*>(row_keys + first);
+    w[0] = t.x; w[1] = t.y; w[2] = t.z; w[3] = t.w;
+    return;
+  }
+  #pragma unroll
+  for (int q = 0; q < kKeys / 2; ++q) {
+    const int key = first + 2 * q;
+    const unsigned even = valid && key >= start && key < end ? row_keys[key] : kNegInf;
+    const unsigned odd = valid && key + 1 >= start && key + 1 < end ? row_keys[key + 1] : kNegInf;
+    w[q] = even | (odd << 16);
+  }
+}
+
+// Keys at or above ``low``: those above the window's top image added to ``above``, the others counted
+// by their distance below it; each also appended to the warp's ``list`` (key numbers in index order:
+// a warp scan places each lane's keys) while ``listed`` stays within kListCap. Warp-synchronous.
+constexpr int kListCap = 544;  // keys a warp lists (the vector maxima's bins, dead by then, hold the lists)
+__device__ __forceinline__ void count_window(const unsigned* w, int first, __nv_bfloat162 low, unsigned window_top,
+                                             int* hist, int& above, int* list, int& listed) {
+  unsigned bits = key_mask<true>(w, low);
+  const int own = __popc(bits);
+  int inclusive = own;
+  #pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int other = __shfl_up_sync(0xFFFFFFFFu, inclusive, d);
+    if ((threadIdx.x & 31) >= d) inclusive += other;
+  }
+  int slot = listed + inclusive - own;
+  listed += __shfl_sync(0xFFFFFFFFu, inclusive, 31);
+  for (; bits != 0u; bits &= bits - 1u) {
+    const int k = __ffs(bits) - 1;
+    const unsigned image = image_of(key_bits(w, k));
+    if (image > window_top) {
+      ++above;
+    } else {
+      atomicAdd(hist + (window_top - image), 1);
+    }
+    if (slot < kListCap) list[slot] = first + k;
+    ++slot;
+  }
+}
+
+// The gather over a warp's list instead of its keys: 32 listed keys a round, ranked by ballots.
+__device__ __forceinline__ void gather_listed(const int* list, int listed, const unsigned short* row_keys, float above,
+                                              float equal, int need, int taken_before, int tied_before, int* index,
+                                              unsigned short* picked, int count, int offset) {
+  const unsigned lanes_below = (1u << (threadIdx.x & 31)) - 1u;
+  for (int first = 0; first < listed; first += 32) {
+    const int slot = first + (threadIdx.x & 31);
+    const int key = slot < listed ? list[slot] : 0;
+    const unsigned bits = slot < listed ? unsigned(row_keys[key]) : kNegInf;
+    const float x = float_of_bits(bits);
+    const bool is_taken = x >= above, is_tied = x == equal;
+    const unsigned taken = __ballot_sync(0xFFFFFFFFu, is_taken), tied = __ballot_sync(0xFFFFFFFFu, is_tied);
+    const int e = tied_before + __popc(tied & lanes_below);
+    const int rank = taken_before + __popc(taken & lanes_below) + min(e, need);
+    if ((is_taken || (is_tied && e < need)) && rank < count) {
+      index[rank] = key + offset;
+      picked[rank] = (unsigned short)bits;
+    }
+    taken_before += __popc(taken);
+    tied_before += __popc(tied);
+  }
+}
+
+// Vector maxima are counted by image >> 4 (4096 bins, 16 images each), bin b at b + b / 16 so that the
+// 16 bins a thread scans fall in distinct banks.
+constexpr int kMaxBins = 4096, kMaxBinShift = 4;
+__device__ __forceinline__ int max_bin_slot(int bin) { return bin + (bin >> 4); }
+
+// The lowest image of the bin holding the T-th largest vector maximum (``wanted`` = T), or 0 when fewer
+// than T vectors hold a finite key: every one of those T vectors holds a key at least that large, so the
+// T-th largest key is not below it. Thread t owns the 16 bins from 4095 - 16 t down. Two barriers.
+__device__ __forceinline__ void find_vector_bound(const int* bins, int wanted, int* warp_sums, int* bound) {
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  const int first = kMaxBins - 1 - 16 * t;
+  int here = 0;
+  #pragma unroll
+  for (int j = 0; j < 16; ++j) here += bins[max_bin_slot(first - j)];
+  int running = here;
+  #pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int other = __shfl_up_sync(0xFFFFFFFFu, running, d);
+    if (lane >= d) running += other;
+  }
+  if (lane == 31) warp_sums[warp] = running;
+  __syncthreads();
+  for (int b = 0; b < warp; ++b) running += warp_sums[b];
+  if (running >= wanted && running - here < wanted) {
+    int before = running - here, j = 0;
+    while (before + bins[max_bin_slot(first - j)] < wanted) before += bins[max_bin_slot(first - j++)];
+    *bound = (first - j) << kMaxBinShift;
+  }
+  __syncthreads();
+}
+
+// Every finite key by its image's high byte, as the distance below byte 255.
+__device__ __forceinline__ void count_coarse(const unsigned* w, int* hist) {
+  for (unsigned bits = key_mask<true>(w, splat(float_of_bits(kLowestFinite))); bits != 0u; bits &= bits - 1u) {
+    atomicAdd(hist + (255u - (image_of(key_bits(w, __ffs(bits) - 1)) >> 8)), 1);
+  }
+}
+
+// Packed counts of the vector's keys taken for x >= above (low half) and tied with the cut (high half).
+__device__ __forceinline__ unsigned tally(const unsigned* w, __nv_bfloat162 above, __nv_bfloat162 equal) {
+  return __popc(key_mask<true>(w, above)) | (__popc(key_mask<false>(w, equal)) << 16);
+}
+
+// One warp's 256 keys (lane l: keys first .. first + 7, in index order lane by lane): each taken key's
+// rank among the row's picks is the taken keys before it + min(tied keys before it, need); a tied
+// key is taken while fewer than ``need`` tied keys precede it. Warp-synchronous.
+__device__ __forceinline__ void gather(const unsigned* w, int first, __nv_bfloat162 above, __nv_bfloat162 equal,
+                                       int need, int& taken_before, int& tied_before, int* index,
+                                       unsigned short* picked, int count, int offset) {
+  const unsigned taken = key_mask<true>(w, above), tied = key_mask<false>(w, equal);
+  if (__ballot_sync(0xFFFFFFFFu, (taken | tied) != 0u) == 0u) return;
+  const unsigned own = __popc(taken) | (__popc(tied) << 16);
+  unsigned inclusive = own;
+  #pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const unsigned other = __shfl_up_sync(0xFFFFFFFFu, inclusive, d);
+    if ((threadIdx.x & 31) >= d) inclusive += other;
+  }
+  const unsigned total = __shfl_sync(0xFFFFFFFFu, inclusive, 31);
+  const int above_before = taken_before + int((inclusive - own) & 0xFFFFu);
+  const int equal_before = tied_before + int((inclusive - own) >> 16);
+  for (unsigned bits = taken | tied; bits != 0u; bits &= bits - 1u) {
+    const int k = __ffs(bits) - 1;
+    const unsigned below = (1u << k) - 1u;
+    const int a = above_before + __popc(taken & below), e = equal_before + __popc(tied & below);
+    const int rank = a + min(e, need);
+    if ((((taken >> k) & 1u) || e < need) && rank < count) {
+      index[rank] = first + k + offset;
+      picked[rank] = (unsigned short)key_bits(w, k);
+    }
+  }
+  taken_before += int(total & 0xFFFFu);
+  tied_before += int(total >> 16);
+}
+
+__device__ __forceinline__ int warp_sum(int x) {
+  #pragma unroll
+  for (int d = 16; d > 0; d >>= 1) x += __shfl_xor_sync(0xFFFFFFFFu, x, d);
+  return x;
+}
+
+// Thread t owns distance t below the top image (the sum of ``kRows`` histograms); the block's inclusive
+// scan over distances counts the keys at or above each image. The thread where it reaches ``wanted``
+// writes cut = {1, above image, equal image, need}; cut[0] stays as it was when no thread does.
+// Every thread calls it (two barriers).
+template <int kRows>
+__device__ __forceinline__ void find_cut(const int* hist, int wanted, unsigned top_image, int* warp_sums, int* cut) {
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  int here = 0;
+  #pragma unroll
+  for (int b = 0; b < kRows; ++b) here += hist[b * kBins + t];
+  int running = here;
+  #pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int other = __shfl_up_sync(0xFFFFFFFFu, running, d);
+    if (lane >= d) running += other;
+  }
+  if (lane == 31) warp_sums[warp] = running;
+  __syncthreads();
+  for (int b = 0; b < warp; ++b) running += warp_sums[b];
+  if (running >= wanted && running - here < wanted) {
+    const int left = wanted - (running - here);
+    cut[0] = 1;
+    cut[1] = int(top_image) - t + (here == left ? 0 : 1);
+    cut[2] = int(top_image) - t;
+    cut[3] = here == left ? 0 : left;
+  }
+  __syncthreads();
+}
+
+// A block's row: warp w owns ``segment`` vectors (a multiple of 32) from vector w * segment, lane l
+// every 32nd of them from l, so that each warp load reads 512 contiguous bytes.
+struct Row {
+  const unsigned short* keys;  // the row's key 0
+  int start, end, base, segment, steps, limit, warp, lane;
+
+  __device__ __forceinline__ Row(const void* scores, int row, int width, int row_start, int row_end) {
+    warp = threadIdx.x >> 5;
+    lane = threadIdx.x & 31;
+    start = min(max(row_start, 0), width);
+    end = max(min(row_end, width), start);
+    const long long row_key = (long long)row * width;
+    keys = static_cast<const unsigned short*>(scores) + row_key;
+    // Vectors start at matrix positions that are multiples of 8 (the wrapper keeps the matrix 16-byte aligned).
+    base = int(((row_key + start) & ~(long long)(kKeys - 1)) - row_key);
+    const int vectors = (end - base + kKeys - 1) / kKeys;
+    segment = (vectors + kThreads - 1) / kThreads * 32;
+    steps = segment / 32;
+    limit = min(vectors, (warp + 1) * segment);
+  }
+  __device__ __forceinline__ int first_key(int step) const { return base + kKeys * (warp * segment + 32 * step + lane); }
+  __device__ __forceinline__ void load(int step, unsigned* w) const {
+    load_vector(keys, warp * segment + 32 * step + lane < limit, first_key(step), start, end, w);
+  }
+};
+
+// use(vector, its first key) on each of the lane's vectors in order: the cached ones from registers,
+// the rest loaded again two at a time (both loads in flight before either is used).
+template <int kCached, typename Use>
+__device__ __forceinline__ void walk(const Row& row, unsigned (&cache)[kCached][4], Use use) {
+  #pragma unroll
+  for (int i = 0; i < kCached; ++i) {
+    if (i < row.steps) use(cache[i], row.first_key(i));
+  }
+  for (int i = kCached; i < row.steps; i += 2) {
+    unsigned a[4], b[4];
+    row.load(i, a);
+    row.load(i + 1, b);
+    use(a, row.first_key(i));
+    if (i + 1 < row.steps) use(b, row.first_key(i + 1));
+  }
+}
+
+// Block sum of one int a thread (every thread gets it; one barrier, ``slots`` holds kWarps ints).
+__device__ __forceinline__ int block_sum(int x, int* slots) {
+  x = warp_sum(x);
+  if ((threadIdx.x & 31) == 0) slots[threadIdx.x >> 5] = x;
+  __syncthreads();
+  int total = 0;
+  #pragma unroll
+  for (int b = 0; b < kWarps; ++b) total += slots[b];
+  return total;
+}
+
+__device__ __forceinline__ void clear_histograms(int* hist) {
+  #pragma unroll
+  for (int b = 0; b < kWarps; ++b) hist[b * kBins + threadIdx.x] = 0;
+}
+
+template <int kCached>
+__device__ __forceinline__ void select_row(const void* scores, int row_number, int width, int row_start, int row_end,
+                                           int count, int offset, int* index, void* picked_out, int* resolved,
+                                           int* hist, int* scratch) {
+  const int tx = threadIdx.x;
+  const Row row(scores, row_number, width, row_start, row_end);
+  const int warp = row.warp, lane = row.lane;
+  unsigned short* picked = static_cast<unsigned short*>(picked_out);
+  float* warp_best = reinterpret_cast<float*>(scratch);
+  int* warp_taken = scratch + kWarps;
+  int* warp_tied = scratch + 2 * kWarps;
+  int* warp_sums = scratch + 3 * kWarps;
+  int* warp_above = scratch + 4 * kWarps;
+  int* cut = scratch + 5 * kWarps;
+  int* vector_bound = cut + 4;
+  int* own_hist = hist + warp * kBins;
+  int* max_bins = hist + kWarps * kBins;
+  int* own_list = max_bins + warp * kListCap;  // after the vector bound: max_bins is dead
+  int listed = 0;
+
+  clear_histograms(hist);
+  #pragma unroll
+  for (int j = 0; j < (kMaxBins + kMaxBins / 16) / kThreads; ++j) max_bins[j * kThreads + tx] = 0;
+  if (tx == 0) cut[0] = vector_bound[0] = 0;
+  // The row's first kCached vectors a lane: every load issued before any is used.
+  unsigned cache[kCached][4];
+  #pragma unroll
+  for (int i = 0; i < kCached; ++i) row.load(i, cache[i]);
+  float best = -INFINITY;
+  walk(row, cache, [&](const unsigned* w, int) {
+    const float m = vector_max(w);
+    const unsigned image = image_of(__float_as_uint(m) >> 16);
+    if (image != 0u) atomicAdd(max_bins + max_bin_slot(image >> kMaxBinShift), 1);
+    best = fmaxf(best, m);
+  });
+  #pragma unroll
+  for (int d = 16; d > 0; d >>= 1) best = fmaxf(best, __shfl_xor_sync(0xFFFFFFFFu, best, d));
+  if (lane == 0) warp_best[warp] = best;
+  __syncthreads();
+  float top = warp_best[0];
+  #pragma unroll
+  for (int b = 1; b < kWarps; ++b) top = fmaxf(top, warp_best[b]);
+
+  // +inf is never selected but would be the row's top: the radix select decides such rows.
+  if (top == INFINITY) {
+    if (tx == 0) *resolved = 0;
+    return;
+  }
+  float above = float_of_bits(kLowestFinite), equal = __int_as_float(0x7FC00000);  // every finite key; none tied
+  int need = 0, above_window = 0;
+  const bool window = row.end - row.start > count && top > -INFINITY;  // else every finite key is taken
+  unsigned window_top = 0u, above_image = 0u, equal_image = 0u;
+  if (window) {
+    // The window: WINDOW_BINS images from the vector maxima's bound up (the keys above it all taken), or
+    // below the top when fewer than T vectors hold a finite key.
+    const unsigned top_image = image_of(__float_as_uint(top) >> 16);
+    find_vector_bound(max_bins, count, warp_sums, vector_bound);
+    unsigned low_image = unsigned(vector_bound[0]);
+    if (low_image == 0u) low_image = top_image >= kLowestImage + kBins - 1 ? top_image - (kBins - 1) : kLowestImage;
+    low_image = max(low_image, kLowestImage);
+    window_top = min(top_image, low_image + (kBins - 1));
+    const __nv_bfloat162 low = splat(float_of_image(low_image));
+    walk(row, cache, [&](const unsigned* w, int first) {
+      count_window(w, first, low, window_top, own_hist, above_window, own_list, listed);
+    });
+    int above_total = block_sum(above_window, warp_above);  // its barrier also orders the histograms
+    if (above_total < count) find_cut<kWarps>(hist, count - above_total, window_top, warp_sums, cut);
+    if (cut[0] == 0) {
+      // The T-th key lies further down: the coarse bin (image >> 8) holding it, then that bin as the
+      // window, every key above it taken.
+      clear_histograms(hist);
+      __syncthreads();
+      walk(row, cache, [&](const unsigned* w, int) { count_coarse(w, own_hist); });
+      __syncthreads();
+      find_cut<kWarps>(hist, count, 255u, warp_sums, cut);
+      if (cut[0] == 0) {  // fewer than T finite keys in a row of more than T keys
+        if (tx == 0) *resolved = 0;
+        return;
+      }
+      const unsigned coarse = unsigned(cut[2]);
+      window_top = (coarse << 8) | 0xFFu;
+      low_image = max(coarse << 8, kLowestImage);
+      clear_histograms(hist);
+      __syncthreads();  // every thread has read the coarse cut
+      if (tx == 0) cut[0] = 0;
+      above_window = 0;
+      listed = 0;
+      const __nv_bfloat162 bin_low = splat(float_of_image(low_image));
+      walk(row, cache, [&](const unsigned* w, int first) {
+        count_window(w, first, bin_low, window_top, own_hist, above_window, own_list, listed);
+      });
+      above_total = block_sum(above_window, warp_above);
+      find_cut<kWarps>(hist, count - above_total, window_top, warp_sums, cut);
+      if (cut[0] == 0) {  // not reached: the coarse bin holds the T-th key
+        if (tx == 0) *resolved = 0;
+        return;
+      }
+    }
+    above_image = unsigned(cut[1]);
+    equal_image = unsigned(cut[2]);
+    need = cut[3];
+    above = float_of_image(above_image);
+    if (need > 0) equal = float_of_image(equal_image);
+  }
+
+  // Each warp's taken and tied keys: from its histogram (every taken key lies in or above the window) or a walk.
+  const __nv_bfloat162 above2 = splat(above), equal2 = splat(equal);
+  int taken = 0, tied = 0;
+  if (window) {
+    taken = above_window;
+    #pragma unroll
+    for (int j = 0; j < kBins / 32; ++j) {
+      const int distance = lane * (kBins / 32) + j;
+      const int here = own_hist[distance];
+      taken += window_top - distance >= above_image ? here : 0;
+      tied += need > 0 && window_top - distance == equal_image ? here : 0;
+    }
+  } else {
+    unsigned counts = 0u;
+    walk(row, cache, [&](const unsigned* w, int) { counts += tally(w, above2, equal2); });
+    taken = int(counts & 0xFFFFu);
+    tied = int(counts >> 16);
+  }
+  taken = warp_sum(taken);
+  tied = warp_sum(tied);
+  if (lane == 0) {
+    warp_taken[warp] = taken;
+    warp_tied[warp] = tied;
+  }
+  __syncthreads();
+  int taken_total = 0, tied_total = 0;
+  taken = 0;
+  tied = 0;
+  #pragma unroll
+  for (int b = 0; b < kWarps; ++b) {
+    taken += b < warp ? warp_taken[b] : 0;
+    tied += b < warp ? warp_tied[b] : 0;
+    taken_total += warp_taken[b];
+    tied_total += warp_tied[b];
+  }
+  if (window && listed <= kListCap) {  // every key at or above the window's low end is listed
+    gather_listed(own_list, listed, row.keys, above, equal, need, taken, tied, index, picked, count, offset);
+  } else {
+    walk(row, cache, [&](const unsigned* w, int first) {
+      gather(w, first, above2, equal2, need, taken, tied, index, picked, count, offset);
+    });
+  }
+  const int written = min(taken_total + min(tied_total, need), count);
+  for (int slot = written + tx; slot < count; slot += kThreads) {
+    index[slot] = -1;
+    picked[slot] = (unsigned short)kNegInf;
+  }
+  if (tx == 0) *resolved = 1;
+}
+
+}  // namespace vector_select
+"""
+
+
+def vector_select_kernel(cached_vectors: int = CACHED_VECTORS, min_blocks: int = MIN_BLOCKS_PER_SM):
+    """PrimFunc of the vector select (index order, bf16; one block of 256 threads per row).
+
+    Scores bf16 [rows, width] (width a multiple of 8, 16-byte aligned: the wrapper checks), KS/KE
+    int32 [rows] (the row's visible keys, clamped to [0, width]), Index int32 / Picked bf16 [rows,
+    count] (window-local key numbers + ``offset``, -1 / -inf padding), Resolved int32 [rows]: 1
+    where this kernel wrote the row, 0 where the radix select must (see the module docstring).
+    """
+    check_positive_int("cached_vectors", cached_vectors)
+    check_positive_int("min_blocks", min_blocks)
+    T = tilelang().language
+    i32 = T.int32
+    rows, width, count = T.dynamic("rows"), T.dynamic("width"), T.dynamic("count")
+
+    @T.prim_func
+    def vector_select(
+        Scores: T.Tensor([rows, width], T.bfloat16),
+        KS: T.Tensor([rows], i32),
+        KE: T.Tensor([rows], i32),
+        Index: T.Tensor([rows, count], i32),
+        Picked: T.Tensor([rows, count], T.bfloat16),
+        offset: i32,
+        Resolved: T.Tensor([rows], i32),
+    ):
+        with T.Kernel(rows, threads=THREADS) as row:
+            T.import_source(ROW_SOURCE)
+            T.annotate_min_blocks_per_sm(min_blocks)
+            hist = T.alloc_shared([WARPS * WINDOW_BINS + MAX_BIN_SLOTS], i32)  # per warp, then the vector maxima's
+            scratch = T.alloc_shared([SCRATCH_INTS], i32)
+            T.call_extern(
+                "handle", f"vector_select::select_row<{cached_vectors}>",
+                T.address_of(Scores[0, 0]), row, width, KS[row], KE[row], count, offset,
+                T.address_of(Index[row, 0]), T.address_of(Picked[row, 0]), T.address_of(Resolved[row]),
+                T.address_of(hist[0]), T.address_of(scratch[0]),
+            )  # fmt: skip
+
+    return vector_select
