@@ -115,12 +115,11 @@ __device__ __forceinline__ void load_vector(const unsigned short* row_keys, bool
   }
 }
 
-// Keys at or above ``low``: those above the window's top image added to ``above``, the others counted
-// by their distance below it; each also appended to the warp's ``list`` (key numbers in index order:
-// a warp scan places each lane's keys) while ``listed`` stays within kListCap. Warp-synchronous.
 constexpr int kListCap = 544;  // keys a warp lists (the vector maxima's bins, dead by then, hold the lists)
-__device__ __forceinline__ void count_window(const unsigned* w, int first, __nv_bfloat162 low, unsigned window_top,
-                                             int* hist, int& above, int* list, int& listed) {
+
+// Appends the vector's keys at or above ``low`` to the warp's list (key numbers in index order: a warp
+// scan places each lane's keys); ``listed`` counts them all, past kListCap too. Warp-synchronous.
+__device__ __forceinline__ void list_keys(const unsigned* w, int first, __nv_bfloat162 low, int* list, int& listed) {
   unsigned bits = key_mask<true>(w, low);
   const int own = __popc(bits);
   int inclusive = own;
@@ -131,16 +130,31 @@ __device__ __forceinline__ void count_window(const unsigned* w, int first, __nv_
   }
   int slot = listed + inclusive - own;
   listed += __shfl_sync(0xFFFFFFFFu, inclusive, 31);
-  for (; bits != 0u; bits &= bits - 1u) {
-    const int k = __ffs(bits) - 1;
-    const unsigned image = image_of(key_bits(w, k));
-    if (image > window_top) {
-      ++above;
-    } else {
-      atomicAdd(hist + (window_top - image), 1);
-    }
-    if (slot < kListCap) list[slot] = first + k;
-    ++slot;
+  for (; bits != 0u && slot < kListCap; bits &= bits - 1u) list[slot++] = first + __ffs(bits) - 1;
+}
+
+// A key at or above the window's low end: counted by its distance below the window's top image, or
+// added to ``above`` when larger.
+__device__ __forceinline__ void count_key(unsigned bits, unsigned window_top, int* hist, int& above) {
+  const unsigned image = image_of(bits);
+  if (image > window_top) {
+    ++above;
+  } else {
+    atomicAdd(hist + (window_top - image), 1);
+  }
+}
+
+// count_key on every listed key, 32 a round (all lanes busy, unlike a walk over sparse keys).
+__device__ __forceinline__ void count_listed(const int* list, int listed, const unsigned short* row_keys,
+                                            unsigned window_top, int* hist, int& above) {
+  for (int slot = threadIdx.x & 31; slot < listed; slot += 32) count_key(row_keys[list[slot]], window_top, hist, above);
+}
+
+// count_key on the vector's keys at or above ``low`` (a warp whose list overflowed).
+__device__ __forceinline__ void count_window(const unsigned* w, __nv_bfloat162 low, unsigned window_top, int* hist,
+                                             int& above) {
+  for (unsigned bits = key_mask<true>(w, low); bits != 0u; bits &= bits - 1u) {
+    count_key(key_bits(w, __ffs(bits) - 1), window_top, hist, above);
   }
 }
 
@@ -398,9 +412,12 @@ __device__ __forceinline__ void select_row(const void* scores, int row_number, i
     low_image = max(low_image, kLowestImage);
     window_top = min(top_image, low_image + (kBins - 1));
     const __nv_bfloat162 low = splat(float_of_image(low_image));
-    walk(row, cache, [&](const unsigned* w, int first) {
-      count_window(w, first, low, window_top, own_hist, above_window, own_list, listed);
-    });
+    walk(row, cache, [&](const unsigned* w, int first) { list_keys(w, first, low, own_list, listed); });
+    if (listed <= kListCap) {
+      count_listed(own_list, listed, row.keys, window_top, own_hist, above_window);
+    } else {
+      walk(row, cache, [&](const unsigned* w, int) { count_window(w, low, window_top, own_hist, above_window); });
+    }
     int above_total = block_sum(above_window, warp_above);  // its barrier also orders the histograms
     if (above_total < count) find_cut<kWarps>(hist, count - above_total, window_top, warp_sums, cut);
     if (cut[0] == 0) {
@@ -424,9 +441,12 @@ __device__ __forceinline__ void select_row(const void* scores, int row_number, i
       above_window = 0;
       listed = 0;
       const __nv_bfloat162 bin_low = splat(float_of_image(low_image));
-      walk(row, cache, [&](const unsigned* w, int first) {
-        count_window(w, first, bin_low, window_top, own_hist, above_window, own_list, listed);
-      });
+      walk(row, cache, [&](const unsigned* w, int first) { list_keys(w, first, bin_low, own_list, listed); });
+      if (listed <= kListCap) {
+        count_listed(own_list, listed, row.keys, window_top, own_hist, above_window);
+      } else {
+        walk(row, cache, [&](const unsigned* w, int) { count_window(w, bin_low, window_top, own_hist, above_window); });
+      }
       above_total = block_sum(above_window, warp_above);
       find_cut<kWarps>(hist, count - above_total, window_top, warp_sums, cut);
       if (cut[0] == 0) {  // not reached: the coarse bin holds the T-th key
