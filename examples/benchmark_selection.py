@@ -103,7 +103,7 @@ def _v41_rows(chunk_bytes: int):
 
     def reindex_generic(inputs, blocks, allowed):
         with mock.patch.dict(topk_kernels.TOP_WINDOW, {"bfloat16": False}):
-            return reindex(inputs, blocks, allowed)
+            return radix_only(reindex)(inputs, blocks, allowed)
 
     def reindex_torch_mask(inputs, blocks, allowed):
         with mock.patch.object(fused, "SELECT_APPLIES_BLOCKS", False):
@@ -143,6 +143,7 @@ def _v41_rows(chunk_bytes: int):
         "nemo_dsa stream v41, radix select": (radix_only(stream), False, None),
         "nemo_dsa stream v41, generic select": (stream_generic, False, None),
         "nemo_dsa stream v41 reindex": (reindex, False, None),
+        "nemo_dsa stream v41 reindex, radix select": (radix_only(reindex), False, None),
         "nemo_dsa stream v41 reindex, generic select": (reindex_generic, False, None),
         "nemo_dsa stream v41 reindex, torch block mask": (reindex_torch_mask, False, 32768),
         "nemo_dsa stream v41 candidate source": (source, False, 65536),

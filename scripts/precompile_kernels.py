@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import time
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 
 
 KINDS = ("v4_fwd", "v4_bwd", "v41", "select", "vector", "attention")
@@ -30,7 +31,9 @@ def _jobs(heads: list[int], dims: list[int], counts: list[int]) -> list[tuple]:
     configs = {select_config(dtype, count, order) for dtype in (torch.float32, torch.bfloat16)
                for order in ("score", "index") for count in counts}
     # bf16 index order: the vector select, then the radix select on the rows it leaves.
-    selectors = [("select", c) for c in sorted(configs | {VECTOR_FALLBACK}, key=str)] + [("vector",)]
+    # V4.1 reindex layers mask by candidate blocks of 8 keys.
+    fallbacks = {VECTOR_FALLBACK, replace(VECTOR_FALLBACK, block_size=8)}
+    selectors = [("select", c) for c in sorted(configs | fallbacks, key=str)] + [("vector", 0), ("vector", 8)]
     # The sparse-attention kernels (forwards, backward, window dkv, delta) of every head dim/mode.
     from nemo_dsa.ops.sparse_attention.kernels import KERNEL_DIMS, dispatched_configs
 
@@ -53,8 +56,8 @@ def _compile(job: tuple) -> str:
     if kind == "vector":
         from nemo_dsa.ops.topk.vector_kernels import vector_select_kernel
 
-        compile_cubin(vector_select_kernel())
-        return f"vector select {time.perf_counter() - start:5.1f} s"
+        compile_cubin(vector_select_kernel(block_size=job[1]))
+        return f"vector select block_size={job[1]} {time.perf_counter() - start:5.1f} s"
     if kind == "attention":
         from nemo_dsa.ops.sparse_attention import kernels
 

@@ -32,13 +32,15 @@ SELECTORS = [
     pytest.param(torch.float32, False, id="float32-generic"),
     pytest.param(torch.bfloat16, False, id="bfloat16-generic"),
     pytest.param(torch.bfloat16, True, id="bfloat16-window"),
+    pytest.param(torch.bfloat16, "vector", id="bfloat16-vector"),
 ]
 
 
-def use_bf16_window(monkeypatch, window: bool) -> None:
-    """The radix select alone (no vector select in front), with or without its bf16 window."""
-    monkeypatch.setitem(topk_kernels.TOP_WINDOW, "bfloat16", window)
-    monkeypatch.setattr(topk_kernels, "VECTOR_SELECT", False)
+def use_bf16_window(monkeypatch, window: bool | str) -> None:
+    """bf16 index order through the vector select (``window="vector"``, the default path) or the
+    radix select alone, with or without its window below the row maximum."""
+    monkeypatch.setitem(topk_kernels.TOP_WINDOW, "bfloat16", window is not False)
+    monkeypatch.setattr(topk_kernels, "VECTOR_SELECT", window == "vector")
 
 
 def _rows(kind: str, rows: int, width: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -156,6 +158,7 @@ def _random_blocks(rows: int, width: int, block_size: int, seed: int) -> torch.T
 @pytest.mark.parametrize("dtype,order,window", [
     pytest.param(torch.bfloat16, "index", False, id="bfloat16-index-generic"),
     pytest.param(torch.bfloat16, "index", True, id="bfloat16-index-window"),
+    pytest.param(torch.bfloat16, "index", "vector", id="bfloat16-index-vector"),
     pytest.param(torch.float32, "score", False, id="float32-score-generic"),
 ])
 @pytest.mark.parametrize("kind", ["continuous", "quantised", "special"])
@@ -263,7 +266,7 @@ def test_vector_select_equals_reference(kind, count, width):
     seed = zlib.crc32(f"vector{kind}{count}{width}".encode()) % 1000
     ks, ke = _ranges(rows, width, seed)
     scores = _mask_outside(_rows(kind, rows, width, torch.bfloat16, seed), ks, ke)
-    assert topk_kernels.uses_vector_select(scores, "index", 0)
+    assert topk_kernels.uses_vector_select(scores, "index")
     want_index, want_picked = _expected(scores, count, "index")
     index, picked = select_rows_tilelang(scores, count, "index", ks, ke, offset=0, out=_poisoned(rows, count, torch.bfloat16))
     assert torch.equal(index, want_index)
@@ -271,7 +274,8 @@ def test_vector_select_equals_reference(kind, count, width):
 
     index, picked = _poisoned(rows, count, torch.bfloat16)
     resolved = torch.full((rows,), -5, dtype=torch.int32, device="cuda")
-    compile_cached(vector_select_kernel)(scores, ks, ke, index, picked, 0, resolved)
+    unused_blocks = torch.empty((1, 1), dtype=torch.int32, device="cuda")
+    compile_cached(vector_select_kernel)(scores, ks, ke, index, picked, 0, resolved, unused_blocks)
     done = resolved == 1
     assert bool(((resolved == 0) | done).all())
     assert torch.equal(index[done], want_index[done]) and torch.equal(picked[done], want_picked[done])
@@ -306,6 +310,6 @@ def test_vector_select_offset_and_misaligned_storage():
     assert torch.equal(index, want_index + 777) and torch.equal(picked, want_picked)
     shifted = torch.empty(rows * width + 1, dtype=torch.bfloat16, device="cuda")[1:].view(rows, width)
     shifted.copy_(scores)
-    assert not topk_kernels.uses_vector_select(shifted, "index", 0)
+    assert not topk_kernels.uses_vector_select(shifted, "index")
     index, picked = select_rows_tilelang(shifted, count, "index", out=_poisoned(rows, count, torch.bfloat16))
     assert torch.equal(index, want_index) and torch.equal(picked, want_picked)

@@ -8,7 +8,7 @@ to a cubin with nvcc; the wrapper and the dispatcher validate their inputs."""
 
 import re
 import shutil
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -99,6 +99,7 @@ EXTRA = [
     SelectConfig("bfloat16", 128, "index", True, 8),
     SelectConfig("bfloat16", 128, "index", False, 3),
     SelectConfig("float32", 256, "score", False, 4),
+    replace(VECTOR_FALLBACK, block_size=8),
 ]
 
 
@@ -107,6 +108,7 @@ def test_every_config_lowers_within_shared_memory():
     assert len(configs) == len(set(configs))
     assert {c.top_window for c in configs if c.score_dtype == "bfloat16" and not c.skip_resolved} == {TOP_WINDOW["bfloat16"]}
     assert [c for c in configs if c.skip_resolved] == [VECTOR_FALLBACK]
+    assert {c.skip_resolved for c in EXTRA} == {False, True}
     results = map_in_workers(_lower, configs + EXTRA)
     for config, source, smem in results:
         assert smem >= config.shared_memory_bytes(), f"{config}: the kernel needs more than {smem} bytes"
@@ -226,29 +228,37 @@ def test_block_mask_limits_and_arguments():
 def test_vector_select_lowers_and_serves_aligned_bf16_index_rows(monkeypatch):
     """The vector select (bf16 index order, docs/performance.md v31) lowers for sm_90a: one row a block
     of 256 threads, 4 blocks an SM, the row's CUDA with 16-byte loads and bf16x2 maxima, a per-warp
-    window histogram in shared memory; the wrapper hands it only rows it can read in 16-byte vectors."""
+    window histogram in shared memory; candidate-block maps in static shared memory; the wrapper hands it only rows it can read in
+    16-byte vectors."""
     from nemo_dsa.ops._tilelang import dynamic_shared_memory_bytes, lower
 
     artifact = lower(vector_select_kernel())
     source, smem = str(artifact.kernel_source), dynamic_shared_memory_bytes(artifact)
-    assert "__launch_bounds__(256, 4)" in source and "vector_select::select_row<8>(" in source
+    assert "__launch_bounds__(256, 4)" in source and "vector_select::select_row<8, 0>(" in source
     assert "reinterpret_cast<const uint4*>" in source and "__hmax2" in source and "atomicAdd(hist" in source
     assert 4 * (WARPS * VECTOR_BINS + SCRATCH_INTS) <= smem <= HOPPER_SMEM_LIMIT
     with pytest.raises(ValueError, match="cached_vectors"):
         vector_select_kernel(cached_vectors=0)
+    with pytest.raises(ValueError, match="block_size"):
+        vector_select_kernel(block_size=-1)
+    # Candidate-block maps (reindex layers) in static shared memory, as the radix select's.
+    masked = lower(vector_select_kernel(block_size=8))
+    masked_smem = dynamic_shared_memory_bytes(masked)
+    assert f"__shared__ __align__(16) uchar kept[{MASK_BLOCKS}];" in str(masked.kernel_source)
+    assert "select_row<8, 8>(" in str(masked.kernel_source) and "select_row<8, 0>(" in source
+    assert masked_smem + MASK_BLOCKS <= HOPPER_SMEM_LIMIT
     bf16 = torch.randn(4, 1001).bfloat16()
-    assert uses_vector_select(bf16, "index", 0)  # any width: vectors are aligned in the matrix
-    assert not uses_vector_select(bf16.float(), "index", 0)
-    assert not uses_vector_select(bf16, "score", 0)
-    assert not uses_vector_select(bf16, "index", 8)  # candidate blocks: the radix select applies them
+    assert uses_vector_select(bf16, "index")  # any width: vectors are aligned in the matrix
+    assert not uses_vector_select(bf16.float(), "index")
+    assert not uses_vector_select(bf16, "score")
     misaligned = torch.empty(4 * 1001 + 1, dtype=torch.bfloat16)[1:].view(4, 1001)
-    assert not uses_vector_select(misaligned, "index", 0)
+    assert not uses_vector_select(misaligned, "index")
     monkeypatch.setattr(topk_kernels, "VECTOR_SELECT", False)
-    assert not uses_vector_select(bf16, "index", 0)
+    assert not uses_vector_select(bf16, "index")
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found: cannot build cubins")
 def test_vector_select_compiles_to_cubin():
     from nemo_dsa.ops._tilelang import compile_cubin
 
-    assert "vector_select::select_row<8>(" in compile_cubin(vector_select_kernel()).get_kernel_source()
+    assert "vector_select::select_row<8, 8>(" in compile_cubin(vector_select_kernel(block_size=8)).get_kernel_source()

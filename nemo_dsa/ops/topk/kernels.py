@@ -40,14 +40,14 @@ more passes whenever equal scores straddled the cut (for bf16 scores nearly ever
 the rest goes (probe variants): the first pass's shared atomics ~0.2 ms, the gather ~0.4 ms.
 """
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
 from nemo_dsa._checks import check_positive_int, check_tensor
 from nemo_dsa.ops._tilelang import compile_cached, tilelang
 from nemo_dsa.ops.topk.rows import ORDERS
-from nemo_dsa.ops.topk.vector_kernels import vector_select_kernel
+from nemo_dsa.ops.topk.vector_kernels import MASK_BLOCKS, vector_select_kernel
 
 # Digit widths of the radix passes, most significant first (default: 8 bits, one histogram bin per
 # thread in the scan; 10-12-bit first digits measured no faster, v5 and v7); at most 4096 bins.
@@ -78,8 +78,6 @@ MAX_COUNT = 8192
 # generic passes (tests/test_topk_kernels_gpu.py runs both).
 WINDOW_BINS = THREADS
 TOP_WINDOW = {"float32": False, "bfloat16": True}
-# Candidate-block masks (V4.1 reindex layers): one byte per block of the row in shared memory.
-MASK_BLOCKS = 16384
 # Every access of the kernel is in bounds by construction (keys below the row's end <= width,
 # outputs below count, block maps within MASK_BLOCKS), so TileLang's per-access bound checks are
 # off: they were two compares and a branch on every score load (ncu, docs/performance.md v14).
@@ -141,19 +139,18 @@ def dispatched_configs() -> list[SelectConfig]:
     ] + [VECTOR_FALLBACK]  # fmt: skip
 
 
-# The rows the vector select leaves (their cut below its window, or +inf among their scores): the
-# generic passes only, since the window would fail again.
+# The rows the vector select leaves (+inf among their scores, or fewer finite keys than T in a row of
+# more): the generic passes only, since a window would fail again.
 VECTOR_FALLBACK = SelectConfig("bfloat16", MIN_SLOTS, "index", False, 0, True)
-# bf16 index-order rows without candidate blocks go through the vector select first when the
-# matrix is 16-byte aligned (docs/performance.md v31); False: the radix select alone (tests).
+# bf16 index-order rows go through the vector select first when the matrix is 16-byte aligned
+# (docs/performance.md v31); False: the radix select alone (tests, benchmarks).
 VECTOR_SELECT = True
 
 
-def uses_vector_select(scores: torch.Tensor, order: str, block_size: int) -> bool:
+def uses_vector_select(scores: torch.Tensor, order: str) -> bool:
     """Whether ``select_rows_tilelang`` hands these rows to the vector select first: bf16 scores in
-    index order, no candidate blocks, the matrix 16-byte aligned (its vectors are, whatever the width)."""
-    aligned = scores.data_ptr() % 16 == 0
-    return VECTOR_SELECT and scores.dtype == torch.bfloat16 and order == "index" and block_size == 0 and aligned
+    index order, the matrix 16-byte aligned (its vectors are, whatever the width)."""
+    return VECTOR_SELECT and scores.dtype == torch.bfloat16 and order == "index" and scores.data_ptr() % 16 == 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -673,10 +670,11 @@ def select_rows_tilelang(
         scores, ks, ke = scores.contiguous(), ks.contiguous(), ke.contiguous()
         config = select_config(scores.dtype, count, order, block_size)
         resolved = torch.empty((1,), dtype=torch.int32, device=scores.device)  # not read
-        if uses_vector_select(scores, order, block_size):
+        if uses_vector_select(scores, order):
             resolved = torch.empty((rows,), dtype=torch.int32, device=scores.device)
-            compile_cached(vector_select_kernel)(scores, ks, ke, index, picked, offset, resolved)
-            config = VECTOR_FALLBACK
+            vector = compile_cached(vector_select_kernel, block_size=block_size)
+            vector(scores, ks, ke, index, picked, offset, resolved, blocks.contiguous())
+            config = replace(VECTOR_FALLBACK, block_size=block_size)
         kernel = compile_cached(radix_select_kernel, pass_configs=SELECT_PASS_CONFIGS, **asdict(config))
         kernel(scores, ks, ke, index, picked, offset, blocks.contiguous(), resolved)
     return index, picked

@@ -2,8 +2,10 @@
 
 Same semantics as the radix select (docs/semantics.md "Top-k selection"; ``naive.select_topk_reference``):
 the best T finite scores of each row in ascending index order, ties to the smaller index, -1 /
--inf padding. It serves the V4.1 selection (bf16 scores, index order, no candidate blocks) and
-decides a row when one of two cases holds, writing ``Resolved[row] = 1``:
+-inf padding, keys outside the row's kept candidate blocks never selected (``block_size`` > 0, V4.1
+reindex layers). It serves the V4.1 selection (bf16 scores, index order) and decides a row unless
++inf is among its keys or it has more than T keys but fewer than T finite ones, writing
+``Resolved[row] = 1``:
 - the row has at most T keys, or no finite one: every finite key is taken;
 - the T-th largest image lies within WINDOW_BINS images of the row's largest (two binades): one
   histogram of the images' distances below the top gives the cut, as in the radix select's window.
@@ -32,6 +34,8 @@ WINDOW_BINS = 256
 # 16-byte vectors a lane keeps in registers (4 words each): 8 hold a row's first 16,384 keys;
 # keys past them are loaded again in each of the two later walks.
 CACHED_VECTORS = 8
+# Candidate-block maps (V4.1 reindex layers): one byte per block of the row in static shared memory.
+MASK_BLOCKS = 16384
 # Blocks an SM holds (__launch_bounds__): 4 caps a thread at 64 registers.
 MIN_BLOCKS_PER_SM = 4
 # Shared ints of the vector maxima's histogram (4096 bins of 16 images, one pad int per 16 bins).
@@ -293,11 +297,14 @@ __device__ __forceinline__ void find_cut(const int* hist, int wanted, unsigned t
 
 // A block's row: warp w owns ``segment`` vectors (a multiple of 32) from vector w * segment, lane l
 // every 32nd of them from l, so that each warp load reads 512 contiguous bytes.
+template <int kBlock>
 struct Row {
   const unsigned short* keys;  // the row's key 0
+  const unsigned char* kept;   // kBlock > 0: the row's candidate-block map (1 = kept)
   int start, end, base, segment, steps, limit, warp, lane;
 
-  __device__ __forceinline__ Row(const void* scores, int row, int width, int row_start, int row_end) {
+  __device__ __forceinline__ Row(const void* scores, int row, int width, int row_start, int row_end,
+                                 const unsigned char* block_map) : kept(block_map) {
     warp = threadIdx.x >> 5;
     lane = threadIdx.x & 31;
     start = min(max(row_start, 0), width);
@@ -313,14 +320,38 @@ struct Row {
   }
   __device__ __forceinline__ int first_key(int step) const { return base + kKeys * (warp * segment + 32 * step + lane); }
   __device__ __forceinline__ void load(int step, unsigned* w) const {
-    load_vector(keys, warp * segment + 32 * step + lane < limit, first_key(step), start, end, w);
+    const int first = first_key(step);
+    load_vector(keys, warp * segment + 32 * step + lane < limit, first, start, end, w);
+    if (kBlock > 0) {  // keys of blocks the row does not keep are -inf (never selected)
+      #pragma unroll
+      for (int k = 0; k < kKeys; ++k) {
+        const unsigned from_start = unsigned(first + k - start);
+        if (from_start < unsigned(end - start) && kept[from_start / kBlock] == 0) {
+          w[k >> 1] = (k & 1) ? (w[k >> 1] & 0xFFFFu) | (kNegInf << 16) : (w[k >> 1] & 0xFFFF0000u) | kNegInf;
+        }
+      }
+    }
   }
 };
 
+// The row's candidate-block map: blocks of kBlock keys from ``start``, 1 for those in ``blocks`` (-1 and
+// blocks past the row skipped). Two barriers.
+template <int kBlock>
+__device__ __forceinline__ void fill_block_map(unsigned char* kept, const int* blocks, int kept_width, int start, int end) {
+  const int row_blocks = (end - start + kBlock - 1) / kBlock;
+  for (int i = threadIdx.x; i < row_blocks; i += kThreads) kept[i] = 0;
+  __syncthreads();
+  for (int i = threadIdx.x; i < kept_width; i += kThreads) {
+    const int block = blocks[i];
+    if (block >= 0 && block < row_blocks) kept[block] = 1;
+  }
+  __syncthreads();
+}
+
 // use(vector, its first key) on each of the lane's vectors in order: the cached ones from registers,
 // the rest loaded again two at a time (both loads in flight before either is used).
-template <int kCached, typename Use>
-__device__ __forceinline__ void walk(const Row& row, unsigned (&cache)[kCached][4], Use use) {
+template <int kCached, int kBlock, typename Use>
+__device__ __forceinline__ void walk(const Row<kBlock>& row, unsigned (&cache)[kCached][4], Use use) {
   #pragma unroll
   for (int i = 0; i < kCached; ++i) {
     if (i < row.steps) use(cache[i], row.first_key(i));
@@ -350,12 +381,14 @@ __device__ __forceinline__ void clear_histograms(int* hist) {
   for (int b = 0; b < kWarps; ++b) hist[b * kBins + threadIdx.x] = 0;
 }
 
-template <int kCached>
+template <int kCached, int kBlock>
 __device__ __forceinline__ void select_row(const void* scores, int row_number, int width, int row_start, int row_end,
                                            int count, int offset, int* index, void* picked_out, int* resolved,
-                                           int* hist, int* scratch) {
+                                           int* hist, int* scratch, const int* blocks, int kept_width,
+                                           unsigned char* kept) {
   const int tx = threadIdx.x;
-  const Row row(scores, row_number, width, row_start, row_end);
+  const Row<kBlock> row(scores, row_number, width, row_start, row_end, kept);
+  if (kBlock > 0) fill_block_map<kBlock>(kept, blocks + (long long)row_number * kept_width, kept_width, row.start, row.end);
   const int warp = row.warp, lane = row.lane;
   unsigned short* picked = static_cast<unsigned short*>(picked_out);
   float* warp_best = reinterpret_cast<float*>(scratch);
@@ -515,7 +548,7 @@ __device__ __forceinline__ void select_row(const void* scores, int row_number, i
 """
 
 
-def vector_select_kernel(cached_vectors: int = CACHED_VECTORS, min_blocks: int = MIN_BLOCKS_PER_SM):
+def vector_select_kernel(block_size: int = 0, cached_vectors: int = CACHED_VECTORS, min_blocks: int = MIN_BLOCKS_PER_SM):
     """PrimFunc of the vector select (index order, bf16; one block of 256 threads per row).
 
     Scores bf16 [rows, width] (width a multiple of 8, 16-byte aligned: the wrapper checks), KS/KE
@@ -523,11 +556,13 @@ def vector_select_kernel(cached_vectors: int = CACHED_VECTORS, min_blocks: int =
     count] (window-local key numbers + ``offset``, -1 / -inf padding), Resolved int32 [rows]: 1
     where this kernel wrote the row, 0 where the radix select must (see the module docstring).
     """
+    check_positive_int("block_size", block_size, minimum=0)
     check_positive_int("cached_vectors", cached_vectors)
     check_positive_int("min_blocks", min_blocks)
     T = tilelang().language
     i32 = T.int32
     rows, width, count = T.dynamic("rows"), T.dynamic("width"), T.dynamic("count")
+    block_rows, kept_width = T.dynamic("block_rows"), T.dynamic("kept_width")
 
     @T.prim_func
     def vector_select(
@@ -538,17 +573,21 @@ def vector_select_kernel(cached_vectors: int = CACHED_VECTORS, min_blocks: int =
         Picked: T.Tensor([rows, count], T.bfloat16),
         offset: i32,
         Resolved: T.Tensor([rows], i32),
+        Blocks: T.Tensor([block_rows, kept_width], i32),
     ):
         with T.Kernel(rows, threads=THREADS) as row:
             T.import_source(ROW_SOURCE)
             T.annotate_min_blocks_per_sm(min_blocks)
             hist = T.alloc_shared([WARPS * WINDOW_BINS + MAX_BIN_SLOTS], i32)  # per warp, then the vector maxima's
             scratch = T.alloc_shared([SCRATCH_INTS], i32)
+            # Static, as the radix select's: the map of the row's kept candidate blocks (block_size > 0).
+            kept = T.alloc_shared([MASK_BLOCKS if block_size else 1], T.uint8, scope="shared")
             T.call_extern(
-                "handle", f"vector_select::select_row<{cached_vectors}>",
+                "handle", f"vector_select::select_row<{cached_vectors}, {block_size}>",
                 T.address_of(Scores[0, 0]), row, width, KS[row], KE[row], count, offset,
                 T.address_of(Index[row, 0]), T.address_of(Picked[row, 0]), T.address_of(Resolved[row]),
-                T.address_of(hist[0]), T.address_of(scratch[0]),
+                T.address_of(hist[0]), T.address_of(scratch[0]), T.address_of(Blocks[0, 0]), kept_width,
+                T.address_of(kept[0]),
             )  # fmt: skip
 
     return vector_select
