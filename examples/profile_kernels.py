@@ -1,16 +1,17 @@
 """Workloads for Nsight Compute: one kernel's launches at the benchmarks' shapes, nothing timed.
 
-    ncu --clock-control none -k regex:radix_select --launch-skip 3 --launch-count 1 --set full \
-        --import-source yes -o select -f python examples/profile_kernels.py select
+    ncu --clock-control none -k regex:vector_select --launch-skip 3 --launch-count 1 --set full \
+        -o select -f python examples/profile_kernels.py select
     ncu --clock-control none -k regex:sparse_window_bwd --launch-skip 2 --launch-count 1 --set full \
         -o attention_bwd -f python examples/profile_kernels.py attention
 
 ``--clock-control none`` leaves the card's clocks as they are (ncu's default locks them to base).
-``select``: the radix select on one 4,096-row chunk of V4.1 scores (32 index heads of 128, R=1,
-S=32,768, top-512 in index order), the chunk the streamed selection hands it; it prints the
-chunk's key statistics. ``attention``: the sparse attention forward and backward at V4-Flash shapes
+``select``: the selection of one 4,096-row chunk of V4.1 scores (32 index heads of 128, R=1,
+S=32,768, top-512 in index order), the chunk the streamed selection hands it: the vector select,
+then the radix select on the rows it leaves (``-k regex:radix_select`` takes that one); it prints
+the chunk's key statistics. ``attention``: the sparse attention forward and backward at V4-Flash shapes
 (64 heads of 512, window 128 + top-512, S=32,768); ``-k regex:sparse_window_fwd`` takes the forward.
-docs/performance.md v14 and v20 have what these showed.
+docs/performance.md v14, v20 and v31 have what these showed.
 """
 
 from __future__ import annotations

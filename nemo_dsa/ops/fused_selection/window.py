@@ -1,7 +1,8 @@
 """Exact selection on a window of keys, and the chunk loop that scores and selects each window.
 
-On the GPU the TileLang radix select (``topk.kernels.select_rows_tilelang``) decides every row
-exactly, reading only the row's [ks, ke); elsewhere ``topk.rows.select_rows`` takes T +
+On the GPU the TileLang select (``topk.kernels.select_rows_tilelang``: for bf16 the vector select,
+then the radix select on the rows it leaves) decides every row exactly, reading only the row's
+[ks, ke); elsewhere ``topk.rows.select_rows`` takes T +
 TIE_MARGIN candidates per query with torch.topk and orders them by unique keys (score, then index
 j inside the window, whose first key is a constant offset, so local order equals global order),
 and rows the candidates cannot decide are redone after the loop, with a single host sync for the
@@ -68,7 +69,7 @@ def select_chunks(
     ``score_chunk(chunk, first_pass)`` returns the chunk's scores [B, rows, W], its queries'
     window-local ks/ke [B, rows] and, on the GPU only, None or kept candidate blocks [B, rows, NBk]
     of ``block_size`` keys that the select applies itself (keys outside them count as -inf).
-    On the GPU (``on_gpu``) the TileLang radix select decides
+    On the GPU (``on_gpu``) the TileLang select decides
     every row exactly, reading only [ks, ke). Otherwise the loop runs select_rows and never waits
     for the device: rows it flags (ties beyond its candidates, NaN/+inf) are collected, and after
     the loop (one host sync) only the chunks holding any are scored again (same tiles, so the

@@ -1,7 +1,8 @@
 """Exact top-k selection (docs/semantics.md "Top-k selection") and what is built on it.
 
 Modules, imports one way: ``rows`` (row selection by unique keys) -> ``naive`` (the reference)
--> ``kernels`` (the TileLang radix select) -> ``interface`` (validation and dispatch).
+-> ``vector_kernels`` (the bf16 index-order select) -> ``kernels`` (the TileLang radix select, and
+the launch of both) -> ``interface`` (validation and dispatch).
 ``gather`` (scores at selected indices) and ``candidates`` (V4.1 candidate blocks, selected
 through ``interface``; its reference is in ``naive``) stand beside them. Public names load lazily (``nemo_dsa._lazy``).
 """

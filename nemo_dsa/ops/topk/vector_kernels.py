@@ -1,27 +1,30 @@
-"""A bf16 index-order select that reads a row in 16-byte vectors and decides most rows in one window.
+"""A bf16 index-order select that reads each row in 16-byte vectors and lists the keys near its cut.
 
 Same semantics as the radix select (docs/semantics.md "Top-k selection"; ``naive.select_topk_reference``):
-the best T finite scores of each row in ascending index order, ties to the smaller index, -1 /
--inf padding, keys outside the row's kept candidate blocks never selected (``block_size`` > 0, V4.1
-reindex layers). It serves the V4.1 selection (bf16 scores, index order) and decides a row unless
-+inf is among its keys or it has more than T keys but fewer than T finite ones, writing
-``Resolved[row] = 1``:
-- the row has at most T keys, or no finite one: every finite key is taken;
-- the T-th largest image lies within WINDOW_BINS images of the row's largest (two binades): one
-  histogram of the images' distances below the top gives the cut, as in the radix select's window.
-Any other row (its maximum +inf, or its cut further down) gets ``Resolved[row] = 0`` and no
-output: ``select_rows_tilelang`` then runs the radix select on the same rows with
-``skip_resolved``, so every row is exact.
+the best T finite scores of each row in ascending index order, ties to the smaller index, -1 / -inf
+padding; with ``block_size`` > 0 (V4.1 reindex layers) keys outside the row's kept candidate blocks
+are never selected. One block of 256 threads a row; lane l of warp w loads 8 consecutive keys at a
+time (vectors aligned in the matrix, so any width works), the first 8 vectors a lane in registers.
+1. One walk: the row's maximum (three bf16x2 max instructions a vector) and a histogram of the vector
+   maxima by image >> 4. The bin holding the T-th largest vector maximum bounds the cut from below:
+   those T vectors each hold a key at least that large.
+2. A window of WINDOW_BINS images from that bound up (below the top when fewer than T vectors hold
+   a finite key): each warp lists its keys at or above the window's low end in index order (a warp
+   scan a vector), then counts the listed keys by image, 32 a round; keys above the window are
+   taken outright. A block scan over the bins gives the cut (the T-th image and how many of its ties
+   to take). A row whose cut lies below the window takes a coarse pass (image >> 8 of every key),
+   then the coarse bin as its window.
+3. The gather ranks the listed keys with ballots (a warp whose list overflowed walks its keys).
+A row of at most T keys takes every finite key. Rows with +inf among their keys, or with more than T
+keys but fewer than T finite ones, get ``Resolved[row] = 0`` and no output: ``select_rows_tilelang``
+then runs the radix select on them (``skip_resolved``); every other row gets ``Resolved[row] = 1``.
 
-Why a second kernel (docs/performance.md v31): ncu put the radix select at 73.6 % issue-slot
-utilisation, the ALU its busiest pipe, ~130 thread instructions a key (one 2-byte load, an image
-and a test per key and walk, two ballots per key in the gather). Here a lane loads 8 consecutive
-keys with one 16-byte load, and a walk first takes the vector's maximum with three bf16x2 max
-instructions: only vectors holding a key above the walk's bound look at their keys one by one.
-The gather ranks keys with one warp scan of packed (taken, equal) counts per 256 keys instead of
-two ballots per 32. TileLang's Python layer has no bf16x2 max and proves no 16-byte alignment for
-a load at a run-time offset, so the row's work is CUDA (ROW_SOURCE) inside a TileLang kernel that
-owns the launch, the shared memory and the register budget.
+Why (docs/performance.md v31): ncu put the radix select at 73.6 % issue-slot use, the ALU its
+busiest pipe, ~130 thread instructions a key (a 2-byte load, an image and a test per key and walk,
+two ballots per key in the gather). Here the walks test 8 keys with a few packed instructions and
+the per-key work runs on listed keys with every lane busy. TileLang's Python layer has no bf16x2
+max or compare and proves no 16-byte alignment for a load at a run-time offset, so the row's work is
+CUDA (ROW_SOURCE) inside a TileLang kernel that owns the launch, shared memory and registers.
 """
 
 from nemo_dsa._checks import check_positive_int
@@ -29,10 +32,10 @@ from nemo_dsa.ops._tilelang import tilelang
 
 THREADS = 256
 WARPS = THREADS // 32
-# Bins of the window below the row's top image (one image each: two bf16 binades).
+# Bins of a window (one image each: two bf16 binades).
 WINDOW_BINS = 256
 # 16-byte vectors a lane keeps in registers (4 words each): 8 hold a row's first 16,384 keys;
-# keys past them are loaded again in each of the two later walks.
+# keys past them are loaded again by each later walk.
 CACHED_VECTORS = 8
 # Candidate-block maps (V4.1 reindex layers): one byte per block of the row in static shared memory.
 MASK_BLOCKS = 16384
@@ -41,7 +44,7 @@ MIN_BLOCKS_PER_SM = 4
 # Shared ints of the vector maxima's histogram (4096 bins of 16 images, one pad int per 16 bins).
 MAX_BIN_SLOTS = 4096 + 4096 // 16
 # Ints of the block's scratch: per-warp maxima (as floats), taken / tied counts, scan sums, counts above
-# the window; the cut and the vector maxima's cut.
+# the window; the cut and the vector maxima's bound.
 SCRATCH_INTS = 5 * WARPS + 8
 
 ROW_SOURCE = r"""
@@ -119,6 +122,16 @@ __device__ __forceinline__ void load_vector(const unsigned short* row_keys, bool
   }
 }
 
+// Inclusive prefix sum over the warp's lanes.
+__device__ __forceinline__ unsigned warp_inclusive_sum(unsigned x) {
+  #pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const unsigned other = __shfl_up_sync(0xFFFFFFFFu, x, d);
+    if ((threadIdx.x & 31) >= d) x += other;
+  }
+  return x;
+}
+
 constexpr int kListCap = 544;  // keys a warp lists (the vector maxima's bins, dead by then, hold the lists)
 
 // Appends the vector's keys at or above ``low`` to the warp's list (key numbers in index order: a warp
@@ -126,12 +139,7 @@ constexpr int kListCap = 544;  // keys a warp lists (the vector maxima's bins, d
 __device__ __forceinline__ void list_keys(const unsigned* w, int first, __nv_bfloat162 low, int* list, int& listed) {
   unsigned bits = key_mask<true>(w, low);
   const int own = __popc(bits);
-  int inclusive = own;
-  #pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const int other = __shfl_up_sync(0xFFFFFFFFu, inclusive, d);
-    if ((threadIdx.x & 31) >= d) inclusive += other;
-  }
+  const int inclusive = int(warp_inclusive_sum(unsigned(own)));
   int slot = listed + inclusive - own;
   listed += __shfl_sync(0xFFFFFFFFu, inclusive, 31);
   for (; bits != 0u && slot < kListCap; bits &= bits - 1u) list[slot++] = first + __ffs(bits) - 1;
@@ -188,6 +196,7 @@ __device__ __forceinline__ void gather_listed(const int* list, int listed, const
 // Vector maxima are counted by image >> 4 (4096 bins, 16 images each), bin b at b + b / 16 so that the
 // 16 bins a thread scans fall in distinct banks.
 constexpr int kMaxBins = 4096, kMaxBinShift = 4;
+static_assert(kListCap * kWarps == kMaxBins + kMaxBins / 16, "the warps' lists fill the vector maxima's bins");
 __device__ __forceinline__ int max_bin_slot(int bin) { return bin + (bin >> 4); }
 
 // The lowest image of the bin holding the T-th largest vector maximum (``wanted`` = T), or 0 when fewer
@@ -199,12 +208,7 @@ __device__ __forceinline__ void find_vector_bound(const int* bins, int wanted, i
   int here = 0;
   #pragma unroll
   for (int j = 0; j < 16; ++j) here += bins[max_bin_slot(first - j)];
-  int running = here;
-  #pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const int other = __shfl_up_sync(0xFFFFFFFFu, running, d);
-    if (lane >= d) running += other;
-  }
+  int running = int(warp_inclusive_sum(unsigned(here)));
   if (lane == 31) warp_sums[warp] = running;
   __syncthreads();
   for (int b = 0; b < warp; ++b) running += warp_sums[b];
@@ -237,12 +241,7 @@ __device__ __forceinline__ void gather(const unsigned* w, int first, __nv_bfloat
   const unsigned taken = key_mask<true>(w, above), tied = key_mask<false>(w, equal);
   if (__ballot_sync(0xFFFFFFFFu, (taken | tied) != 0u) == 0u) return;
   const unsigned own = __popc(taken) | (__popc(tied) << 16);
-  unsigned inclusive = own;
-  #pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const unsigned other = __shfl_up_sync(0xFFFFFFFFu, inclusive, d);
-    if ((threadIdx.x & 31) >= d) inclusive += other;
-  }
+  const unsigned inclusive = warp_inclusive_sum(own);
   const unsigned total = __shfl_sync(0xFFFFFFFFu, inclusive, 31);
   const int above_before = taken_before + int((inclusive - own) & 0xFFFFu);
   const int equal_before = tied_before + int((inclusive - own) >> 16);
@@ -276,12 +275,7 @@ __device__ __forceinline__ void find_cut(const int* hist, int wanted, unsigned t
   int here = 0;
   #pragma unroll
   for (int b = 0; b < kRows; ++b) here += hist[b * kBins + t];
-  int running = here;
-  #pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const int other = __shfl_up_sync(0xFFFFFFFFu, running, d);
-    if (lane >= d) running += other;
-  }
+  int running = int(warp_inclusive_sum(unsigned(here)));
   if (lane == 31) warp_sums[warp] = running;
   __syncthreads();
   for (int b = 0; b < warp; ++b) running += warp_sums[b];
