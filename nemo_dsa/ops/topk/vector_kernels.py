@@ -438,14 +438,17 @@ __device__ __forceinline__ void select_row(const void* scores, int row_number, i
     if (low_image == 0u) low_image = top_image >= kLowestImage + kBins - 1 ? top_image - (kBins - 1) : kLowestImage;
     low_image = max(low_image, kLowestImage);
     window_top = min(top_image, low_image + (kBins - 1));
-    const __nv_bfloat162 low = splat(float_of_image(low_image));
-    walk(row, cache, [&](const unsigned* w, int first) { list_keys(w, first, low, own_list, listed); });
-    if (listed <= kListCap) {
-      count_listed(own_list, listed, row.keys, window_top, own_hist, above_window);
-    } else {
-      walk(row, cache, [&](const unsigned* w, int) { count_window(w, low, window_top, own_hist, above_window); });
-    }
-    int above_total = block_sum(above_window, warp_above);  // its barrier also orders the histograms
+    // Lists the keys from ``low_end`` up, counts them in the window, returns the row's keys above it.
+    auto count_from = [&](__nv_bfloat162 low_end) {
+      walk(row, cache, [&](const unsigned* w, int first) { list_keys(w, first, low_end, own_list, listed); });
+      if (listed <= kListCap) {
+        count_listed(own_list, listed, row.keys, window_top, own_hist, above_window);
+      } else {
+        walk(row, cache, [&](const unsigned* w, int) { count_window(w, low_end, window_top, own_hist, above_window); });
+      }
+      return block_sum(above_window, warp_above);  // its barrier also orders the histograms
+    };
+    int above_total = count_from(splat(float_of_image(low_image)));
     if (above_total < count) find_cut<kWarps>(hist, count - above_total, window_top, warp_sums, cut);
     if (cut[0] == 0) {
       // The T-th key lies further down: the coarse bin (image >> 8) holding it, then that bin as the
@@ -467,14 +470,7 @@ __device__ __forceinline__ void select_row(const void* scores, int row_number, i
       if (tx == 0) cut[0] = 0;
       above_window = 0;
       listed = 0;
-      const __nv_bfloat162 bin_low = splat(float_of_image(low_image));
-      walk(row, cache, [&](const unsigned* w, int first) { list_keys(w, first, bin_low, own_list, listed); });
-      if (listed <= kListCap) {
-        count_listed(own_list, listed, row.keys, window_top, own_hist, above_window);
-      } else {
-        walk(row, cache, [&](const unsigned* w, int) { count_window(w, bin_low, window_top, own_hist, above_window); });
-      }
-      above_total = block_sum(above_window, warp_above);
+      above_total = count_from(splat(float_of_image(low_image)));
       find_cut<kWarps>(hist, count - above_total, window_top, warp_sums, cut);
       if (cut[0] == 0) {  // not reached: the coarse bin holds the T-th key
         if (tx == 0) *resolved = 0;
