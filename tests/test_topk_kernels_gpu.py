@@ -8,8 +8,10 @@ past the kernel's register cache (8192 keys) and past 65536 keys; bf16 rows whos
 below the row's maximum decides and rows it cannot (the generic passes), each also through the
 window-less kernel; candidate-block masks applied inside the select (unordered, repeated, -1 and
 out-of-row blocks, block sizes 3 / 4 / 8) against masking the scores first; V4.1 candidate blocks
-(block maxima + the select over blocks) against their reference. Outputs are poisoned before the
-kernel writes them.
+(block maxima + the select over blocks) against their reference. The vector select (bf16, index
+order: the default path, then the radix select on the rows it leaves) runs through every test
+above as the "vector" selector, and alone on rows of every alignment, with a check that it writes
+exactly the rows it flags. Outputs are poisoned before the kernel writes them.
 """
 
 import zlib
@@ -154,7 +156,7 @@ def _random_blocks(rows: int, width: int, block_size: int, seed: int) -> torch.T
     return blocks.int().cuda()
 
 
-# The masked selectors V4.1 builds (bf16, index order; generic and window) and the score-order path on fp32.
+# The masked selectors V4.1 builds (bf16, index order; generic, window, vector) and the score-order path on fp32.
 @pytest.mark.parametrize("dtype,order,window", [
     pytest.param(torch.bfloat16, "index", False, id="bfloat16-index-generic"),
     pytest.param(torch.bfloat16, "index", True, id="bfloat16-index-window"),

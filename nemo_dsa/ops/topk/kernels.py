@@ -640,7 +640,8 @@ def select_rows_tilelang(
     ``blocks`` int32 [N, NBk] with ``block_size`` C: the row's kept candidate blocks (numbered
     from ks, -1 padded; blocks past the row are ignored); keys of other blocks are treated as -inf
     (docs/semantics.md, candidate blocks). Needs ``ceil(W / C) <= MASK_BLOCKS``
-    (:func:`fits_block_mask`).
+    (:func:`fits_block_mask`). bf16 rows in index order go through the vector select first
+    (:func:`uses_vector_select`), then this kernel runs only the rows it leaves.
     """
     check_tensor("scores", scores, ndim=2, dtypes=(torch.float32, torch.bfloat16))
     if (blocks is None) != (block_size == 0):
