@@ -14,11 +14,11 @@ same indices. docs/performance.md v31 has the numbers this gave on the way to th
 from __future__ import annotations
 
 import argparse
-import statistics
 from dataclasses import asdict
 
 import torch
 
+from benchmark_attention import median_ms
 from benchmark_selection import TOPK, _v41_inputs
 from nemo_dsa.ops._tilelang import compile_cached
 from nemo_dsa.ops.topk import kernels as topk_kernels
@@ -26,20 +26,6 @@ from nemo_dsa.ops.topk.vector_kernels import vector_select_kernel
 from nemo_dsa.ops.v41_indexer.kernels import v41_scores_tilelang
 
 CHUNK_ROWS = 4096
-
-
-def timed_ms(fn, launches: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(launches):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
 
 
 def compare_chunk(ratio: int, first_row: int, launches: int) -> None:
@@ -59,10 +45,10 @@ def compare_chunk(ratio: int, first_row: int, launches: int) -> None:
     config = asdict(topk_kernels.select_config(torch.bfloat16, TOPK, "index"))
     radix = compile_cached(topk_kernels.radix_select_kernel, pass_configs=topk_kernels.SELECT_PASS_CONFIGS, **config)
     (index, picked), resolved = outputs(), torch.empty(n, dtype=torch.int32, device="cuda")
-    vector_ms = timed_ms(lambda: vector(scores, chunk_ks, chunk_ke, index, picked, 0, resolved, unused), launches)
-    rest_ms = timed_ms(lambda: radix_rest(scores, chunk_ks, chunk_ke, index, picked, 0, unused, resolved), launches)
+    vector_ms = median_ms(lambda: vector(scores, chunk_ks, chunk_ke, index, picked, 0, resolved, unused), launches)
+    rest_ms = median_ms(lambda: radix_rest(scores, chunk_ks, chunk_ke, index, picked, 0, unused, resolved), launches)
     radix_index, radix_picked = outputs()
-    radix_ms = timed_ms(lambda: radix(scores, chunk_ks, chunk_ke, radix_index, radix_picked, 0, unused, unused.view(1)), launches)
+    radix_ms = median_ms(lambda: radix(scores, chunk_ks, chunk_ke, radix_index, radix_picked, 0, unused, unused.view(1)), launches)
     same = torch.equal(index, radix_index) and torch.equal(picked, radix_picked)
     keys = (chunk_ke - chunk_ks).double()
     print(f"R={ratio} rows {first_row}+{CHUNK_ROWS}: {keys.mean().item():.0f} keys a row "
