@@ -4,7 +4,9 @@ histogram with no barrier inside the passes' key loops, an ordered warp-ballot g
 under a thread-dependent branch (that hangs the GPU); bf16 rows first try the window below the
 row's maximum (a max walk and a per-warp histogram walk, the gather's counts from those
 histograms); candidate-block masks live in static shared memory and add no barrier; one compiles
-to a cubin with nvcc; the wrapper and the dispatcher validate their inputs."""
+to a cubin with nvcc; the wrapper and the dispatcher validate their inputs. The vector select
+(bf16 index order, in front of the radix select) lowers and compiles too, and the radix select's
+fallback build skips the rows it resolved."""
 
 import re
 import shutil
@@ -14,9 +16,8 @@ import pytest
 import torch
 from _lowering import map_in_workers
 
-from nemo_dsa.ops.topk import kernels as topk_kernels
-
 from nemo_dsa.ops._tilelang import HOPPER_SMEM_LIMIT
+from nemo_dsa.ops.topk import kernels as topk_kernels
 from nemo_dsa.ops.topk.interface import select_topk
 from nemo_dsa.ops.topk.kernels import (
     CACHED_STEPS,
@@ -224,12 +225,11 @@ def test_block_mask_limits_and_arguments():
         select_rows_tilelang(scores, 4, "index", block_size=8)
 
 
-
 def test_vector_select_lowers_and_serves_aligned_bf16_index_rows(monkeypatch):
     """The vector select (bf16 index order, docs/performance.md v31) lowers for sm_90a: one row a block
-    of 256 threads, 4 blocks an SM, the row's CUDA with 16-byte loads and bf16x2 maxima, a per-warp
-    window histogram in shared memory; candidate-block maps in static shared memory; the wrapper hands it only rows it can read in
-    16-byte vectors."""
+    of 256 threads, 4 blocks an SM, the row's CUDA with 16-byte loads and bf16x2 maxima, per-warp
+    window histograms in shared memory, candidate-block maps in static shared memory; the wrapper
+    hands it only matrices it can read in 16-byte vectors."""
     from nemo_dsa.ops._tilelang import dynamic_shared_memory_bytes, lower
 
     artifact = lower(vector_select_kernel())
