@@ -6,8 +6,8 @@
         -o attention_bwd -f python examples/profile_kernels.py attention
 
 ``--clock-control none`` leaves the card's clocks as they are (ncu's default locks them to base).
-``select``: the selection of one 4,096-row chunk of V4.1 scores (32 index heads of 128, R=1,
-S=32,768, top-512 in index order), the chunk the streamed selection hands it: the vector select,
+``select``: the selection of one 4,096-row chunk of V4.1 scores (32 index heads of 128, R=1 or
+``--ratio 2``, S=32,768, top-512 in index order), the chunk the streamed selection hands it: the vector select,
 then the radix select on the rows it leaves (``-k regex:radix_select`` takes that one); it prints
 the chunk's key statistics. ``attention``: the sparse attention forward and backward at V4-Flash shapes
 (64 heads of 512, window 128 + top-512, S=32,768); ``-k regex:sparse_window_fwd`` takes the forward.
@@ -21,13 +21,13 @@ import argparse
 import torch
 
 
-def select_workload(launches: int) -> None:
+def select_workload(launches: int, ratio: int = 1) -> None:
     from benchmark_selection import TOPK, _v41_inputs
 
     from nemo_dsa.ops.topk.kernels import select_rows_tilelang
     from nemo_dsa.ops.v41_indexer.kernels import v41_scores_tilelang
 
-    q, _, k, w, _, ks, ke = _v41_inputs(32768, 1)
+    q, _, k, w, _, ks, ke = _v41_inputs(32768, ratio)
     rows = slice(16384, 20480)
     scores = v41_scores_tilelang(q[:, rows], k, w[:, rows], ks[:, rows], ke[:, rows]).reshape(-1, k.shape[1])
     chunk_ks, chunk_ke = ks[0, rows].contiguous(), ke[0, rows].contiguous()
@@ -60,10 +60,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("kernel", choices=["select", "attention"])
     parser.add_argument("--launches", type=int, default=5, help="launches of each kernel (ncu picks one)")
+    parser.add_argument("--ratio", type=int, default=1, choices=[1, 2], help="select: the V4.1 compression ratio")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("profile_kernels.py needs a CUDA GPU (Hopper): it runs the TileLang kernels")
-    {"select": select_workload, "attention": attention_workload}[args.kernel](args.launches)
+    if args.kernel == "select":
+        select_workload(args.launches, args.ratio)
+    else:
+        attention_workload(args.launches)
 
 
 if __name__ == "__main__":
