@@ -673,16 +673,16 @@ def select_rows_tilelang(
     check_tensor("out[0]", index, dtypes=(torch.int32,), shape=(rows, count), device=scores.device)
     check_tensor("out[1]", picked, dtypes=(scores.dtype,), shape=(rows, count), device=scores.device)
     if rows:
-        scores, ks, ke = scores.contiguous(), ks.contiguous(), ke.contiguous()
+        scores, ks, ke, blocks = scores.contiguous(), ks.contiguous(), ke.contiguous(), blocks.contiguous()
         config = select_config(scores.dtype, count, order, block_size)
         resolved = torch.empty((1,), dtype=torch.int32, device=scores.device)  # not read
         if uses_vector_select(scores, order):
             resolved = torch.empty((rows,), dtype=torch.int32, device=scores.device)
             vector = compile_cached(vector_select_kernel, block_size=block_size)
-            vector(scores, ks, ke, index, picked, offset, resolved, blocks.contiguous())
+            vector(scores, ks, ke, index, picked, offset, resolved, blocks)
             config = replace(VECTOR_FALLBACK, block_size=block_size)
         kernel = compile_cached(radix_select_kernel, pass_configs=SELECT_PASS_CONFIGS, **asdict(config))
-        kernel(scores, ks, ke, index, picked, offset, blocks.contiguous(), resolved)
+        kernel(scores, ks, ke, index, picked, offset, blocks, resolved)
     return index, picked
 
 
