@@ -17,10 +17,10 @@ Shapes: H=64 index heads, D=128, R=4, T=512, causal, B=1, K = S/4. Rows per S:
 ``--shapes v41``: the released DeepSeek-V4.1 indexer, H=32 index heads of D=128 (MXFP4-rounded q
 and k), T=512, causal, B=1, each ratio of ``--v41-ratios`` (1: K = S, 2: K = S/2), candidate
 blocks of 8, 2048 kept. Rows: the scores alone; streamed (the default selector: the vector
-select, then the radix select on the rows it leaves; the radix select alone, with its window below
-the row maximum; the radix select's generic passes alone); streamed reindex layers masked by candidate
-blocks (the default: blocks applied inside the window select; then the generic passes; then the
-torch block mask over the scores); the streamed
+select; the radix select instead, with its window below the row maximum; the radix select's generic
+passes alone); streamed reindex layers masked by candidate blocks (the default: the vector select
+reads the kept blocks from their list; the radix select instead, blocks applied through its map; its
+generic passes; the torch block mask over the scores); the streamed
 candidate-source layer (S <= 65,536); materialised (the default selector, the radix select);
 built-in ``indexer_scores`` + torch.topk
 (S <= ``--builtin-max-seq``).
@@ -85,7 +85,7 @@ def _v41_rows(chunk_bytes: int):
         q, _, k, w, _, ks, ke = inputs
         return v41_select_topk(q, k, w, ks, ke, TOPK, backend="tilelang", chunk_bytes=budget)
 
-    def radix_only(fn):  # the radix select alone, without the vector select in front (v30's default)
+    def radix_only(fn):  # the radix select instead of the vector select (v30's default)
         def run(inputs, blocks, allowed):
             with mock.patch.object(topk_kernels, "VECTOR_SELECT", False):
                 return fn(inputs, blocks, allowed)

@@ -1,14 +1,15 @@
-"""The V4.1 chunk select: the vector select (+ the radix select's skip launch) against the radix select alone.
+"""The V4.1 chunk select: the vector select against the radix select, on one chunk of scores.
 
-    python examples/compare_select_kernels.py --ratios 1 2 --first-rows 16384 28672
+    python examples/compare_select_kernels.py --ratios 1 2 --first-rows 16384 28672 --reindex
 
 On one 4,096-row chunk of V4.1 scores (``benchmark_selection._v41_inputs``: 32 index heads of 128,
 S = 32,768, causal, top-512 in index order), the chunk the streamed selection hands the select,
 each kernel is timed alone with CUDA events around one launch (``--launches``, medians; the
-events hold each launch, so a kernel with little work shows mostly its launch): the vector select,
-the radix select over the rows it left (``skip_resolved``), and the radix select alone (v30's
-path). Prints the share of rows the vector select decided and checks that both paths give the
-same indices. docs/performance.md v31 has the numbers this gave on the way to the kept kernel.
+events hold each launch, so a kernel with little work shows mostly its launch): the vector select
+(the default) and the radix select. ``--reindex`` adds the reindex layer's chunk: a second layer's
+scores masked by the candidate blocks of 8 (2,048 kept) that the first layer's scores give, read
+from the list by the vector select and through the map by the radix select. Checks that both
+kernels give the same indices and scores. docs/performance.md v31-v32 have the numbers.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from dataclasses import asdict
 import torch
 
 from benchmark_attention import median_ms
-from benchmark_selection import TOPK, _v41_inputs
+from benchmark_selection import TOPK, V41_BLOCK_SIZE, V41_TOPK_BLOCKS, _v41_inputs
 from nemo_dsa.ops._tilelang import compile_cached
+from nemo_dsa.ops.topk import candidate_blocks
 from nemo_dsa.ops.topk import kernels as topk_kernels
 from nemo_dsa.ops.topk.vector_kernels import vector_select_kernel
 from nemo_dsa.ops.v41_indexer.kernels import v41_scores_tilelang
@@ -28,33 +30,34 @@ from nemo_dsa.ops.v41_indexer.kernels import v41_scores_tilelang
 CHUNK_ROWS = 4096
 
 
-def compare_chunk(ratio: int, first_row: int, launches: int) -> None:
-    q, _, k, w, _, ks, ke = _v41_inputs(32768, ratio)
+def compare_chunk(ratio: int, first_row: int, launches: int, reindex: bool) -> None:
+    q, q2, k, w, w2, ks, ke = _v41_inputs(32768, ratio)
     rows = slice(first_row, first_row + CHUNK_ROWS)
-    scores = v41_scores_tilelang(q[:, rows], k, w[:, rows], ks[:, rows], ke[:, rows]).reshape(-1, k.shape[1])
-    chunk_ks, chunk_ke = ks[0, rows].contiguous(), ke[0, rows].contiguous()
+    chunk_ks, chunk_ke = ks[:, rows].contiguous(), ke[:, rows].contiguous()
+    scores = v41_scores_tilelang(q[:, rows], k, w[:, rows], chunk_ks, chunk_ke)
+    block_size, blocks = 0, torch.empty((1, 1), dtype=torch.int32, device="cuda")
+    if reindex:  # the first layer's candidate blocks, the second layer's scores
+        blocks = candidate_blocks(scores, chunk_ks, chunk_ke, V41_BLOCK_SIZE, V41_TOPK_BLOCKS)[0].contiguous()
+        scores = v41_scores_tilelang(q2[:, rows], k, w2[:, rows], chunk_ks, chunk_ke)
+        block_size = V41_BLOCK_SIZE
+    scores, chunk_ks, chunk_ke = scores.reshape(-1, k.shape[1]), chunk_ks[0], chunk_ke[0]
     n = scores.shape[0]
-    unused = torch.empty((1, 1), dtype=torch.int32, device="cuda")
 
     def outputs():
         return torch.empty((n, TOPK), dtype=torch.int32, device="cuda"), torch.empty((n, TOPK), dtype=scores.dtype, device="cuda")
 
-    vector = compile_cached(vector_select_kernel)
-    radix_rest = compile_cached(topk_kernels.radix_select_kernel, pass_configs=topk_kernels.SELECT_PASS_CONFIGS,
-                                **asdict(topk_kernels.VECTOR_FALLBACK))  # fmt: skip
-    config = asdict(topk_kernels.select_config(torch.bfloat16, TOPK, "index"))
+    vector = compile_cached(vector_select_kernel, block_size=block_size)
+    config = asdict(topk_kernels.select_config(torch.bfloat16, TOPK, "index", block_size))
     radix = compile_cached(topk_kernels.radix_select_kernel, pass_configs=topk_kernels.SELECT_PASS_CONFIGS, **config)
-    (index, picked), resolved = outputs(), torch.empty(n, dtype=torch.int32, device="cuda")
-    vector_ms = median_ms(lambda: vector(scores, chunk_ks, chunk_ke, index, picked, 0, resolved, unused), launches)
-    rest_ms = median_ms(lambda: radix_rest(scores, chunk_ks, chunk_ke, index, picked, 0, unused, resolved), launches)
-    radix_index, radix_picked = outputs()
-    radix_ms = median_ms(lambda: radix(scores, chunk_ks, chunk_ke, radix_index, radix_picked, 0, unused, unused.view(1)), launches)
+    (index, picked), (radix_index, radix_picked) = outputs(), outputs()
+    vector_ms = median_ms(lambda: vector(scores, chunk_ks, chunk_ke, index, picked, 0, blocks), launches)
+    radix_ms = median_ms(lambda: radix(scores, chunk_ks, chunk_ke, radix_index, radix_picked, 0, blocks), launches)
     same = torch.equal(index, radix_index) and torch.equal(picked, radix_picked)
     keys = (chunk_ke - chunk_ks).double()
-    print(f"R={ratio} rows {first_row}+{CHUNK_ROWS}: {keys.mean().item():.0f} keys a row "
-          f"({keys.sum().item() * 2 / 1e6:.0f} MB); vector select decided {resolved.float().mean().item():.4f} of the rows; "
-          f"vector {vector_ms * 1e3:.0f} us + radix rest {rest_ms * 1e3:.0f} us against the radix select alone "
-          f"{radix_ms * 1e3:.0f} us; same indices and scores: {same}", flush=True)  # fmt: skip
+    layer = "reindex" if reindex else "stream"
+    print(f"{layer} R={ratio} rows {first_row}+{CHUNK_ROWS}: {keys.mean().item():.0f} keys a row "
+          f"({keys.sum().item() * 2 / 1e6:.0f} MB); vector {vector_ms * 1e3:.0f} us against the radix select "
+          f"{radix_ms * 1e3:.0f} us ({radix_ms / vector_ms:.2f}x); same indices and scores: {same}", flush=True)  # fmt: skip
 
 
 def main() -> None:
@@ -62,10 +65,12 @@ def main() -> None:
     parser.add_argument("--ratios", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--first-rows", type=int, nargs="+", default=[16384, 28672])
     parser.add_argument("--launches", type=int, default=20)
+    parser.add_argument("--reindex", action="store_true", help="also the reindex layer's chunk (candidate blocks)")
     args = parser.parse_args()
-    for ratio in args.ratios:
-        for first_row in args.first_rows:
-            compare_chunk(ratio, first_row, args.launches)
+    for reindex in (False, True) if args.reindex else (False,):
+        for ratio in args.ratios:
+            for first_row in args.first_rows:
+                compare_chunk(ratio, first_row, args.launches, reindex)
 
 
 if __name__ == "__main__":

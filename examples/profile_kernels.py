@@ -7,9 +7,8 @@
 
 ``--clock-control none`` leaves the card's clocks as they are (ncu's default locks them to base).
 ``select``: the selection of one 4,096-row chunk of V4.1 scores (32 index heads of 128, R=1 or
-``--ratio 2``, S=32,768, top-512 in index order), the chunk the streamed selection hands it: the vector select,
-then the radix select on the rows it leaves (``-k regex:radix_select`` takes that one); it prints
-the chunk's key statistics. ``attention``: the sparse attention forward and backward at V4-Flash shapes
+``--ratio 2``, S=32,768, top-512 in index order), the chunk the streamed selection hands it: the vector select
+(``--radix``: the radix select, ``-k regex:radix_select``); it prints the chunk's key statistics. ``attention``: the sparse attention forward and backward at V4-Flash shapes
 (64 heads of 512, window 128 + top-512, S=32,768); ``-k regex:sparse_window_fwd`` takes the forward.
 docs/performance.md v14, v20 and v31 have what these showed.
 """
@@ -21,10 +20,10 @@ import argparse
 import torch
 
 
-def select_workload(launches: int, ratio: int = 1) -> None:
+def select_workload(launches: int, ratio: int = 1, radix: bool = False) -> None:
     from benchmark_selection import TOPK, _v41_inputs
 
-    from nemo_dsa.ops.topk.kernels import select_rows_tilelang
+    from nemo_dsa.ops.topk import kernels
     from nemo_dsa.ops.v41_indexer.kernels import v41_scores_tilelang
 
     q, _, k, w, _, ks, ke = _v41_inputs(32768, ratio)
@@ -36,8 +35,9 @@ def select_workload(launches: int, ratio: int = 1) -> None:
     top, cut = values.amax(-1), values.topk(TOPK, -1).values[:, -1]
     print(f"finite keys a row: {finite.sum(-1).float().mean().item():.0f}; "
           f"512th score / maximum: {(cut / top).median().item():.3f} (median)")  # fmt: skip
+    kernels.VECTOR_SELECT = not radix
     for _ in range(launches):
-        select_rows_tilelang(scores, TOPK, "index", chunk_ks, chunk_ke)
+        kernels.select_rows_tilelang(scores, TOPK, "index", chunk_ks, chunk_ke)
     torch.cuda.synchronize()
 
 
@@ -61,11 +61,12 @@ def main() -> None:
     parser.add_argument("kernel", choices=["select", "attention"])
     parser.add_argument("--launches", type=int, default=5, help="launches of each kernel (ncu picks one)")
     parser.add_argument("--ratio", type=int, default=1, choices=[1, 2], help="select: the V4.1 compression ratio")
+    parser.add_argument("--radix", action="store_true", help="select: the radix select instead of the vector select")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("profile_kernels.py needs a CUDA GPU (Hopper): it runs the TileLang kernels")
     if args.kernel == "select":
-        select_workload(args.launches, args.ratio)
+        select_workload(args.launches, args.ratio, args.radix)
     else:
         attention_workload(args.launches)
 

@@ -394,3 +394,24 @@ def test_bad_arguments_raise_clear_errors():
         v41_select_topk(q, k, wb, ks, ke, 4, candidate_block_size=2, candidate_blocks=torch.full((1, 9, 1), 3, dtype=torch.int32))
     with pytest.raises(ValueError, match="candidate_blocks must have shape"):
         v41_select_topk(q, k, wb, ks, ke, 4, candidate_block_size=2, candidate_blocks=torch.zeros(1, 8, 1, dtype=torch.int32))
+
+
+def test_candidate_blocks_are_read_back_once_and_never_from_a_candidate_source(monkeypatch):
+    """The range check of candidate_blocks syncs with the device: once per tensor (every reindex layer
+    of a step passes the same one), and not at all for blocks a candidate-source call returned."""
+    q, k, w = indexer_inputs(1, 40, 2, 16, 10, seed=3, w_dtype=torch.bfloat16, quantised=True)
+    ks, ke = causal_ks_ke(1, 40, 10, 4, torch.device("cpu"))
+    reads = []
+    real_check = fused_interface.check_index_range
+    monkeypatch.setattr(fused_interface, "check_index_range", lambda *a, **kw: reads.append(a[0]) or real_check(*a, **kw))
+    _, blocks = v41_select_topk(q, k, w, ks, ke, 4, candidate_block_size=2, candidate_topk_blocks=3)
+    for _ in range(2):
+        v41_select_topk(q, k, w, ks, ke, 4, candidate_block_size=2, candidate_blocks=blocks)
+    assert reads == []
+    user_blocks = blocks.clone()
+    for _ in range(2):
+        v41_select_topk(q, k, w, ks, ke, 4, candidate_block_size=2, candidate_blocks=user_blocks)
+    assert reads == ["candidate_blocks"]
+    user_blocks[0, 5, 0] = 7  # changed in place: checked again, and out of range
+    with pytest.raises(ValueError, match="candidate_blocks must lie in"):
+        v41_select_topk(q, k, w, ks, ke, 4, candidate_block_size=2, candidate_blocks=user_blocks)

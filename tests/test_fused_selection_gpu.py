@@ -119,8 +119,8 @@ def test_v41_streaming_equals_the_kernels_full_matrix(layout, batch, queries, he
 @pytest.mark.parametrize("layout", ["causal", "packed", "cp"])
 @pytest.mark.parametrize("blocks_in_select,window", [(False, False), (True, False), (True, True)])
 def test_v41_candidate_blocks_on_the_gpu(layout, blocks_in_select, window, monkeypatch):
-    """Both reindex paths (the torch block mask, the blocks applied inside the radix select) and
-    both bf16 selectors equal masking the full scores first."""
+    """Both reindex paths (the torch block mask, the blocks applied inside the select: the vector
+    select by default, reading the candidate source's lists) equal masking the full scores first."""
     from nemo_dsa.ops.topk import kernels as topk_kernels
 
     monkeypatch.setattr(fused_interface, "SELECT_APPLIES_BLOCKS", blocks_in_select)

@@ -9,9 +9,10 @@ below the row's maximum decides and rows it cannot (the generic passes), each al
 window-less kernel; candidate-block masks applied inside the select (unordered, repeated, -1 and
 out-of-row blocks, block sizes 3 / 4 / 8) against masking the scores first; V4.1 candidate blocks
 (block maxima + the select over blocks) against their reference. The vector select (bf16, index
-order: the default path, then the radix select on the rows it leaves) runs through every test
-above as the "vector" selector, and alone on rows of every alignment, with a check that it writes
-exactly the rows it flags. Outputs are poisoned before the kernel writes them.
+order: the default path) runs through every test above as the "vector" selector, and on rows of
+every alignment, rows holding +inf, rows with fewer finite keys than T, and candidate blocks of 8
+read from their list (the candidate source's form; other lists through the map). Outputs are
+poisoned before the kernel writes them.
 """
 
 import zlib
@@ -53,6 +54,11 @@ def _rows(kind: str, rows: int, width: int, dtype: torch.dtype, seed: int) -> to
         x = torch.randint(-3, 4, (rows, width), generator=g) / 2
     elif kind == "spread":  # many binades a row: the T-th key lies far below the maximum
         x = torch.randn(rows, width, generator=g) * torch.exp(torch.randn(rows, width, generator=g) * 4)
+    elif kind == "mostly_inf":  # few finite keys among -inf and some +inf: rows of more than T keys, fewer finite
+        x = torch.randn(rows, width, generator=g)
+        pick = torch.rand(rows, width, generator=g)
+        x[pick < 0.9] = float("-inf")
+        x[pick > 0.99] = float("inf")
     elif kind in ("signed", "nonpositive"):  # signed zeros, NaN and -inf, no +inf (the vector select decides)
         x = torch.randint(-2, 3 if kind == "signed" else 1, (rows, width), generator=g).float()
         x[x == 0] = torch.where(torch.rand(int((x == 0).sum()), generator=g) < 0.5, 0.0, -0.0)
@@ -206,8 +212,7 @@ def test_bf16_window_and_generic_passes_agree(spread):
     for top_window in (False, True):
         kernel = compile_cached(radix_select_kernel, pass_configs=SELECT_PASS_CONFIGS, **{**config, "top_window": top_window})
         index2, picked2 = _poisoned(rows, count, torch.bfloat16)
-        unused = torch.empty((1, 1), dtype=torch.int32, device="cuda")
-        kernel(scores, ks, ke, index2, picked2, 0, unused, unused.view(1))
+        kernel(scores, ks, ke, index2, picked2, 0, torch.empty((1, 1), dtype=torch.int32, device="cuda"))
         assert torch.equal(index2, want_index) and torch.equal(picked2, want_picked), top_window
 
 
@@ -252,17 +257,18 @@ def test_block_maxima_kernel_equals_brute_force(dtype, block_size):
 
 
 # The vector select (docs/performance.md v31): bf16 rows in index order, read in 16-byte vectors.
-VECTOR_KINDS = ["continuous", "quantised", "signed", "nonpositive", "spread", "special"]
+VECTOR_KINDS = ["continuous", "quantised", "signed", "nonpositive", "spread", "special", "mostly_inf"]
 
 
 @pytest.mark.parametrize("kind", VECTOR_KINDS)
 # Odd widths put rows at every alignment; 20,001 and 40,000 keys pass the 16,384 kept in registers.
 @pytest.mark.parametrize("count,width", [(64, 304), (100, 1001), (512, 4096), (2048, 8191), (512, 20_001), (512, 40_000)])
 def test_vector_select_equals_reference(kind, count, width):
-    """The default bf16 index-order path (the vector select, then the radix select on the rows it
-    leaves) against the reference; the vector kernel alone writes exactly the rows it flags."""
-    from nemo_dsa.ops._tilelang import compile_cached
-    from nemo_dsa.ops.topk.vector_kernels import WINDOW_BINS, vector_select_kernel
+    """The default bf16 index-order path (the vector select) against the reference, with the data
+    reaching its special paths: rows holding +inf (read again without it), rows of more than T keys
+    but fewer finite ones (every finite key taken), rows whose T-th key lies far below the top (the
+    coarse window)."""
+    from nemo_dsa.ops.topk.vector_kernels import WINDOW_BINS
 
     rows = 67
     seed = zlib.crc32(f"vector{kind}{count}{width}".encode()) % 1000
@@ -273,27 +279,65 @@ def test_vector_select_equals_reference(kind, count, width):
     index, picked = select_rows_tilelang(scores, count, "index", ks, ke, offset=0, out=_poisoned(rows, count, torch.bfloat16))
     assert torch.equal(index, want_index)
     assert torch.equal(picked, want_picked)
-
-    index, picked = _poisoned(rows, count, torch.bfloat16)
-    resolved = torch.full((rows,), -5, dtype=torch.int32, device="cuda")
-    unused_blocks = torch.empty((1, 1), dtype=torch.int32, device="cuda")
-    compile_cached(vector_select_kernel)(scores, ks, ke, index, picked, 0, resolved, unused_blocks)
-    done = resolved == 1
-    assert bool(((resolved == 0) | done).all())
-    assert torch.equal(index[done], want_index[done]) and torch.equal(picked[done], want_picked[done])
-    assert bool((index[~done] == -7).all()) and bool(picked[~done].isnan().all())  # left to the radix select
-    # Decided here unless +inf is among the row's keys or the row has more than T keys but fewer than T
-    # finite ones; rows whose T-th key lies far below the top ("spread") take the coarse window.
-    finite = torch.isfinite(scores)
-    short = (ke - ks).long() <= count
-    want_done = ~(scores == float("inf")).any(-1) & (short | ~finite.any(-1) | (finite.sum(-1) >= count))
-    assert torch.equal(done, want_done)
-    if kind == "special" and width >= 1000:
-        assert bool((~done).any())  # rows with +inf: left to the radix select
+    long_rows = (ke - ks).long() > count
+    if kind in ("special", "mostly_inf") and width >= 1000:
+        assert bool(((scores == float("inf")).any(-1) & long_rows).any())
+    if kind == "mostly_inf" and width >= 1000:
+        assert bool((long_rows & (torch.isfinite(scores).sum(-1) < count)).any())
     if kind == "spread" and width >= 1000:  # some rows' T-th key lies past the first window: the coarse one
         images = _bf16_images(scores)
         cut = _bf16_images(want_picked).masked_fill(want_index < 0, 1 << 16).amin(-1)
-        assert bool(((images.amax(-1) - cut >= WINDOW_BINS) & done & (want_index >= 0).all(-1)).any())
+        assert bool(((images.amax(-1) - cut >= WINDOW_BINS) & (want_index >= 0).all(-1)).any())
+
+
+def _listed_blocks(ks, ke, width: int, kept_width: int, seed: int, disordered: bool) -> torch.Tensor:
+    """Candidate blocks of 8 in the candidate source's form: each row's kept blocks ascending, then -1;
+    every fifth row's list ends in a block past the row (ignored), every seventh keeps at most 3 blocks.
+    ``disordered``: every third row's
+    list is not in that form (two entries swapped, or a block after the -1s): the map path."""
+    g = torch.Generator().manual_seed(seed)
+    rows = ks.shape[0]
+    out = torch.full((rows, kept_width), -1, dtype=torch.int32)
+    for r in range(rows):
+        row_blocks = -(-(int(ke[r]) - int(ks[r])) // 8)
+        take = int(torch.randint(0, min(row_blocks, kept_width) + 1, (1,), generator=g))
+        take = min(take, 3) if r % 7 == 1 else take  # rows keeping fewer keys than T
+        out[r, :take] = torch.randperm(row_blocks, generator=g)[:take].sort().values
+        if r % 5 == 0 and take < kept_width and row_blocks + r % 3 < -(-width // 8):
+            out[r, take] = row_blocks + r % 3
+        if disordered and r % 3 == 0 and take >= 2:
+            if r % 2:
+                out[r, [0, take - 1]] = out[r, [take - 1, 0]]
+            elif take + 1 < kept_width:
+                out[r, take + 1] = out[r, 0]
+    return out.cuda()
+
+
+@pytest.mark.parametrize("kind", ["continuous", "quantised", "special", "spread", "mostly_inf"])
+# kept_width 4,200 passes the list's shared memory (4,096 blocks): the map path.
+@pytest.mark.parametrize("count,width,kept_width", [(64, 1001, 100), (100, 3000, 40), (512, 20_001, 2048),
+                                                    (512, 40_000, 2048), (512, 40_000, 4200)])  # fmt: skip
+@pytest.mark.parametrize("disordered", [False, True], ids=["listed", "disordered"])
+def test_vector_select_reads_candidate_lists(kind, count, width, kept_width, disordered):
+    """Candidate blocks of 8 through the vector select (V4.1 reindex layers): read from the list when it
+    is in the candidate source's form, through the map otherwise; both equal the reference on the
+    scores masked to the kept blocks. Half the rows start at a multiple of 8 (16-byte block loads),
+    the others anywhere; partial last blocks; rows keeping fewer than T keys."""
+    from nemo_dsa.ops.topk import blocks_to_mask
+
+    rows = 67
+    seed = zlib.crc32(f"listed{kind}{count}{width}{kept_width}{disordered}".encode()) % 1000
+    ks, ke = _ranges(rows, width, seed)
+    ks[::2] -= ks[::2] % 8
+    scores = _mask_outside(_rows(kind, rows, width, torch.bfloat16, seed), ks, ke)
+    blocks = _listed_blocks(ks.cpu(), ke.cpu(), width, kept_width, seed, disordered)
+    keep = blocks_to_mask(blocks[None], ks[None], ke[None], 8, width)[0]
+    want_index, want_picked = _expected(scores.masked_fill(~keep, float("-inf")), count, "index")
+    out = _poisoned(rows, count, torch.bfloat16)
+    index, picked = select_rows_tilelang(scores, count, "index", ks, ke, out=out, blocks=blocks, block_size=8)
+    assert torch.equal(index, want_index)
+    assert torch.equal(picked, want_picked)
+    assert bool(((ke - ks) > count).any()) and bool(((blocks >= 0).sum(-1) * 8 < count).any())
 
 
 def _bf16_images(x: torch.Tensor) -> torch.Tensor:

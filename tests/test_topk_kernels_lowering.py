@@ -5,12 +5,11 @@ under a thread-dependent branch (that hangs the GPU); bf16 rows first try the wi
 row's maximum (a max walk and a per-warp histogram walk, the gather's counts from those
 histograms); candidate-block masks live in static shared memory and add no barrier; one compiles
 to a cubin with nvcc; the wrapper and the dispatcher validate their inputs. The vector select
-(bf16 index order, in front of the radix select) lowers and compiles too, and the radix select's
-fallback build skips the rows it resolved."""
+(bf16 index order, instead of the radix select) lowers and compiles too."""
 
 import re
 import shutil
-from dataclasses import asdict, replace
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -28,7 +27,6 @@ from nemo_dsa.ops.topk.kernels import (
     SELECT_PASS_CONFIGS,
     TOP_WINDOW,
     UNROLL,
-    VECTOR_FALLBACK,
     WINDOW_BINS,
     SelectConfig,
     dispatched_configs,
@@ -39,7 +37,7 @@ from nemo_dsa.ops.topk.kernels import (
     sort_slots,
     uses_vector_select,
 )
-from nemo_dsa.ops.topk.vector_kernels import SCRATCH_INTS, WARPS
+from nemo_dsa.ops.topk.vector_kernels import ROW_SOURCE, SCRATCH_INTS, WARPS
 from nemo_dsa.ops.topk.vector_kernels import WINDOW_BINS as VECTOR_BINS
 from nemo_dsa.ops.topk.vector_kernels import vector_select_kernel
 
@@ -100,16 +98,13 @@ EXTRA = [
     SelectConfig("bfloat16", 128, "index", True, 8),
     SelectConfig("bfloat16", 128, "index", False, 3),
     SelectConfig("float32", 256, "score", False, 4),
-    replace(VECTOR_FALLBACK, block_size=8),
 ]
 
 
 def test_every_config_lowers_within_shared_memory():
     configs = dispatched_configs()
     assert len(configs) == len(set(configs))
-    assert {c.top_window for c in configs if c.score_dtype == "bfloat16" and not c.skip_resolved} == {TOP_WINDOW["bfloat16"]}
-    assert [c for c in configs if c.skip_resolved] == [VECTOR_FALLBACK]
-    assert {c.skip_resolved for c in EXTRA} == {False, True}
+    assert {c.top_window for c in configs if c.score_dtype == "bfloat16"} == {TOP_WINDOW["bfloat16"]}
     results = map_in_workers(_lower, configs + EXTRA)
     for config, source, smem in results:
         assert smem >= config.shared_memory_bytes(), f"{config}: the kernel needs more than {smem} bytes"
@@ -136,8 +131,6 @@ def test_every_config_lowers_within_shared_memory():
         assert (f"__shared__ __align__(16) uchar kept[{MASK_BLOCKS}];" in source) == bool(config.block_size), config
         assert writing == (1 if config.order == "score" else 0), config
         assert not _barriers_under_thread_branches(source), config
-        # The vector select's fallback leaves the rows it wrote: the whole body under one block-uniform test.
-        assert ("if (Resolved[((int64_t)((int)blockIdx.x))] == 0) {" in source) == config.skip_resolved, config
         # Score order sorts in registers: lane shuffles for the strides below a warp (the window
         # reduces its maximum and counts with them too).
         assert ("__shfl_xor_sync" in source) == (config.order == "score" or config.top_window), config
@@ -228,8 +221,8 @@ def test_block_mask_limits_and_arguments():
 def test_vector_select_lowers_and_serves_aligned_bf16_index_rows(monkeypatch):
     """The vector select (bf16 index order, docs/performance.md v31) lowers for sm_90a: one row a block
     of 256 threads, 4 blocks an SM, the row's CUDA with 16-byte loads and bf16x2 maxima, per-warp
-    window histograms in shared memory, candidate-block maps in static shared memory; the wrapper
-    hands it only matrices it can read in 16-byte vectors."""
+    window histograms in shared memory, candidate blocks (a map, or the list for blocks of 8) in
+    static shared memory; the wrapper hands it only matrices it can read in 16-byte vectors."""
     from nemo_dsa.ops._tilelang import dynamic_shared_memory_bytes, lower
 
     artifact = lower(vector_select_kernel())
@@ -241,10 +234,12 @@ def test_vector_select_lowers_and_serves_aligned_bf16_index_rows(monkeypatch):
         vector_select_kernel(cached_vectors=0)
     with pytest.raises(ValueError, match="block_size"):
         vector_select_kernel(block_size=-1)
-    # Candidate-block maps (reindex layers) in static shared memory, as the radix select's.
+    # Candidate blocks (reindex layers) in static shared memory, as the radix select's map: the CUDA's
+    # capacity is MASK_BLOCKS bytes.
+    assert f"constexpr int kMaskBlocks = {MASK_BLOCKS}," in ROW_SOURCE
     masked = lower(vector_select_kernel(block_size=8))
     masked_smem = dynamic_shared_memory_bytes(masked)
-    assert f"__shared__ __align__(16) uchar kept[{MASK_BLOCKS}];" in str(masked.kernel_source)
+    assert f"__shared__ __align__(16) int kept[{MASK_BLOCKS // 4}];" in str(masked.kernel_source)
     assert "select_row<8, 8>(" in str(masked.kernel_source) and "select_row<8, 0>(" in source
     assert masked_smem + MASK_BLOCKS <= HOPPER_SMEM_LIMIT
     bf16 = torch.randn(4, 1001).bfloat16()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from nemo_dsa._checks import check_index_range, check_positive_int, check_qkw, check_tensor
+from nemo_dsa.memo import memo_on_tensors
 from nemo_dsa.ops.dispatch import resolve_backend
 from nemo_dsa.ops.fused_selection.plan import DEFAULT_CHUNK_BYTES, planned_chunks, v4_row_bytes, v41_row_bytes
 from nemo_dsa.ops.fused_selection.window import select_chunks
@@ -152,6 +153,10 @@ def v4_select_topk_validated(q, k, w, ks, ke, topk: int, backend: str, chunk_byt
     return scores, indices
 
 
+# Memo key: the candidate blocks lie in [-1, NB) (checked, or returned by a candidate-source call).
+_BLOCKS_IN_RANGE = "candidate_blocks_in_range"
+
+
 def _check_candidates(candidate_block_size, candidate_topk_blocks, candidate_blocks, batch, queries, num_keys, device):
     if candidate_topk_blocks is not None and candidate_blocks is not None:
         raise ValueError("give candidate_topk_blocks (candidate-source layer) or candidate_blocks (reindex layer), not both")
@@ -165,7 +170,10 @@ def _check_candidates(candidate_block_size, candidate_topk_blocks, candidate_blo
         return
     check_tensor("candidate_blocks", candidate_blocks, ndim=3, dtypes=(torch.int32,), shape=(batch, queries, None), device=device)
     num_blocks = -(-num_keys // candidate_block_size)
-    check_index_range("candidate_blocks", candidate_blocks, num_blocks, meaning="block numbers relative to ks, -1 = none")
+    # Read on the host once per tensor (a sync and a pass over the blocks): never for the blocks a
+    # candidate-source call returned (in range by construction), which every reindex layer of a step passes.
+    memo_on_tensors((candidate_blocks,), (_BLOCKS_IN_RANGE, num_blocks), lambda: check_index_range(
+        "candidate_blocks", candidate_blocks, num_blocks, meaning="block numbers relative to ks, -1 = none") or True)
 
 
 @torch.no_grad()
@@ -269,4 +277,7 @@ def v41_select_topk(
         plan.chunks, score_chunk, emit, count, "index", chunk_bytes, on_gpu, targets if batch == 1 else None,
         block_size=candidate_block_size or 0,
     )  # fmt: skip
-    return (indices, blocks_out) if source else indices
+    if source:  # block numbers in [-1, NB) by construction: a reindex call with them reads nothing back
+        memo_on_tensors((blocks_out,), (_BLOCKS_IN_RANGE, -(-num_keys // candidate_block_size)), lambda: True)
+        return indices, blocks_out
+    return indices

@@ -1,7 +1,7 @@
 """Exact selection on a window of keys, and the chunk loop that scores and selects each window.
 
 On the GPU the TileLang select (``topk.kernels.select_rows_tilelang``: for bf16 the vector select,
-then the radix select on the rows it leaves) decides every row exactly, reading only the row's
+else the radix select) decides every row exactly, reading only the row's
 [ks, ke); elsewhere ``topk.rows.select_rows`` takes T +
 TIE_MARGIN candidates per query with torch.topk and orders them by unique keys (score, then index
 j inside the window, whose first key is a constant offset, so local order equals global order),

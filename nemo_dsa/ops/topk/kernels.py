@@ -30,10 +30,8 @@ falls back to the generic passes. Candidate blocks (V4.1 reindex layers): with `
 row's kept blocks go into a byte map in static shared memory and keys of other blocks get image 0,
 so the select applies the mask while it reads the scores (no [rows, W] mask, no rewrite).
 
-bf16 index-order rows (V4.1) go to ``vector_kernels`` first when the matrix is 16-byte aligned:
-it decides every row but those with +inf or with fewer than T finite keys, and this kernel, built
-with ``skip_resolved``, runs only those (docs/performance.md v31: the two 1.7-3.1x faster than
-this kernel alone on a 4,096-row chunk, H100).
+bf16 index-order rows (V4.1) go to ``vector_kernels`` instead when the matrix is 16-byte aligned
+(docs/performance.md v31-v32: 1.9-3.1x faster than this kernel on a 4,096-row chunk, H100).
 
 Cost at S = 32768, K = 8192 causal (4096 visible keys a row on average), T = 512: one read of the
 row (256 MiB bf16 / 512 MiB fp32 for the whole matrix, ~0.1 ms of HBM), 2 histogram passes for
@@ -45,7 +43,7 @@ more passes whenever equal scores straddled the cut (for bf16 scores nearly ever
 the rest goes (probe variants): the first pass's shared atomics ~0.2 ms, the gather ~0.4 ms.
 """
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -104,7 +102,6 @@ class SelectConfig:
     order: str  # "score" | "index"
     top_window: bool = False  # bf16: the cut from one histogram below the row's maximum
     block_size: int = 0  # > 0: keys outside the row's kept candidate blocks are never selected
-    skip_resolved: bool = False  # the vector select's fallback: rows it wrote are skipped
 
     def shared_memory_bytes(self) -> int:
         """Dynamic shared memory: the buffers live together during the gather: the per-warp
@@ -141,20 +138,17 @@ def dispatched_configs() -> list[SelectConfig]:
     return [
         SelectConfig(dtype, slots, order, TOP_WINDOW[dtype])
         for dtype in SCORE_BITS for order in ORDERS for slots in widths[order]
-    ] + [VECTOR_FALLBACK]  # fmt: skip
+    ]  # fmt: skip
 
 
-# The rows the vector select leaves (+inf among their scores, or fewer finite keys than T in a row of
-# more): the generic passes only, since a window would fail again.
-VECTOR_FALLBACK = SelectConfig("bfloat16", MIN_SLOTS, "index", False, 0, True)
-# bf16 index-order rows go through the vector select first when the matrix is 16-byte aligned
-# (docs/performance.md v31); False: the radix select alone (tests, benchmarks).
+# bf16 index-order rows go to the vector select when the matrix is 16-byte aligned
+# (docs/performance.md v31); False: the radix select (tests, benchmarks).
 VECTOR_SELECT = True
 
 
 def uses_vector_select(scores: torch.Tensor, order: str) -> bool:
-    """Whether ``select_rows_tilelang`` hands these rows to the vector select first: bf16 scores in
-    index order, the matrix 16-byte aligned (its vectors are, whatever the width)."""
+    """Whether ``select_rows_tilelang`` hands these rows to the vector select instead of the radix
+    select: bf16 scores in index order, the matrix 16-byte aligned (its vectors are, whatever the width)."""
     return VECTOR_SELECT and scores.dtype == torch.bfloat16 and order == "index" and scores.data_ptr() % 16 == 0
 
 
@@ -169,7 +163,6 @@ def radix_select_kernel(
     order: str,
     top_window: bool | None = None,
     block_size: int = 0,
-    skip_resolved: bool = False,
     *,
     cached_steps: int = CACHED_STEPS,
     min_blocks: int | None = None,
@@ -186,8 +179,6 @@ def radix_select_kernel(
     selected (as if -inf). ``top_window`` (bf16 only; None = ``TOP_WINDOW``): the cut from one
     per-warp histogram of the images' distances below the row's largest image when the T-th key
     lies within WINDOW_BINS images of it, else the generic passes.
-    ``skip_resolved`` (index order): leave the rows with ``Resolved[row] = 1`` (int32 [rows], the
-    vector select's flags, ``vector_kernels``) untouched; without it Resolved is not read.
     ``cached_steps``, ``min_blocks`` (blocks an SM must hold: caps the registers) and
     ``digit_bits`` (the passes' digit widths) are tuning knobs; the defaults are the measured
     best (docs/performance.md v7).
@@ -209,8 +200,6 @@ def radix_select_kernel(
         raise ValueError("top_window needs bfloat16 scores (one histogram bin per image)")
     check_positive_int("block_size", block_size, minimum=0)
     masked = block_size > 0
-    if skip_resolved and order != "index":
-        raise ValueError("skip_resolved serves index order (the vector select's fallback)")
     # (shift, bits) of each pass's digit of the image, most significant first
     passes = [(score_bits - sum(digit_bits[: i + 1]), bits) for i, bits in enumerate(digit_bits)]
     log_slots = slots.bit_length() - 1
@@ -222,11 +211,6 @@ def radix_select_kernel(
         min_blocks = MIN_BLOCKS_PER_SM if per_thread <= 8 else 1
     rows, width, count = T.dynamic("rows"), T.dynamic("width"), T.dynamic("count")
     block_rows, kept_width = T.dynamic("block_rows"), T.dynamic("kept_width")
-    resolved_rows = T.dynamic("resolved_rows")
-
-    def pending(Resolved, row):
-        """Whether the block selects its row (a constant True unless ``skip_resolved``)."""
-        return Resolved[row] == 0 if skip_resolved else True
 
     def image_of(x):
         """Order-preserving unsigned image of a score; 0 for NaN/+-inf. Branch-free: negatives
@@ -276,7 +260,6 @@ def radix_select_kernel(
         Picked: T.Tensor([rows, count], dtype),
         offset: i32,
         Blocks: T.Tensor([block_rows, kept_width], i32),
-        Resolved: T.Tensor([resolved_rows], i32),
     ):
         with T.Kernel(rows, threads=THREADS) as row:
             T.annotate_min_blocks_per_sm(min_blocks)
@@ -333,75 +316,125 @@ def radix_select_kernel(
             second = T.alloc_var(u64)
             top = T.alloc_var(u32)  # the row's largest image (window)
 
-            # With ``skip_resolved``, rows the vector select wrote (Resolved[row] = 1) are left alone.
-            if pending(Resolved, row):
-                start = T.min(T.max(KS[row], 0), width)
-                end = T.max(T.min(KE[row], width), start)
-                # Warp w owns the ``segment`` keys from start + w * segment (a multiple of 32, so
-                # every load of a warp reads 32 consecutive keys); lane l its keys l, l + 32, ...
-                segment = T.ceildiv(end - start, WARPS * WARP) * WARP
-                first_key = start + warp * segment + lane
-                segment_end = T.min(end, start + (warp + 1) * segment)
-                steps = T.ceildiv(segment, UNROLL * WARP)
-                if tx == 0:
-                    decided[0] = 0
-                    above[0] = 0
-                    equal[0] = 0
-                    need[0] = count
-                    done[0] = 0
-                    window_hit[0] = 0
-                if masked:
-                    # The map of the row's blocks from ks: cleared, then the kept ones set (-1 and
-                    # blocks past the row skipped); the wrapper keeps a row within MASK_BLOCKS blocks.
-                    for i in T.serial(T.ceildiv(T.ceildiv(end - start, block_size), THREADS)):
-                        if i * THREADS + tx < T.ceildiv(end - start, block_size):
-                            kept[i * THREADS + tx] = T.uint8(0)
-                    T.sync_threads()
-                    for i in T.serial(T.ceildiv(kept_width, THREADS)):
-                        if i * THREADS + tx < kept_width:
-                            block = Blocks[row, i * THREADS + tx]
-                            if block >= 0 and block < T.ceildiv(end - start, block_size):
-                                kept[block] = T.uint8(1)
-                if order == "score":
-                    for r in T.serial(per_thread):
-                        keys[r * THREADS + tx] = T.uint64(0)  # 0 sorts last: the -1 padding
-                # The row's first CACHED_KEYS keys, read once: 32 loads in flight per thread.
-                for s in T.unroll(cached_steps):
-                    load_step(Scores, row, first_key, segment_end, s, raw, s * UNROLL)
+            start = T.min(T.max(KS[row], 0), width)
+            end = T.max(T.min(KE[row], width), start)
+            # Warp w owns the ``segment`` keys from start + w * segment (a multiple of 32, so
+            # every load of a warp reads 32 consecutive keys); lane l its keys l, l + 32, ...
+            segment = T.ceildiv(end - start, WARPS * WARP) * WARP
+            first_key = start + warp * segment + lane
+            segment_end = T.min(end, start + (warp + 1) * segment)
+            steps = T.ceildiv(segment, UNROLL * WARP)
+            if tx == 0:
+                decided[0] = 0
+                above[0] = 0
+                equal[0] = 0
+                need[0] = count
+                done[0] = 0
+                window_hit[0] = 0
+            if masked:
+                # The map of the row's blocks from ks: cleared, then the kept ones set (-1 and
+                # blocks past the row skipped); the wrapper keeps a row within MASK_BLOCKS blocks.
+                for i in T.serial(T.ceildiv(T.ceildiv(end - start, block_size), THREADS)):
+                    if i * THREADS + tx < T.ceildiv(end - start, block_size):
+                        kept[i * THREADS + tx] = T.uint8(0)
+                T.sync_threads()
+                for i in T.serial(T.ceildiv(kept_width, THREADS)):
+                    if i * THREADS + tx < kept_width:
+                        block = Blocks[row, i * THREADS + tx]
+                        if block >= 0 and block < T.ceildiv(end - start, block_size):
+                            kept[block] = T.uint8(1)
+            if order == "score":
+                for r in T.serial(per_thread):
+                    keys[r * THREADS + tx] = T.uint64(0)  # 0 sorts last: the -1 padding
+            # The row's first CACHED_KEYS keys, read once: 32 loads in flight per thread.
+            for s in T.unroll(cached_steps):
+                load_step(Scores, row, first_key, segment_end, s, raw, s * UNROLL)
+            for i in T.unroll(cached_steps * UNROLL):
+                cached[i] = kept_image(raw[i], first_key + i * WARP, start, kept)
+            T.sync_threads()
+
+            if top_window:
+                # The row's largest image (the cached images, then the steps past them; warp
+                # shuffles, the warps' maxima), then one histogram per warp of the distances below
+                # it, for the keys within WINDOW_BINS.
+                top = T.uint32(0)
                 for i in T.unroll(cached_steps * UNROLL):
-                    cached[i] = kept_image(raw[i], first_key + i * WARP, start, kept)
+                    top = T.max(top, cached[i])
+                for s in T.serial(cached_steps, T.max(steps, cached_steps)):
+                    fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, kept)
+                    for u in T.unroll(UNROLL):
+                        top = T.max(top, images[u])
+                for d in (16, 8, 4, 2, 1):
+                    top = T.max(top, T.shfl_xor(top, d))
+                if lane == 0:
+                    warp_best[warp] = top
+                for w in range(WARPS):
+                    whist[w * WINDOW_BINS + tx] = 0
+                T.sync_threads()
+                for w in range(WARPS):
+                    top = T.max(top, warp_best[w])
+                for s in T.serial(steps):
+                    fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, kept)
+                    for u in T.unroll(UNROLL):
+                        if (images[u] != 0) & (top - images[u] < WINDOW_BINS):
+                            T.atomic_add(whist[warp * WINDOW_BINS + T.cast(top - images[u], i32)], 1)
+                T.sync_threads()
+                # Thread tx owns distance tx (image top - tx); its inclusive scan counts the keys
+                # with images >= top - tx. The thread where it reaches T holds the cut.
+                wanted = need[0]
+                count_here = sum(whist[w * WINDOW_BINS + tx] for w in range(WARPS))
+                running = count_here
+                for d in (1, 2, 4, 8, 16):
+                    other = T.shfl_up(running, d)
+                    if lane >= d:
+                        running = running + other
+                if lane == WARP - 1:
+                    warp_sums[warp] = running
+                T.sync_threads()
+                for w in range(WARPS - 1):
+                    if w < warp:
+                        running = running + warp_sums[w]
+                if running >= wanted and running - count_here < wanted:
+                    cut_left = wanted - (running - count_here)
+                    if count_here == cut_left:  # the whole bin: every key from its image up
+                        above[0] = top - T.cast(tx, u32)
+                        need[0] = 0
+                    else:  # the T-th image: ``cut_left`` of its keys, the first in index order
+                        above[0] = top - T.cast(tx, u32) + 1
+                        equal[0] = top - T.cast(tx, u32)
+                        need[0] = cut_left
+                    done[0] = 1
+                    window_hit[0] = 1
                 T.sync_threads()
 
-                if top_window:
-                    # The row's largest image (the cached images, then the steps past them; warp
-                    # shuffles, the warps' maxima), then one histogram per warp of the distances below
-                    # it, for the keys within WINDOW_BINS.
-                    top = T.uint32(0)
-                    for i in T.unroll(cached_steps * UNROLL):
-                        top = T.max(top, cached[i])
-                    for s in T.serial(cached_steps, T.max(steps, cached_steps)):
-                        fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, kept)
-                        for u in T.unroll(UNROLL):
-                            top = T.max(top, images[u])
-                    for d in (16, 8, 4, 2, 1):
-                        top = T.max(top, T.shfl_xor(top, d))
-                    if lane == 0:
-                        warp_best[warp] = top
-                    for w in range(WARPS):
-                        whist[w * WINDOW_BINS + tx] = 0
+            for p, (shift, bits) in enumerate(passes):
+                bins = 1 << bits
+                per = max(1, bins // THREADS)  # bins a thread clears and scans
+                owners = bins // per  # threads that own bins
+                last_digit = shift == 0
+                if done[0] == 0:
+                    for i in tuple(range(per)):
+                        if tx < owners:
+                            hist[i * owners + tx] = 0
                     T.sync_threads()
-                    for w in range(WARPS):
-                        top = T.max(top, warp_best[w])
+                    prefix = decided[0]
                     for s in T.serial(steps):
                         fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, kept)
                         for u in T.unroll(UNROLL):
-                            if (images[u] != 0) & (top - images[u] < WINDOW_BINS):
-                                T.atomic_add(whist[warp * WINDOW_BINS + T.cast(top - images[u], i32)], 1)
+                            hit = images[u] != 0
+                            if p > 0:
+                                hit = hit & ((images[u] >> (shift + bits)) == (prefix >> (shift + bits)))
+                            # Plain shared atomics: measured faster than aggregating equal digits
+                            # per warp (__match_any_sync, v4) and than wider digits (v5, v7).
+                            if hit:
+                                T.atomic_add(hist[T.cast((images[u] >> shift) & (bins - 1), i32)], 1)
                     T.sync_threads()
-                    # Thread tx owns distance tx (image top - tx); its inclusive scan counts the keys
-                    # with images >= top - tx. The thread where it reaches T holds the cut.
+                    # Thread tx owns bins top, top - 1, ... (per of them, from the highest): its
+                    # inclusive scan is the count of keys in bins >= its lowest (warp shuffles,
+                    # then the warps' totals).
+                    top = T.max(bins - 1 - tx * per, 0)
                     wanted = need[0]
-                    count_here = sum(whist[w * WINDOW_BINS + tx] for w in range(WARPS))
+                    count_here = T.if_then_else(tx < owners, sum(hist[top - i] for i in range(per)), 0)
                     running = count_here
                     for d in (1, 2, 4, 8, 16):
                         other = T.shfl_up(running, d)
@@ -413,203 +446,151 @@ def radix_select_kernel(
                     for w in range(WARPS - 1):
                         if w < warp:
                             running = running + warp_sums[w]
-                    if running >= wanted and running - count_here < wanted:
-                        cut_left = wanted - (running - count_here)
-                        if count_here == cut_left:  # the whole bin: every key from its image up
-                            above[0] = top - T.cast(tx, u32)
-                            need[0] = 0
-                        else:  # the T-th image: ``cut_left`` of its keys, the first in index order
-                            above[0] = top - T.cast(tx, u32) + 1
-                            equal[0] = top - T.cast(tx, u32)
-                            need[0] = cut_left
+                    if p == 0 and tx == THREADS - 1 and running < wanted:
+                        # Fewer finite keys than T: take them all (every image >= 1).
+                        above[0] = 1
+                        need[0] = 0
                         done[0] = 1
-                        window_hit[0] = 1
-                    T.sync_threads()
-
-                for p, (shift, bits) in enumerate(passes):
-                    bins = 1 << bits
-                    per = max(1, bins // THREADS)  # bins a thread clears and scans
-                    owners = bins // per  # threads that own bins
-                    last_digit = shift == 0
-                    if done[0] == 0:
+                    if running >= wanted and running - count_here < wanted:
+                        # This thread's bin where the count reaches ``wanted``.
+                        before = running - count_here
                         for i in tuple(range(per)):
-                            if tx < owners:
-                                hist[i * owners + tx] = 0
-                        T.sync_threads()
-                        prefix = decided[0]
-                        for s in T.serial(steps):
-                            fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, kept)
-                            for u in T.unroll(UNROLL):
-                                hit = images[u] != 0
-                                if p > 0:
-                                    hit = hit & ((images[u] >> (shift + bits)) == (prefix >> (shift + bits)))
-                                # Plain shared atomics: measured faster than aggregating equal digits
-                                # per warp (__match_any_sync, v4) and than wider digits (v5, v7).
-                                if hit:
-                                    T.atomic_add(hist[T.cast((images[u] >> shift) & (bins - 1), i32)], 1)
-                        T.sync_threads()
-                        # Thread tx owns bins top, top - 1, ... (per of them, from the highest): its
-                        # inclusive scan is the count of keys in bins >= its lowest (warp shuffles,
-                        # then the warps' totals).
-                        top = T.max(bins - 1 - tx * per, 0)
-                        wanted = need[0]
-                        count_here = T.if_then_else(tx < owners, sum(hist[top - i] for i in range(per)), 0)
-                        running = count_here
-                        for d in (1, 2, 4, 8, 16):
-                            other = T.shfl_up(running, d)
-                            if lane >= d:
-                                running = running + other
-                        if lane == WARP - 1:
-                            warp_sums[warp] = running
-                        T.sync_threads()
-                        for w in range(WARPS - 1):
-                            if w < warp:
-                                running = running + warp_sums[w]
-                        if p == 0 and tx == THREADS - 1 and running < wanted:
-                            # Fewer finite keys than T: take them all (every image >= 1).
-                            above[0] = 1
+                            if before < wanted and before + hist[top - i] >= wanted:
+                                cut_bin = top - i
+                                cut_count = hist[top - i]
+                                cut_left = wanted - before
+                            before = before + hist[top - i]
+                        digits = prefix | T.shift_left(T.cast(cut_bin, u32), shift)
+                        if cut_count == cut_left:  # the whole bin: every key from ``digits`` up
+                            above[0] = digits
                             need[0] = 0
                             done[0] = 1
-                        if running >= wanted and running - count_here < wanted:
-                            # This thread's bin where the count reaches ``wanted``.
-                            before = running - count_here
-                            for i in tuple(range(per)):
-                                if before < wanted and before + hist[top - i] >= wanted:
-                                    cut_bin = top - i
-                                    cut_count = hist[top - i]
-                                    cut_left = wanted - before
-                                before = before + hist[top - i]
-                            digits = prefix | T.shift_left(T.cast(cut_bin, u32), shift)
-                            if cut_count == cut_left:  # the whole bin: every key from ``digits`` up
-                                above[0] = digits
-                                need[0] = 0
-                                done[0] = 1
-                            elif last_digit:  # ``digits`` is the T-th image: ``cut_left`` of its keys
-                                above[0] = digits + 1
-                                equal[0] = digits
-                                need[0] = cut_left
-                                done[0] = 1
-                            else:
-                                decided[0] = digits
-                                need[0] = cut_left
-                        T.sync_threads()
+                        elif last_digit:  # ``digits`` is the T-th image: ``cut_left`` of its keys
+                            above[0] = digits + 1
+                            equal[0] = digits
+                            need[0] = cut_left
+                            done[0] = 1
+                        else:
+                            decided[0] = digits
+                            need[0] = cut_left
+                    T.sync_threads()
 
-                # Gather the cut's keys in index order: each warp counts its segment's keys taken for
-                # image >= above and those equal to the cut's image (ballots), one barrier, then
-                # walks its segment again: a key's rank among the taken ones is the taken-above keys
-                # before it + min(equal keys before it, need), and an equal key is taken while fewer
-                # than ``need`` equal keys precede it (the tie rule).
-                above_cut = above[0]
-                equal_cut = equal[0]
-                take_equal = need[0]
-                taken_above = 0
-                seen_equal = 0
-                if top_window and window_hit[0] == 1:
-                    # The warp's counts from its window histogram (every taken key lies in the window):
-                    # each lane sums WINDOW_BINS / WARP distances, then the warp adds them up.
-                    for i in T.unroll(WINDOW_BINS // WARP):
-                        count_here = whist[warp * WINDOW_BINS + lane * (WINDOW_BINS // WARP) + i]
-                        prefix = top - T.cast(lane * (WINDOW_BINS // WARP) + i, u32)
-                        taken_above = taken_above + T.if_then_else(prefix >= above_cut, count_here, 0)
-                        seen_equal = seen_equal + T.if_then_else(prefix == equal_cut, count_here, 0)
-                    for d in (16, 8, 4, 2, 1):
-                        taken_above = taken_above + T.shfl_xor(taken_above, d)
-                        seen_equal = seen_equal + T.shfl_xor(seen_equal, d)
-                else:
-                    for s in T.serial(steps):
-                        fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, kept)
-                        for u in T.unroll(UNROLL):
-                            above_mask = T.cast(T.ballot_sync((images[u] >= above_cut) & (images[u] != 0)), u32)
-                            equal_mask = T.cast(T.ballot_sync((images[u] == equal_cut) & (images[u] != 0)), u32)
-                            taken_above = taken_above + T.cast(T.popcount(above_mask), i32)
-                            seen_equal = seen_equal + T.cast(T.popcount(equal_mask), i32)
-                if lane == 0:
-                    warp_taken[warp] = taken_above
-                    warp_taken[WARPS + warp] = seen_equal
-                T.sync_threads()
-                taken_above = sum(T.if_then_else(w < warp, warp_taken[w], 0) for w in range(WARPS))
-                seen_equal = sum(T.if_then_else(w < warp, warp_taken[WARPS + w], 0) for w in range(WARPS))
+            # Gather the cut's keys in index order: each warp counts its segment's keys taken for
+            # image >= above and those equal to the cut's image (ballots), one barrier, then
+            # walks its segment again: a key's rank among the taken ones is the taken-above keys
+            # before it + min(equal keys before it, need), and an equal key is taken while fewer
+            # than ``need`` equal keys precede it (the tie rule).
+            above_cut = above[0]
+            equal_cut = equal[0]
+            take_equal = need[0]
+            taken_above = 0
+            seen_equal = 0
+            if top_window and window_hit[0] == 1:
+                # The warp's counts from its window histogram (every taken key lies in the window):
+                # each lane sums WINDOW_BINS / WARP distances, then the warp adds them up.
+                for i in T.unroll(WINDOW_BINS // WARP):
+                    count_here = whist[warp * WINDOW_BINS + lane * (WINDOW_BINS // WARP) + i]
+                    prefix = top - T.cast(lane * (WINDOW_BINS // WARP) + i, u32)
+                    taken_above = taken_above + T.if_then_else(prefix >= above_cut, count_here, 0)
+                    seen_equal = seen_equal + T.if_then_else(prefix == equal_cut, count_here, 0)
+                for d in (16, 8, 4, 2, 1):
+                    taken_above = taken_above + T.shfl_xor(taken_above, d)
+                    seen_equal = seen_equal + T.shfl_xor(seen_equal, d)
+            else:
                 for s in T.serial(steps):
                     fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, kept)
                     for u in T.unroll(UNROLL):
-                        j = first_key + (s * UNROLL + u) * WARP
                         above_mask = T.cast(T.ballot_sync((images[u] >= above_cut) & (images[u] != 0)), u32)
                         equal_mask = T.cast(T.ballot_sync((images[u] == equal_cut) & (images[u] != 0)), u32)
-                        above_before = taken_above + T.cast(T.popcount(above_mask & lanes_below), i32)
-                        equal_before = seen_equal + T.cast(T.popcount(equal_mask & lanes_below), i32)
-                        is_above = (images[u] >= above_cut) & (images[u] != 0)
-                        take = is_above | ((images[u] == equal_cut) & (images[u] != 0) & (equal_before < take_equal))
-                        rank = above_before + T.min(equal_before, take_equal)
-                        if take and rank < count:
-                            if order == "score":
-                                keys[rank] = T.shift_left(T.cast(images[u], u64), 32) | T.cast(
-                                    T.uint32(0xFFFFFFFF) - T.cast(j, u32), u64
-                                )
-                            else:
-                                Index[row, rank] = j + offset
-                                Picked[row, rank] = Scores[row, j]
                         taken_above = taken_above + T.cast(T.popcount(above_mask), i32)
                         seen_equal = seen_equal + T.cast(T.popcount(equal_mask), i32)
+            if lane == 0:
+                warp_taken[warp] = taken_above
+                warp_taken[WARPS + warp] = seen_equal
+            T.sync_threads()
+            taken_above = sum(T.if_then_else(w < warp, warp_taken[w], 0) for w in range(WARPS))
+            seen_equal = sum(T.if_then_else(w < warp, warp_taken[WARPS + w], 0) for w in range(WARPS))
+            for s in T.serial(steps):
+                fetch_step(Scores, row, first_key, segment_end, s, raw, cached, images, start, kept)
+                for u in T.unroll(UNROLL):
+                    j = first_key + (s * UNROLL + u) * WARP
+                    above_mask = T.cast(T.ballot_sync((images[u] >= above_cut) & (images[u] != 0)), u32)
+                    equal_mask = T.cast(T.ballot_sync((images[u] == equal_cut) & (images[u] != 0)), u32)
+                    above_before = taken_above + T.cast(T.popcount(above_mask & lanes_below), i32)
+                    equal_before = seen_equal + T.cast(T.popcount(equal_mask & lanes_below), i32)
+                    is_above = (images[u] >= above_cut) & (images[u] != 0)
+                    take = is_above | ((images[u] == equal_cut) & (images[u] != 0) & (equal_before < take_equal))
+                    rank = above_before + T.min(equal_before, take_equal)
+                    if take and rank < count:
+                        if order == "score":
+                            keys[rank] = T.shift_left(T.cast(images[u], u64), 32) | T.cast(
+                                T.uint32(0xFFFFFFFF) - T.cast(j, u32), u64
+                            )
+                        else:
+                            Index[row, rank] = j + offset
+                            Picked[row, rank] = Scores[row, j]
+                    taken_above = taken_above + T.cast(T.popcount(above_mask), i32)
+                    seen_equal = seen_equal + T.cast(T.popcount(equal_mask), i32)
 
-                if order == "index":
-                    # After the walk, the last warp's counters hold the row's totals.
-                    if tx == THREADS - 1:
-                        written[0] = taken_above + T.min(seen_equal, take_equal)
-                    T.sync_threads()
-                    for i in T.serial(T.ceildiv(count, THREADS)):
-                        slot = i * THREADS + tx
-                        if slot >= written[0] and slot < count:
-                            Index[row, slot] = -1
-                            Picked[row, slot] = -T.infinity(dtype)
-                else:
-                    T.sync_threads()
-                    # Bitonic sort, descending: the best key first, 0s (padding) last. Thread tx holds
-                    # keys r * THREADS + tx in registers: strides below a warp are lane shuffles and
-                    # strides of THREADS or more stay inside the thread, both without a barrier; only
-                    # strides in [WARP, THREADS) go through shared memory (9 of the 45 steps at 512
-                    # slots, where every step used to take three barriers).
-                    for r in T.unroll(per_thread):
-                        held[r] = keys[r * THREADS + tx]
-                    # Tuples, not range(): TileLang unrolls them in Python, so every stride is a
-                    # constant and the register indices below stay static (no local memory).
-                    for level in tuple(range(log_slots)):
-                        size = 2 << level
-                        for step in tuple(range(level + 1)):
-                            stride = 1 << (level - step)
-                            if stride >= THREADS:
-                                for r in T.unroll(per_thread):
-                                    if r & (stride // THREADS) == 0:
-                                        partner = r | (stride // THREADS)
-                                        first = held[r]
-                                        second = held[partner]
-                                        descending = ((r * THREADS + tx) & size) == 0
-                                        larger, smaller = T.max(first, second), T.min(first, second)
-                                        held[r] = T.if_then_else(descending, larger, smaller)
-                                        held[partner] = T.if_then_else(descending, smaller, larger)
-                                continue
-                            if stride >= WARP:
-                                for r in T.unroll(per_thread):
-                                    keys[r * THREADS + tx] = held[r]
-                                T.sync_threads()
+            if order == "index":
+                # After the walk, the last warp's counters hold the row's totals.
+                if tx == THREADS - 1:
+                    written[0] = taken_above + T.min(seen_equal, take_equal)
+                T.sync_threads()
+                for i in T.serial(T.ceildiv(count, THREADS)):
+                    slot = i * THREADS + tx
+                    if slot >= written[0] and slot < count:
+                        Index[row, slot] = -1
+                        Picked[row, slot] = -T.infinity(dtype)
+            else:
+                T.sync_threads()
+                # Bitonic sort, descending: the best key first, 0s (padding) last. Thread tx holds
+                # keys r * THREADS + tx in registers: strides below a warp are lane shuffles and
+                # strides of THREADS or more stay inside the thread, both without a barrier; only
+                # strides in [WARP, THREADS) go through shared memory (9 of the 45 steps at 512
+                # slots, where every step used to take three barriers).
+                for r in T.unroll(per_thread):
+                    held[r] = keys[r * THREADS + tx]
+                # Tuples, not range(): TileLang unrolls them in Python, so every stride is a
+                # constant and the register indices below stay static (no local memory).
+                for level in tuple(range(log_slots)):
+                    size = 2 << level
+                    for step in tuple(range(level + 1)):
+                        stride = 1 << (level - step)
+                        if stride >= THREADS:
                             for r in T.unroll(per_thread):
-                                e = r * THREADS + tx
-                                if stride >= WARP:
-                                    second = keys[e ^ stride]
-                                else:
-                                    second = T.shfl_xor(held[r], stride)
-                                # The lower key of a pair keeps the larger one in descending blocks.
-                                keep_max = ((e & stride) == 0) == ((e & size) == 0)
-                                held[r] = T.if_then_else(keep_max, T.max(held[r], second), T.min(held[r], second))
+                                if r & (stride // THREADS) == 0:
+                                    partner = r | (stride // THREADS)
+                                    first = held[r]
+                                    second = held[partner]
+                                    descending = ((r * THREADS + tx) & size) == 0
+                                    larger, smaller = T.max(first, second), T.min(first, second)
+                                    held[r] = T.if_then_else(descending, larger, smaller)
+                                    held[partner] = T.if_then_else(descending, smaller, larger)
+                            continue
+                        if stride >= WARP:
+                            for r in T.unroll(per_thread):
+                                keys[r * THREADS + tx] = held[r]
+                            T.sync_threads()
+                        for r in T.unroll(per_thread):
+                            e = r * THREADS + tx
                             if stride >= WARP:
-                                T.sync_threads()
+                                second = keys[e ^ stride]
+                            else:
+                                second = T.shfl_xor(held[r], stride)
+                            # The lower key of a pair keeps the larger one in descending blocks.
+                            keep_max = ((e & stride) == 0) == ((e & size) == 0)
+                            held[r] = T.if_then_else(keep_max, T.max(held[r], second), T.min(held[r], second))
+                        if stride >= WARP:
+                            T.sync_threads()
 
-                    for r in T.unroll(per_thread):
-                        s = r * THREADS + tx
-                        key = held[r]
-                        if s < count:
-                            j = T.cast(T.uint32(0xFFFFFFFF) - T.cast(key & T.uint64(0xFFFFFFFF), u32), i32)
-                            Index[row, s] = T.if_then_else(key != 0, j + offset, -1)
-                            Picked[row, s] = T.if_then_else(key != 0, Scores[row, T.max(T.min(j, width - 1), 0)], -T.infinity(dtype))
+                for r in T.unroll(per_thread):
+                    s = r * THREADS + tx
+                    key = held[r]
+                    if s < count:
+                        j = T.cast(T.uint32(0xFFFFFFFF) - T.cast(key & T.uint64(0xFFFFFFFF), u32), i32)
+                        Index[row, s] = T.if_then_else(key != 0, j + offset, -1)
+                        Picked[row, s] = T.if_then_else(key != 0, Scores[row, T.max(T.min(j, width - 1), 0)], -T.infinity(dtype))
 
     return radix_select
 
@@ -640,8 +621,8 @@ def select_rows_tilelang(
     ``blocks`` int32 [N, NBk] with ``block_size`` C: the row's kept candidate blocks (numbered
     from ks, -1 padded; blocks past the row are ignored); keys of other blocks are treated as -inf
     (docs/semantics.md, candidate blocks). Needs ``ceil(W / C) <= MASK_BLOCKS``
-    (:func:`fits_block_mask`). bf16 rows in index order go through the vector select first
-    (:func:`uses_vector_select`), then this kernel runs only the rows it leaves.
+    (:func:`fits_block_mask`). bf16 rows in index order go to the vector select
+    (:func:`uses_vector_select`).
     """
     check_tensor("scores", scores, ndim=2, dtypes=(torch.float32, torch.bfloat16))
     if (blocks is None) != (block_size == 0):
@@ -674,15 +655,12 @@ def select_rows_tilelang(
     check_tensor("out[1]", picked, dtypes=(scores.dtype,), shape=(rows, count), device=scores.device)
     if rows:
         scores, ks, ke, blocks = scores.contiguous(), ks.contiguous(), ke.contiguous(), blocks.contiguous()
-        config = select_config(scores.dtype, count, order, block_size)
-        resolved = torch.empty((1,), dtype=torch.int32, device=scores.device)  # not read
         if uses_vector_select(scores, order):
-            resolved = torch.empty((rows,), dtype=torch.int32, device=scores.device)
-            vector = compile_cached(vector_select_kernel, block_size=block_size)
-            vector(scores, ks, ke, index, picked, offset, resolved, blocks)
-            config = replace(VECTOR_FALLBACK, block_size=block_size)
-        kernel = compile_cached(radix_select_kernel, pass_configs=SELECT_PASS_CONFIGS, **asdict(config))
-        kernel(scores, ks, ke, index, picked, offset, blocks, resolved)
+            kernel = compile_cached(vector_select_kernel, block_size=block_size)
+        else:
+            config = select_config(scores.dtype, count, order, block_size)
+            kernel = compile_cached(radix_select_kernel, pass_configs=SELECT_PASS_CONFIGS, **asdict(config))
+        kernel(scores, ks, ke, index, picked, offset, blocks)
     return index, picked
 
 

@@ -5,19 +5,21 @@ the best T finite scores of each row in ascending index order, ties to the small
 padding; with ``block_size`` > 0 (V4.1 reindex layers) keys outside the row's kept candidate blocks
 are never selected. One block of 256 threads a row; lane l of warp w loads 8 consecutive keys at a
 time (vectors aligned in the matrix, so any width works), the first 8 vectors a lane in registers.
-1. One walk: the row's maximum (three bf16x2 max instructions a vector) and a histogram of the vector
-   maxima by image >> 4. The bin holding the T-th largest vector maximum bounds the cut from below:
+1. One walk: the row's maximum (three bf16x2 max instructions a vector) and, in rows of at least T
+   vectors, a histogram of the vector maxima by image >> 4. The bin holding the T-th largest vector maximum bounds the cut from below:
    those T vectors each hold a key at least that large.
 2. A window of WINDOW_BINS images from that bound up (below the top when fewer than T vectors hold
-   a finite key): each warp lists its keys at or above the window's low end in index order (a warp
-   scan a vector), then counts the listed keys by image, 32 a round; keys above the window are
+   a finite key): each warp lists its keys at or above the window's low end (numbers and bits, in
+   index order: a warp scan a vector), then counts the listed keys by image, 32 a round; keys above the window are
    taken outright. A block scan over the bins gives the cut (the T-th image and how many of its ties
    to take). A row whose cut lies below the window takes a coarse pass (image >> 8 of every key),
    then the coarse bin as its window.
 3. The gather ranks the listed keys with ballots (a warp whose list overflowed walks its keys).
-A row of at most T keys takes every finite key. Rows with +inf among their keys, or with more than T
-keys but fewer than T finite ones, get ``Resolved[row] = 0`` and no output: ``select_rows_tilelang``
-then runs the radix select on them (``skip_resolved``); every other row gets ``Resolved[row] = 1``.
+A row of at most T keys, or with fewer than T finite ones, takes every finite key. A row holding +inf
+(never selected) is read again with +inf as -inf. Every row is decided here.
+Candidate blocks of 8 (the released V4.1) in the candidate source's form (ascending, -1 padded) are
+read from the list, one vector a block: a reindex row reads its kept blocks only and needs no map.
+Other block sizes and other lists go through a map of the row's blocks applied at each load.
 
 Why (docs/performance.md v31): ncu put the radix select at 73.6 % issue-slot use, the ALU its
 busiest pipe, ~130 thread instructions a key (a 2-byte load, an image and a test per key and walk,
@@ -37,12 +39,15 @@ WINDOW_BINS = 256
 # 16-byte vectors a lane keeps in registers (4 words each): 8 hold a row's first 16,384 keys;
 # keys past them are loaded again by each later walk.
 CACHED_VECTORS = 8
-# Candidate-block maps (V4.1 reindex layers): one byte per block of the row in static shared memory.
+# Candidate-block maps (V4.1 reindex layers): one byte per block of the row in static shared memory
+# (ROW_SOURCE's kMaskBlocks).
 MASK_BLOCKS = 16384
 # Blocks an SM holds (__launch_bounds__): 4 caps a thread at 64 registers.
 MIN_BLOCKS_PER_SM = 4
-# Shared ints of the vector maxima's histogram (4096 bins of 16 images, one pad int per 16 bins).
+# Shared ints of the vector maxima's histogram (4096 bins of 16 images, one pad int per 16 bins), which then
+# hold the warps' lists of key numbers, and of the lists' bf16 bits (ROW_SOURCE's kListCap a warp).
 MAX_BIN_SLOTS = 4096 + 4096 // 16
+LIST_VALUE_SLOTS = MAX_BIN_SLOTS // 2
 # Ints of the block's scratch: per-warp maxima (as floats), taken / tied counts, scan sums, counts above
 # the window; the cut and the vector maxima's bound.
 SCRATCH_INTS = 5 * WARPS + 8
@@ -86,6 +91,15 @@ __device__ __forceinline__ __nv_bfloat162 splat(float x) {
   return as_pair(bits | (bits << 16));
 }
 
+// +inf is never selected: the keys of a row holding one are read with +inf as -inf.
+__device__ __forceinline__ void drop_positive_inf(unsigned* w) {
+  #pragma unroll
+  for (int q = 0; q < kKeys / 2; ++q) {
+    const unsigned inf = __heq2_mask(as_pair(w[q]), as_pair(0x7F807F80u));
+    w[q] = (w[q] & ~inf) | (inf & ((kNegInf << 16) | kNegInf));
+  }
+}
+
 // The largest of a vector's 8 keys (NaN ignored, as by fmaxf; NaN only if all are).
 __device__ __forceinline__ float vector_max(const unsigned* w) {
   __nv_bfloat162 m = __hmax2(__hmax2(as_pair(w[0]), as_pair(w[1])), __hmax2(as_pair(w[2]), as_pair(w[3])));
@@ -104,11 +118,16 @@ __device__ __forceinline__ unsigned key_mask(const unsigned* w, __nv_bfloat162 b
   return bits;
 }
 
-// The 8 keys from ``first`` (row-local; the vector starts 16-byte aligned in the matrix): one 16-byte load
-// when all lie in [start, end) and ``valid``, else key by key, -inf outside (no byte past the row is read).
+// The 8 keys from ``first`` (row-local): one 16-byte load when ``aligned`` (the vector starts 16-byte aligned
+// in the matrix) and all lie in [start, end) and ``valid``, else key by key, -inf outside (no byte past the
+// row is read).
 __device__ __forceinline__ void load_vector(const unsigned short* row_keys, bool valid, int first, int start, int end,
-                                            unsigned* w) {
-  if (valid && first >= start && first + kKeys <= end) {
+                                            bool aligned, unsigned* w) {
+  if (!valid) {
+    w[0] = w[1] = w[2] = w[3] = (kNegInf << 16) | kNegInf;
+    return;
+  }
+  if (aligned && first >= start && first + kKeys <= end) {
     const uint4 t = *reinterpret_cast<const uint4*>(row_keys + first);
     w[0] = t.x; w[1] = t.y; w[2] = t.z; w[3] = t.w;
     return;
@@ -116,8 +135,8 @@ __device__ __forceinline__ void load_vector(const unsigned short* row_keys, bool
   #pragma unroll
   for (int q = 0; q < kKeys / 2; ++q) {
     const int key = first + 2 * q;
-    const unsigned even = valid && key >= start && key < end ? row_keys[key] : kNegInf;
-    const unsigned odd = valid && key + 1 >= start && key + 1 < end ? row_keys[key + 1] : kNegInf;
+    const unsigned even = key >= start && key < end ? row_keys[key] : kNegInf;
+    const unsigned odd = key + 1 >= start && key + 1 < end ? row_keys[key + 1] : kNegInf;
     w[q] = even | (odd << 16);
   }
 }
@@ -132,17 +151,23 @@ __device__ __forceinline__ unsigned warp_inclusive_sum(unsigned x) {
   return x;
 }
 
-constexpr int kListCap = 544;  // keys a warp lists (the vector maxima's bins, dead by then, hold the lists)
+// Keys a warp lists: their numbers (in the vector maxima's bins, dead by then) and bf16 bits (after them).
+constexpr int kListCap = 544;
 
-// Appends the vector's keys at or above ``low`` to the warp's list (key numbers in index order: a warp
-// scan places each lane's keys); ``listed`` counts them all, past kListCap too. Warp-synchronous.
-__device__ __forceinline__ void list_keys(const unsigned* w, int first, __nv_bfloat162 low, int* list, int& listed) {
+// Appends the vector's keys at or above ``low`` to the warp's list (key numbers and bits, in index order: a
+// warp scan places each lane's keys); ``listed`` counts them all, past kListCap too. Warp-synchronous.
+__device__ __forceinline__ void list_keys(const unsigned* w, int first, __nv_bfloat162 low, int* list,
+                                          unsigned short* values, int& listed) {
   unsigned bits = key_mask<true>(w, low);
   const int own = __popc(bits);
   const int inclusive = int(warp_inclusive_sum(unsigned(own)));
   int slot = listed + inclusive - own;
   listed += __shfl_sync(0xFFFFFFFFu, inclusive, 31);
-  for (; bits != 0u && slot < kListCap; bits &= bits - 1u) list[slot++] = first + __ffs(bits) - 1;
+  for (; bits != 0u && slot < kListCap; bits &= bits - 1u, ++slot) {
+    const int k = __ffs(bits) - 1;
+    list[slot] = first + k;
+    values[slot] = (unsigned short)key_bits(w, k);
+  }
 }
 
 // A key at or above the window's low end: counted by its distance below the window's top image, or
@@ -157,9 +182,9 @@ __device__ __forceinline__ void count_key(unsigned bits, unsigned window_top, in
 }
 
 // count_key on every listed key, 32 a round (all lanes busy, unlike a walk over sparse keys).
-__device__ __forceinline__ void count_listed(const int* list, int listed, const unsigned short* row_keys,
-                                            unsigned window_top, int* hist, int& above) {
-  for (int slot = threadIdx.x & 31; slot < listed; slot += 32) count_key(row_keys[list[slot]], window_top, hist, above);
+__device__ __forceinline__ void count_listed(const unsigned short* values, int listed, unsigned window_top, int* hist,
+                                             int& above) {
+  for (int slot = threadIdx.x & 31; slot < listed; slot += 32) count_key(values[slot], window_top, hist, above);
 }
 
 // count_key on the vector's keys at or above ``low`` (a warp whose list overflowed).
@@ -171,14 +196,14 @@ __device__ __forceinline__ void count_window(const unsigned* w, __nv_bfloat162 l
 }
 
 // The gather over a warp's list instead of its keys: 32 listed keys a round, ranked by ballots.
-__device__ __forceinline__ void gather_listed(const int* list, int listed, const unsigned short* row_keys, float above,
+__device__ __forceinline__ void gather_listed(const int* list, const unsigned short* values, int listed, float above,
                                               float equal, int need, int taken_before, int tied_before, int* index,
                                               unsigned short* picked, int count, int offset) {
   const unsigned lanes_below = (1u << (threadIdx.x & 31)) - 1u;
   for (int first = 0; first < listed; first += 32) {
     const int slot = first + (threadIdx.x & 31);
     const int key = slot < listed ? list[slot] : 0;
-    const unsigned bits = slot < listed ? unsigned(row_keys[key]) : kNegInf;
+    const unsigned bits = slot < listed ? unsigned(values[slot]) : kNegInf;
     const float x = float_of_bits(bits);
     const bool is_taken = x >= above, is_tied = x == equal;
     const unsigned taken = __ballot_sync(0xFFFFFFFFu, is_taken), tied = __ballot_sync(0xFFFFFFFFu, is_tied);
@@ -289,34 +314,55 @@ __device__ __forceinline__ void find_cut(const int* hist, int wanted, unsigned t
   __syncthreads();
 }
 
+// A shared int, read where it is used: as a plain load the compiler keeps a lane's first 8 kept blocks in
+// registers across the walks, and the row's register cache spills (ptxas, block_size 8).
+__device__ __forceinline__ int load_shared(const int* p) {
+  int value;
+  asm volatile("ld.shared.b32 %0, [%1];" : "=r"(value) : "r"(unsigned(__cvta_generic_to_shared(p))));
+  return value;
+}
+
 // A block's row: warp w owns ``segment`` vectors (a multiple of 32) from vector w * segment, lane l
-// every 32nd of them from l, so that each warp load reads 512 contiguous bytes.
-template <int kBlock>
+// every 32nd of them from l, so that each warp load reads 512 contiguous bytes. Vector v holds keys
+// base + 8 v .. + 7, or with kListed (candidate blocks of 8) the keys of the row's v-th kept block,
+// start + 8 listed[v] .. + 7: the row reads its kept blocks only, in index order.
+template <int kBlock, bool kListed>
 struct Row {
   const unsigned short* keys;  // the row's key 0
-  const unsigned char* kept;   // kBlock > 0: the row's candidate-block map (1 = kept)
-  int start, end, base, segment, steps, limit, warp, lane;
+  const unsigned char* kept;   // kBlock > 0, not kListed: the row's candidate-block map (1 = kept)
+  const int* listed;           // kListed: the row's kept blocks, ascending
+  int start, end, base, vectors, segment, steps, limit, warp, lane;
+  bool aligned;                // the vectors start 16-byte aligned (always, unless kListed and ks's position is not)
+  bool drop_inf = false;       // read +inf as -inf (a row holding one)
 
   __device__ __forceinline__ Row(const void* scores, int row, int width, int row_start, int row_end,
-                                 const unsigned char* block_map) : kept(block_map) {
+                                 const int* kept_words, int listed_blocks)
+      : kept(reinterpret_cast<const unsigned char*>(kept_words)), listed(kept_words) {
     warp = threadIdx.x >> 5;
     lane = threadIdx.x & 31;
     start = min(max(row_start, 0), width);
     end = max(min(row_end, width), start);
     const long long row_key = (long long)row * width;
     keys = static_cast<const unsigned short*>(scores) + row_key;
-    // Vectors start at matrix positions that are multiples of 8 (the wrapper keeps the matrix 16-byte aligned).
+    // Vectors start at matrix positions that are multiples of 8 (the wrapper keeps the matrix 16-byte aligned);
+    // a kept block starts at start + 8 b, so blocks are aligned when the row's position of ks is.
     base = int(((row_key + start) & ~(long long)(kKeys - 1)) - row_key);
-    const int vectors = (end - base + kKeys - 1) / kKeys;
+    aligned = !kListed || ((row_key + start) & (kKeys - 1)) == 0;
+    vectors = kListed ? listed_blocks : (end - base + kKeys - 1) / kKeys;
     segment = (vectors + kThreads - 1) / kThreads * 32;
     steps = segment / 32;
     limit = min(vectors, (warp + 1) * segment);
   }
-  __device__ __forceinline__ int first_key(int step) const { return base + kKeys * (warp * segment + 32 * step + lane); }
+  __device__ __forceinline__ int vector(int step) const { return warp * segment + 32 * step + lane; }
+  __device__ __forceinline__ int first_key(int step) const {
+    if (kListed) return vector(step) < limit ? start + kKeys * load_shared(listed + vector(step)) : start;
+    return base + kKeys * vector(step);
+  }
   __device__ __forceinline__ void load(int step, unsigned* w) const {
     const int first = first_key(step);
-    load_vector(keys, warp * segment + 32 * step + lane < limit, first, start, end, w);
-    if (kBlock > 0) {  // keys of blocks the row does not keep are -inf (never selected)
+    load_vector(keys, vector(step) < limit, first, start, end, aligned, w);
+    if (drop_inf) drop_positive_inf(w);
+    if (kBlock > 0 && !kListed) {  // keys of blocks the row does not keep are -inf (never selected)
       #pragma unroll
       for (int k = 0; k < kKeys; ++k) {
         const unsigned from_start = unsigned(first + k - start);
@@ -344,8 +390,8 @@ __device__ __forceinline__ void fill_block_map(unsigned char* kept, const int* b
 
 // use(vector, its first key) on each of the lane's vectors in order: the cached ones from registers,
 // the rest loaded again two at a time (both loads in flight before either is used).
-template <int kCached, int kBlock, typename Use>
-__device__ __forceinline__ void walk(const Row<kBlock>& row, unsigned (&cache)[kCached][4], Use use) {
+template <int kCached, typename TRow, typename Use>
+__device__ __forceinline__ void walk(const TRow& row, unsigned (&cache)[kCached][4], Use use) {
   #pragma unroll
   for (int i = 0; i < kCached; ++i) {
     if (i < row.steps) use(cache[i], row.first_key(i));
@@ -370,19 +416,50 @@ __device__ __forceinline__ int block_sum(int x, int* slots) {
   return total;
 }
 
+// Candidate blocks of 8 (one vector each) whose list fits the map's shared memory as ints are read from
+// the list itself: copies the row's list to ``listed`` and returns how many kept blocks it holds, or -1
+// unless those come first and in ascending order (the candidate source's form), followed only by entries
+// the map ignores (-1, blocks past the row). One barrier.
+constexpr int kMaskBlocks = 16384, kListedBlocks = kMaskBlocks / 4;
+__device__ __forceinline__ int list_kept_blocks(const int* blocks, int kept_width, int start, int end, int* listed,
+                                                int* slots) {
+  const int row_blocks = (end - start + kKeys - 1) / kKeys;
+  int kept = 0, disordered = 0;
+  for (int i = threadIdx.x; i < kept_width; i += kThreads) {
+    const int block = blocks[i];
+    listed[i] = block;
+    const bool in_row = block >= 0 && block < row_blocks;
+    kept += in_row;
+    if (in_row && i > 0) {
+      const int before = blocks[i - 1];
+      disordered += before < 0 || before >= block;  // else the block before is kept too, and smaller
+    }
+  }
+  const int total = block_sum(kept | (disordered << 16), slots);
+  return (total >> 16) != 0 ? -1 : total & 0xFFFF;
+}
+
 __device__ __forceinline__ void clear_histograms(int* hist) {
   #pragma unroll
   for (int b = 0; b < kWarps; ++b) hist[b * kBins + threadIdx.x] = 0;
 }
 
-template <int kCached, int kBlock>
-__device__ __forceinline__ void select_row(const void* scores, int row_number, int width, int row_start, int row_end,
-                                           int count, int offset, int* index, void* picked_out, int* resolved,
-                                           int* hist, int* scratch, const int* blocks, int kept_width,
-                                           unsigned char* kept) {
+__device__ __forceinline__ void clear_max_bins(int* max_bins) {
+  #pragma unroll
+  for (int j = 0; j < (kMaxBins + kMaxBins / 16) / kThreads; ++j) max_bins[j * kThreads + threadIdx.x] = 0;
+}
+
+// One row (``listed``: its kept blocks in ``kept_words`` when kListed). ``row_blocks``: its candidate-block list.
+template <int kCached, int kBlock, bool kListed>
+__device__ __forceinline__ void select_listed_or_mapped(const void* scores, int row_number, int width, int row_start,
+                                                        int row_end, int count, int offset, int* index, void* picked_out,
+                                                        int* hist, int* scratch, const int* row_blocks, int kept_width,
+                                                        int* kept_words, int listed_blocks) {
   const int tx = threadIdx.x;
-  const Row<kBlock> row(scores, row_number, width, row_start, row_end, kept);
-  if (kBlock > 0) fill_block_map<kBlock>(kept, blocks + (long long)row_number * kept_width, kept_width, row.start, row.end);
+  Row<kBlock, kListed> row(scores, row_number, width, row_start, row_end, kept_words, listed_blocks);
+  if (kBlock > 0 && !kListed) {
+    fill_block_map<kBlock>(reinterpret_cast<unsigned char*>(kept_words), row_blocks, kept_width, row.start, row.end);
+  }
   const int warp = row.warp, lane = row.lane;
   unsigned short* picked = static_cast<unsigned short*>(picked_out);
   float* warp_best = reinterpret_cast<float*>(scratch);
@@ -395,54 +472,64 @@ __device__ __forceinline__ void select_row(const void* scores, int row_number, i
   int* own_hist = hist + warp * kBins;
   int* max_bins = hist + kWarps * kBins;
   int* own_list = max_bins + warp * kListCap;  // after the vector bound: max_bins is dead
+  unsigned short* own_values = reinterpret_cast<unsigned short*>(max_bins + kMaxBins + kMaxBins / 16) + warp * kListCap;
   int listed = 0;
 
+  // A row of fewer than T vectors has no T-th largest vector maximum: its maxima are not binned.
+  const bool bound_by_vectors = row.vectors >= count;
   clear_histograms(hist);
-  #pragma unroll
-  for (int j = 0; j < (kMaxBins + kMaxBins / 16) / kThreads; ++j) max_bins[j * kThreads + tx] = 0;
+  if (bound_by_vectors) clear_max_bins(max_bins);
   if (tx == 0) cut[0] = vector_bound[0] = 0;
   // The row's first kCached vectors a lane: every load issued before any is used.
   unsigned cache[kCached][4];
   #pragma unroll
   for (int i = 0; i < kCached; ++i) row.load(i, cache[i]);
-  float best = -INFINITY;
-  walk(row, cache, [&](const unsigned* w, int) {
-    const float m = vector_max(w);
-    const unsigned image = image_of(__float_as_uint(m) >> 16);
-    if (image != 0u) atomicAdd(max_bins + max_bin_slot(image >> kMaxBinShift), 1);
-    best = fmaxf(best, m);
-  });
-  #pragma unroll
-  for (int d = 16; d > 0; d >>= 1) best = fmaxf(best, __shfl_xor_sync(0xFFFFFFFFu, best, d));
-  if (lane == 0) warp_best[warp] = best;
-  __syncthreads();
-  float top = warp_best[0];
-  #pragma unroll
-  for (int b = 1; b < kWarps; ++b) top = fmaxf(top, warp_best[b]);
-
-  // +inf is never selected but would be the row's top: the radix select decides such rows.
-  if (top == INFINITY) {
-    if (tx == 0) *resolved = 0;
-    return;
+  // The row's maximum and its vector maxima's histogram (the barrier orders both).
+  float top = -INFINITY;
+  auto find_top = [&]() {
+    float best = -INFINITY;
+    walk(row, cache, [&](const unsigned* w, int) {
+      const float m = vector_max(w);
+      const unsigned image = image_of(__float_as_uint(m) >> 16);
+      if (bound_by_vectors && image != 0u) atomicAdd(max_bins + max_bin_slot(image >> kMaxBinShift), 1);
+      best = fmaxf(best, m);
+    });
+    #pragma unroll
+    for (int d = 16; d > 0; d >>= 1) best = fmaxf(best, __shfl_xor_sync(0xFFFFFFFFu, best, d));
+    if (lane == 0) warp_best[warp] = best;
+    __syncthreads();
+    top = warp_best[0];
+    #pragma unroll
+    for (int b = 1; b < kWarps; ++b) top = fmaxf(top, warp_best[b]);
+  };
+  find_top();
+  if (top == INFINITY) {  // +inf is never selected: the row again, +inf read as -inf
+    row.drop_inf = true;
+    #pragma unroll
+    for (int i = 0; i < kCached; ++i) drop_positive_inf(cache[i]);
+    if (bound_by_vectors) clear_max_bins(max_bins);
+    __syncthreads();  // every thread has read the warps' maxima
+    find_top();
   }
   float above = float_of_bits(kLowestFinite), equal = __int_as_float(0x7FC00000);  // every finite key; none tied
   int need = 0, above_window = 0;
-  const bool window = row.end - row.start > count && top > -INFINITY;  // else every finite key is taken
+  const int row_keys = kListed ? min(kKeys * listed_blocks, row.end - row.start) : row.end - row.start;
+  bool window = row_keys > count && top > -INFINITY;  // else every finite key is taken
   unsigned window_top = 0u, above_image = 0u, equal_image = 0u;
   if (window) {
     // The window: WINDOW_BINS images from the vector maxima's bound up (the keys above it all taken), or
     // below the top when fewer than T vectors hold a finite key.
     const unsigned top_image = image_of(__float_as_uint(top) >> 16);
-    find_vector_bound(max_bins, count, warp_sums, vector_bound);
+    if (bound_by_vectors) find_vector_bound(max_bins, count, warp_sums, vector_bound);
     unsigned low_image = unsigned(vector_bound[0]);
     if (low_image == 0u) low_image = top_image >= kLowestImage + kBins - 1 ? top_image - (kBins - 1) : kLowestImage;
     low_image = max(low_image, kLowestImage);
     window_top = min(top_image, low_image + (kBins - 1));
     // Lists the keys from ``low_end`` up, counts them in the window, returns the row's keys above it.
     auto count_from = [&](__nv_bfloat162 low_end) {
-      walk(row, cache, [&](const unsigned* w, int first) { list_keys(w, first, low_end, own_list, listed); });
+      walk(row, cache, [&](const unsigned* w, int first) { list_keys(w, first, low_end, own_list, own_values, listed); });
       if (listed <= kListCap) {
-        count_listed(own_list, listed, row.keys, window_top, own_hist, above_window);
+        count_listed(own_values, listed, window_top, own_hist, above_window);
       } else {
         walk(row, cache, [&](const unsigned* w, int) { count_window(w, low_end, window_top, own_hist, above_window); });
       }
@@ -458,30 +545,28 @@ __device__ __forceinline__ void select_row(const void* scores, int row_number, i
       walk(row, cache, [&](const unsigned* w, int) { count_coarse(w, own_hist); });
       __syncthreads();
       find_cut<kWarps>(hist, count, 255u, warp_sums, cut);
-      if (cut[0] == 0) {  // fewer than T finite keys in a row of more than T keys
-        if (tx == 0) *resolved = 0;
-        return;
-      }
-      const unsigned coarse = unsigned(cut[2]);
-      window_top = (coarse << 8) | 0xFFu;
-      low_image = max(coarse << 8, kLowestImage);
-      clear_histograms(hist);
-      __syncthreads();  // every thread has read the coarse cut
-      if (tx == 0) cut[0] = 0;
-      above_window = 0;
-      listed = 0;
-      above_total = count_from(splat(float_of_image(low_image)));
-      find_cut<kWarps>(hist, count - above_total, window_top, warp_sums, cut);
-      if (cut[0] == 0) {  // not reached: the coarse bin holds the T-th key
-        if (tx == 0) *resolved = 0;
-        return;
+      window = cut[0] != 0;  // else fewer than T finite keys in a row of more than T keys: every one is taken
+      if (window) {
+        const unsigned coarse = unsigned(cut[2]);
+        window_top = (coarse << 8) | 0xFFu;
+        low_image = max(coarse << 8, kLowestImage);
+        clear_histograms(hist);
+        __syncthreads();  // every thread has read the coarse cut
+        if (tx == 0) cut[0] = 0;
+        above_window = 0;
+        listed = 0;
+        above_total = count_from(splat(float_of_image(low_image)));
+        // Reaches the T-th key: the coarse bin holds it.
+        find_cut<kWarps>(hist, count - above_total, window_top, warp_sums, cut);
       }
     }
-    above_image = unsigned(cut[1]);
-    equal_image = unsigned(cut[2]);
-    need = cut[3];
-    above = float_of_image(above_image);
-    if (need > 0) equal = float_of_image(equal_image);
+    if (window) {
+      above_image = unsigned(cut[1]);
+      equal_image = unsigned(cut[2]);
+      need = cut[3];
+      above = float_of_image(above_image);
+      if (need > 0) equal = float_of_image(equal_image);
+    }
   }
 
   // Each warp's taken and tied keys: from its histogram (every taken key lies in or above the window) or a walk.
@@ -520,7 +605,7 @@ __device__ __forceinline__ void select_row(const void* scores, int row_number, i
     tied_total += warp_tied[b];
   }
   if (window && listed <= kListCap) {  // every key at or above the window's low end is listed
-    gather_listed(own_list, listed, row.keys, above, equal, need, taken, tied, index, picked, count, offset);
+    gather_listed(own_list, own_values, listed, above, equal, need, taken, tied, index, picked, count, offset);
   } else {
     walk(row, cache, [&](const unsigned* w, int first) {
       gather(w, first, above2, equal2, need, taken, tied, index, picked, count, offset);
@@ -531,7 +616,29 @@ __device__ __forceinline__ void select_row(const void* scores, int row_number, i
     index[slot] = -1;
     picked[slot] = (unsigned short)kNegInf;
   }
-  if (tx == 0) *resolved = 1;
+}
+
+// The kernel's row: candidate blocks of 8 in the candidate source's form (list_kept_blocks) are read
+// from the list, any other kept blocks through the map.
+template <int kCached, int kBlock>
+__device__ __forceinline__ void select_row(const void* scores, int row_number, int width, int row_start, int row_end,
+                                           int count, int offset, int* index, void* picked_out, int* hist, int* scratch,
+                                           const int* blocks, int kept_width, int* kept_words) {
+  const int* row_blocks = blocks + (long long)row_number * kept_width;
+  if constexpr (kBlock == kKeys) {
+    if (kept_width <= kListedBlocks) {
+      const int start = min(max(row_start, 0), width), end = max(min(row_end, width), start);
+      const int listed = list_kept_blocks(row_blocks, kept_width, start, end, kept_words, scratch + 3 * kWarps);
+      if (listed >= 0) {
+        select_listed_or_mapped<kCached, kBlock, true>(scores, row_number, width, row_start, row_end, count, offset,
+                                                       index, picked_out, hist, scratch, row_blocks, kept_width,
+                                                       kept_words, listed);
+        return;
+      }
+    }
+  }
+  select_listed_or_mapped<kCached, kBlock, false>(scores, row_number, width, row_start, row_end, count, offset, index,
+                                                  picked_out, hist, scratch, row_blocks, kept_width, kept_words, 0);
 }
 
 }  // namespace vector_select
@@ -543,8 +650,9 @@ def vector_select_kernel(block_size: int = 0, cached_vectors: int = CACHED_VECTO
 
     Scores bf16 [rows, width] (width a multiple of 8, 16-byte aligned: the wrapper checks), KS/KE
     int32 [rows] (the row's visible keys, clamped to [0, width]), Index int32 / Picked bf16 [rows,
-    count] (window-local key numbers + ``offset``, -1 / -inf padding), Resolved int32 [rows]: 1
-    where this kernel wrote the row, 0 where the radix select must (see the module docstring).
+    count] (window-local key numbers + ``offset``, -1 / -inf padding), Blocks int32 [rows,
+    kept_width] with ``block_size`` > 0: the rows' kept candidate blocks, counted from ks (a row of
+    more than MASK_BLOCKS blocks of ``block_size``: the wrapper checks).
     """
     check_positive_int("block_size", block_size, minimum=0)
     check_positive_int("cached_vectors", cached_vectors)
@@ -562,20 +670,21 @@ def vector_select_kernel(block_size: int = 0, cached_vectors: int = CACHED_VECTO
         Index: T.Tensor([rows, count], i32),
         Picked: T.Tensor([rows, count], T.bfloat16),
         offset: i32,
-        Resolved: T.Tensor([rows], i32),
         Blocks: T.Tensor([block_rows, kept_width], i32),
     ):
         with T.Kernel(rows, threads=THREADS) as row:
             T.import_source(ROW_SOURCE)
             T.annotate_min_blocks_per_sm(min_blocks)
-            hist = T.alloc_shared([WARPS * WINDOW_BINS + MAX_BIN_SLOTS], i32)  # per warp, then the vector maxima's
+            # Per warp, then the vector maxima's (later the lists' key numbers), then the lists' bits.
+            hist = T.alloc_shared([WARPS * WINDOW_BINS + MAX_BIN_SLOTS + LIST_VALUE_SLOTS], i32)
             scratch = T.alloc_shared([SCRATCH_INTS], i32)
-            # Static, as the radix select's: the map of the row's kept candidate blocks (block_size > 0).
-            kept = T.alloc_shared([MASK_BLOCKS if block_size else 1], T.uint8, scope="shared")
+            # Static, as the radix select's: the row's kept candidate blocks (block_size > 0), a byte map
+            # or, for blocks of 8, the list itself (ints).
+            kept = T.alloc_shared([MASK_BLOCKS // 4 if block_size else 1], i32, scope="shared")
             T.call_extern(
                 "handle", f"vector_select::select_row<{cached_vectors}, {block_size}>",
                 T.address_of(Scores[0, 0]), row, width, KS[row], KE[row], count, offset,
-                T.address_of(Index[row, 0]), T.address_of(Picked[row, 0]), T.address_of(Resolved[row]),
+                T.address_of(Index[row, 0]), T.address_of(Picked[row, 0]),
                 T.address_of(hist[0]), T.address_of(scratch[0]), T.address_of(Blocks[0, 0]), kept_width,
                 T.address_of(kept[0]),
             )  # fmt: skip
