@@ -8,7 +8,8 @@ each kernel is timed alone with CUDA events around one launch (``--launches``, m
 events hold each launch, so a kernel with little work shows mostly its launch): the vector select
 (the default) and the radix select. ``--reindex`` adds the reindex layer's chunk: a second layer's
 scores masked by the candidate blocks of 8 (2,048 kept) that the first layer's scores give, read
-from the list by the vector select and through the map by the radix select. Checks that both
+from the list by the vector select (in the candidate source's form) and through the map by the radix
+select. Checks that both
 kernels give the same indices and scores. docs/performance.md v31-v32 have the numbers.
 """
 
@@ -50,7 +51,8 @@ def compare_chunk(ratio: int, first_row: int, launches: int, reindex: bool) -> N
     config = asdict(topk_kernels.select_config(torch.bfloat16, TOPK, "index", block_size))
     radix = compile_cached(topk_kernels.radix_select_kernel, pass_configs=topk_kernels.SELECT_PASS_CONFIGS, **config)
     (index, picked), (radix_index, radix_picked) = outputs(), outputs()
-    vector_ms = median_ms(lambda: vector(scores, chunk_ks, chunk_ke, index, picked, 0, blocks), launches)
+    # The candidate source's lists: in its form (ascending, then -1), as a reindex layer receives them.
+    vector_ms = median_ms(lambda: vector(scores, chunk_ks, chunk_ke, index, picked, 0, blocks, int(reindex)), launches)
     radix_ms = median_ms(lambda: radix(scores, chunk_ks, chunk_ke, radix_index, radix_picked, 0, blocks), launches)
     same = torch.equal(index, radix_index) and torch.equal(picked, radix_picked)
     keys = (chunk_ke - chunk_ks).double()

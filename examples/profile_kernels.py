@@ -20,14 +20,14 @@ import argparse
 import torch
 
 
-def select_workload(launches: int, ratio: int = 1, radix: bool = False) -> None:
+def select_workload(launches: int, ratio: int = 1, radix: bool = False, first_row: int = 16384) -> None:
     from benchmark_selection import TOPK, _v41_inputs
 
     from nemo_dsa.ops.topk import kernels
     from nemo_dsa.ops.v41_indexer.kernels import v41_scores_tilelang
 
     q, _, k, w, _, ks, ke = _v41_inputs(32768, ratio)
-    rows = slice(16384, 20480)
+    rows = slice(first_row, first_row + 4096)
     scores = v41_scores_tilelang(q[:, rows], k, w[:, rows], ks[:, rows], ke[:, rows]).reshape(-1, k.shape[1])
     chunk_ks, chunk_ke = ks[0, rows].contiguous(), ke[0, rows].contiguous()
     finite = torch.isfinite(scores)
@@ -62,11 +62,12 @@ def main() -> None:
     parser.add_argument("--launches", type=int, default=5, help="launches of each kernel (ncu picks one)")
     parser.add_argument("--ratio", type=int, default=1, choices=[1, 2], help="select: the V4.1 compression ratio")
     parser.add_argument("--radix", action="store_true", help="select: the radix select instead of the vector select")
+    parser.add_argument("--first-row", type=int, default=16384, help="select: the chunk's first query row")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("profile_kernels.py needs a CUDA GPU (Hopper): it runs the TileLang kernels")
     if args.kernel == "select":
-        select_workload(args.launches, args.ratio, args.radix)
+        select_workload(args.launches, args.ratio, args.radix, args.first_row)
     else:
         attention_workload(args.launches)
 

@@ -261,7 +261,7 @@ VECTOR_KINDS = ["continuous", "quantised", "signed", "nonpositive", "spread", "s
 
 
 @pytest.mark.parametrize("kind", VECTOR_KINDS)
-# Odd widths put rows at every alignment; 20,001 and 40,000 keys pass the 16,384 kept in registers.
+# Odd widths put rows at every alignment; 20,001 and 40,000 keys pass the 8,192 kept in registers.
 @pytest.mark.parametrize("count,width", [(64, 304), (100, 1001), (512, 4096), (2048, 8191), (512, 20_001), (512, 40_000)])
 def test_vector_select_equals_reference(kind, count, width):
     """The default bf16 index-order path (the vector select) against the reference, with the data
@@ -292,7 +292,8 @@ def test_vector_select_equals_reference(kind, count, width):
 
 def _listed_blocks(ks, ke, width: int, kept_width: int, seed: int, disordered: bool) -> torch.Tensor:
     """Candidate blocks of 8 in the candidate source's form: each row's kept blocks ascending, then -1;
-    every fifth row's list ends in a block past the row (ignored), every seventh keeps at most 3 blocks.
+    every fifth row's list ends in a block past the row (ignored), every seventh keeps at most 3 blocks,
+    every eleventh all it can.
     ``disordered``: every third row's
     list is not in that form (two entries swapped, or a block after the -1s): the map path."""
     g = torch.Generator().manual_seed(seed)
@@ -302,6 +303,7 @@ def _listed_blocks(ks, ke, width: int, kept_width: int, seed: int, disordered: b
         row_blocks = -(-(int(ke[r]) - int(ks[r])) // 8)
         take = int(torch.randint(0, min(row_blocks, kept_width) + 1, (1,), generator=g))
         take = min(take, 3) if r % 7 == 1 else take  # rows keeping fewer keys than T
+        take = min(row_blocks, kept_width) if r % 11 == 4 else take  # rows keeping every block (when they fit)
         out[r, :take] = torch.randperm(row_blocks, generator=g)[:take].sort().values
         if r % 5 == 0 and take < kept_width and row_blocks + r % 3 < -(-width // 8):
             out[r, take] = row_blocks + r % 3
@@ -317,12 +319,14 @@ def _listed_blocks(ks, ke, width: int, kept_width: int, seed: int, disordered: b
 # kept_width 4,200 passes the list's shared memory (4,096 blocks): the map path.
 @pytest.mark.parametrize("count,width,kept_width", [(64, 1001, 100), (100, 3000, 40), (512, 20_001, 2048),
                                                     (512, 40_000, 2048), (512, 40_000, 4200)])  # fmt: skip
-@pytest.mark.parametrize("disordered", [False, True], ids=["listed", "disordered"])
-def test_vector_select_reads_candidate_lists(kind, count, width, kept_width, disordered):
+@pytest.mark.parametrize("disordered,source_form", [(False, False), (False, True), (True, False)],
+                         ids=["listed", "source-form", "disordered"])  # fmt: skip
+def test_vector_select_reads_candidate_lists(kind, count, width, kept_width, disordered, source_form):
     """Candidate blocks of 8 through the vector select (V4.1 reindex layers): read from the list when it
-    is in the candidate source's form, through the map otherwise; both equal the reference on the
-    scores masked to the kept blocks. Half the rows start at a multiple of 8 (16-byte block loads),
-    the others anywhere; partial last blocks; rows keeping fewer than T keys."""
+    is in the candidate source's form (checked, or vouched for: ``blocks_in_source_form``), through the
+    map otherwise, the whole row when it keeps every block; all equal the reference on the scores
+    masked to the kept blocks. Half the rows start at a multiple of 8 (16-byte block loads), the others
+    anywhere; partial last blocks; rows keeping fewer than T keys."""
     from nemo_dsa.ops.topk import blocks_to_mask
 
     rows = 67
@@ -334,7 +338,8 @@ def test_vector_select_reads_candidate_lists(kind, count, width, kept_width, dis
     keep = blocks_to_mask(blocks[None], ks[None], ke[None], 8, width)[0]
     want_index, want_picked = _expected(scores.masked_fill(~keep, float("-inf")), count, "index")
     out = _poisoned(rows, count, torch.bfloat16)
-    index, picked = select_rows_tilelang(scores, count, "index", ks, ke, out=out, blocks=blocks, block_size=8)
+    index, picked = select_rows_tilelang(scores, count, "index", ks, ke, out=out, blocks=blocks, block_size=8,
+                                         blocks_in_source_form=source_form)  # fmt: skip
     assert torch.equal(index, want_index)
     assert torch.equal(picked, want_picked)
     assert bool(((ke - ks) > count).any()) and bool(((blocks >= 0).sum(-1) * 8 < count).any())

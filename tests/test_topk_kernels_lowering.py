@@ -37,7 +37,13 @@ from nemo_dsa.ops.topk.kernels import (
     sort_slots,
     uses_vector_select,
 )
-from nemo_dsa.ops.topk.vector_kernels import ROW_SOURCE, SCRATCH_INTS, WARPS
+from nemo_dsa.ops.topk.vector_kernels import (
+    MASKED_MIN_BLOCKS_PER_SM,
+    ROW_SOURCE,
+    SCRATCH_INTS,
+    WARPS,
+)
+from nemo_dsa.ops.topk.vector_kernels import MIN_BLOCKS_PER_SM as VECTOR_BLOCKS_PER_SM
 from nemo_dsa.ops.topk.vector_kernels import WINDOW_BINS as VECTOR_BINS
 from nemo_dsa.ops.topk.vector_kernels import vector_select_kernel
 
@@ -218,18 +224,23 @@ def test_block_mask_limits_and_arguments():
         select_rows_tilelang(scores, 4, "index", block_size=8)
 
 
+# An H100/H200 SM's shared memory, and what the runtime reserves per block (CUDA programming guide).
+SM_SMEM, SM_RESERVED_SMEM = 228 * 1024, 1024
+
+
 def test_vector_select_lowers_and_serves_aligned_bf16_index_rows(monkeypatch):
     """The vector select (bf16 index order, docs/performance.md v31) lowers for sm_90a: one row a block
-    of 256 threads, 4 blocks an SM, the row's CUDA with 16-byte loads and bf16x2 maxima, per-warp
+    of 256 threads, 5 blocks an SM (4 with candidate blocks) within an SM's shared memory, the row's CUDA with 16-byte loads and bf16x2 maxima, per-warp
     window histograms in shared memory, candidate blocks (a map, or the list for blocks of 8) in
     static shared memory; the wrapper hands it only matrices it can read in 16-byte vectors."""
     from nemo_dsa.ops._tilelang import dynamic_shared_memory_bytes, lower
 
     artifact = lower(vector_select_kernel())
     source, smem = str(artifact.kernel_source), dynamic_shared_memory_bytes(artifact)
-    assert "__launch_bounds__(256, 4)" in source and "vector_select::select_row<8, 0>(" in source
+    assert "__launch_bounds__(256, 5)" in source and "vector_select::select_row<4, 0>(" in source
     assert "reinterpret_cast<const uint4*>" in source and "__hmax2" in source and "atomicAdd(hist" in source
     assert 4 * (WARPS * VECTOR_BINS + SCRATCH_INTS) <= smem <= HOPPER_SMEM_LIMIT
+    assert VECTOR_BLOCKS_PER_SM * (smem + SM_RESERVED_SMEM) <= SM_SMEM
     with pytest.raises(ValueError, match="cached_vectors"):
         vector_select_kernel(cached_vectors=0)
     with pytest.raises(ValueError, match="block_size"):
@@ -240,8 +251,10 @@ def test_vector_select_lowers_and_serves_aligned_bf16_index_rows(monkeypatch):
     masked = lower(vector_select_kernel(block_size=8))
     masked_smem = dynamic_shared_memory_bytes(masked)
     assert f"__shared__ __align__(16) int kept[{MASK_BLOCKS // 4}];" in str(masked.kernel_source)
-    assert "select_row<8, 8>(" in str(masked.kernel_source) and "select_row<8, 0>(" in source
+    assert "__launch_bounds__(256, 4)" in str(masked.kernel_source)
+    assert "select_row<4, 8>(" in str(masked.kernel_source)
     assert masked_smem + MASK_BLOCKS <= HOPPER_SMEM_LIMIT
+    assert MASKED_MIN_BLOCKS_PER_SM * (masked_smem + MASK_BLOCKS + SM_RESERVED_SMEM) <= SM_SMEM
     bf16 = torch.randn(4, 1001).bfloat16()
     assert uses_vector_select(bf16, "index")  # any width: vectors are aligned in the matrix
     assert not uses_vector_select(bf16.float(), "index")
@@ -256,4 +269,4 @@ def test_vector_select_lowers_and_serves_aligned_bf16_index_rows(monkeypatch):
 def test_vector_select_compiles_to_cubin():
     from nemo_dsa.ops._tilelang import compile_cubin
 
-    assert "vector_select::select_row<8, 8>(" in compile_cubin(vector_select_kernel(block_size=8)).get_kernel_source()
+    assert "vector_select::select_row<4, 8>(" in compile_cubin(vector_select_kernel(block_size=8)).get_kernel_source()

@@ -153,8 +153,10 @@ def v4_select_topk_validated(q, k, w, ks, ke, topk: int, backend: str, chunk_byt
     return scores, indices
 
 
-# Memo key: the candidate blocks lie in [-1, NB) (checked, or returned by a candidate-source call).
+# Memo keys: the candidate blocks lie in [-1, NB) (checked, or returned by a candidate-source call);
+# they are as a candidate-source call returned them (ascending, then -1: the select reads them unchecked).
 _BLOCKS_IN_RANGE = "candidate_blocks_in_range"
+_BLOCKS_FROM_SOURCE = "candidate_blocks_from_source"
 
 
 def _check_candidates(candidate_block_size, candidate_topk_blocks, candidate_blocks, batch, queries, num_keys, device):
@@ -273,11 +275,13 @@ def v41_select_topk(
         return indices[0, chunk.rows], picked
 
     plan = planned_chunks(ks, ke, row_key, row_bytes, chunk_bytes)
+    from_source = reindex and memo_on_tensors((candidate_blocks,), (_BLOCKS_FROM_SOURCE,), lambda: False)
     select_chunks(
         plan.chunks, score_chunk, emit, count, "index", chunk_bytes, on_gpu, targets if batch == 1 else None,
-        block_size=candidate_block_size or 0,
+        block_size=candidate_block_size or 0, blocks_in_source_form=from_source,
     )  # fmt: skip
-    if source:  # block numbers in [-1, NB) by construction: a reindex call with them reads nothing back
+    if source:  # in range and in order by construction: a reindex call with them reads nothing back
         memo_on_tensors((blocks_out,), (_BLOCKS_IN_RANGE, -(-num_keys // candidate_block_size)), lambda: True)
+        memo_on_tensors((blocks_out,), (_BLOCKS_FROM_SOURCE,), lambda: True)
         return indices, blocks_out
     return indices

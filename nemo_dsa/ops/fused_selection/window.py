@@ -58,7 +58,7 @@ def _globalise(scores, chosen, key_start: int, count: int) -> tuple[torch.Tensor
 
 def select_chunks(
     chunks, score_chunk, emit, count: int, order: str, chunk_bytes: int, on_gpu: bool, targets=None,
-    *, block_size: int = 0,
+    *, block_size: int = 0, blocks_in_source_form: bool = False,
 ) -> None:
     """Score and select every chunk, ``emit(chunk, index, values)`` its global results.
 
@@ -68,7 +68,8 @@ def select_chunks(
 
     ``score_chunk(chunk, first_pass)`` returns the chunk's scores [B, rows, W], its queries'
     window-local ks/ke [B, rows] and, on the GPU only, None or kept candidate blocks [B, rows, NBk]
-    of ``block_size`` keys that the select applies itself (keys outside them count as -inf).
+    of ``block_size`` keys that the select applies itself (keys outside them count as -inf;
+    ``blocks_in_source_form``: as a candidate-source call returned them, see ``select_rows_tilelang``).
     On the GPU (``on_gpu``) the TileLang select decides
     every row exactly, reading only [ks, ke). Otherwise the loop runs select_rows and never waits
     for the device: rows it flags (ties beyond its candidates, NaN/+inf) are collected, and after
@@ -85,7 +86,10 @@ def select_chunks(
         if on_gpu:
             take = min(count, chunk.width)
             out = targets(chunk) if targets is not None and take == count else None
-            masking = {} if blocks is None else {"blocks": blocks.reshape(scores.shape[0], -1), "block_size": block_size}
+            masking = {} if blocks is None else {
+                "blocks": blocks.reshape(scores.shape[0], -1), "block_size": block_size,
+                "blocks_in_source_form": blocks_in_source_form,
+            }  # fmt: skip
             index, values = select_rows_tilelang(
                 scores, take, order, local_ks.reshape(-1), local_ke.reshape(-1), offset=chunk.key_start, out=out,
                 **masking,

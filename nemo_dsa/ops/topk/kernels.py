@@ -612,6 +612,7 @@ def select_rows_tilelang(
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     blocks: torch.Tensor | None = None,
     block_size: int = 0,
+    blocks_in_source_form: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact top-``count`` of every row of ``scores [N, W]`` on the GPU (count <= W).
 
@@ -621,8 +622,9 @@ def select_rows_tilelang(
     ``blocks`` int32 [N, NBk] with ``block_size`` C: the row's kept candidate blocks (numbered
     from ks, -1 padded; blocks past the row are ignored); keys of other blocks are treated as -inf
     (docs/semantics.md, candidate blocks). Needs ``ceil(W / C) <= MASK_BLOCKS``
-    (:func:`fits_block_mask`). bf16 rows in index order go to the vector select
-    (:func:`uses_vector_select`).
+    (:func:`fits_block_mask`). ``blocks_in_source_form``: the caller vouches that every list is as a
+    candidate-source call returns it (ascending, then -1), which the vector select then reads without
+    checking. bf16 rows in index order go to the vector select (:func:`uses_vector_select`).
     """
     check_tensor("scores", scores, ndim=2, dtypes=(torch.float32, torch.bfloat16))
     if (blocks is None) != (block_size == 0):
@@ -656,11 +658,12 @@ def select_rows_tilelang(
     if rows:
         scores, ks, ke, blocks = scores.contiguous(), ks.contiguous(), ke.contiguous(), blocks.contiguous()
         if uses_vector_select(scores, order):
-            kernel = compile_cached(vector_select_kernel, block_size=block_size)
+            vector = compile_cached(vector_select_kernel, block_size=block_size)
+            vector(scores, ks, ke, index, picked, offset, blocks, int(blocks_in_source_form))
         else:
             config = select_config(scores.dtype, count, order, block_size)
             kernel = compile_cached(radix_select_kernel, pass_configs=SELECT_PASS_CONFIGS, **asdict(config))
-        kernel(scores, ks, ke, index, picked, offset, blocks)
+            kernel(scores, ks, ke, index, picked, offset, blocks)
     return index, picked
 
 

@@ -4,7 +4,7 @@ Same semantics as the radix select (docs/semantics.md "Top-k selection"; ``naive
 the best T finite scores of each row in ascending index order, ties to the smaller index, -1 / -inf
 padding; with ``block_size`` > 0 (V4.1 reindex layers) keys outside the row's kept candidate blocks
 are never selected. One block of 256 threads a row; lane l of warp w loads 8 consecutive keys at a
-time (vectors aligned in the matrix, so any width works), the first 8 vectors a lane in registers.
+time (vectors aligned in the matrix, so any width works), the first 4 vectors a lane in registers.
 1. One walk: the row's maximum (three bf16x2 max instructions a vector) and, in rows of at least T
    vectors, a histogram of the vector maxima by image >> 4. The bin holding the T-th largest vector maximum bounds the cut from below:
    those T vectors each hold a key at least that large.
@@ -36,14 +36,17 @@ THREADS = 256
 WARPS = THREADS // 32
 # Bins of a window (one image each: two bf16 binades).
 WINDOW_BINS = 256
-# 16-byte vectors a lane keeps in registers (4 words each): 8 hold a row's first 16,384 keys;
-# keys past them are loaded again by each later walk.
-CACHED_VECTORS = 8
+# 16-byte vectors a lane keeps in registers (4 words each): 4 hold a row's first 8,192 keys; keys past
+# them are loaded again by each later walk. 4 with 5 blocks an SM beat 8 with 4 on every V4.1 chunk
+# measured, long rows too (docs/performance.md v32).
+CACHED_VECTORS = 4
 # Candidate-block maps (V4.1 reindex layers): one byte per block of the row in static shared memory
 # (ROW_SOURCE's kMaskBlocks).
 MASK_BLOCKS = 16384
-# Blocks an SM holds (__launch_bounds__): 4 caps a thread at 64 registers.
-MIN_BLOCKS_PER_SM = 4
+# Blocks an SM holds (__launch_bounds__): 5 caps a thread at 48 registers. With candidate blocks the
+# static map leaves shared memory for 4 (64 registers).
+MIN_BLOCKS_PER_SM = 5
+MASKED_MIN_BLOCKS_PER_SM = 4
 # Shared ints of the vector maxima's histogram (4096 bins of 16 images, one pad int per 16 bins), which then
 # hold the warps' lists of key numbers, and of the lists' bf16 bits (ROW_SOURCE's kListCap a warp).
 MAX_BIN_SLOTS = 4096 + 4096 // 16
@@ -419,18 +422,19 @@ __device__ __forceinline__ int block_sum(int x, int* slots) {
 // Candidate blocks of 8 (one vector each) whose list fits the map's shared memory as ints are read from
 // the list itself: copies the row's list to ``listed`` and returns how many kept blocks it holds, or -1
 // unless those come first and in ascending order (the candidate source's form), followed only by entries
-// the map ignores (-1, blocks past the row). One barrier.
+// the map ignores (-1, blocks past the row). ``source_form``: the caller vouches for that form, so only
+// the first ``row_blocks`` entries are read, unchecked. One barrier.
 constexpr int kMaskBlocks = 16384, kListedBlocks = kMaskBlocks / 4;
-__device__ __forceinline__ int list_kept_blocks(const int* blocks, int kept_width, int start, int end, int* listed,
-                                                int* slots) {
-  const int row_blocks = (end - start + kKeys - 1) / kKeys;
+__device__ __forceinline__ int list_kept_blocks(const int* blocks, int kept_width, bool source_form, int row_blocks,
+                                                int* listed, int* slots) {
   int kept = 0, disordered = 0;
-  for (int i = threadIdx.x; i < kept_width; i += kThreads) {
+  const int entries = source_form ? min(kept_width, row_blocks) : kept_width;
+  for (int i = threadIdx.x; i < entries; i += kThreads) {
     const int block = blocks[i];
     listed[i] = block;
     const bool in_row = block >= 0 && block < row_blocks;
     kept += in_row;
-    if (in_row && i > 0) {
+    if (!source_form && in_row && i > 0) {
       const int before = blocks[i - 1];
       disordered += before < 0 || before >= block;  // else the block before is kept too, and smaller
     }
@@ -475,16 +479,22 @@ __device__ __forceinline__ void select_listed_or_mapped(const void* scores, int 
   unsigned short* own_values = reinterpret_cast<unsigned short*>(max_bins + kMaxBins + kMaxBins / 16) + warp * kListCap;
   int listed = 0;
 
-  // A row of fewer than T vectors has no T-th largest vector maximum: its maxima are not binned.
+  const int row_keys = kListed ? min(kKeys * listed_blocks, row.end - row.start) : row.end - row.start;
+  // A row of at least T vectors bins its vector maxima (the T-th largest bounds the cut). A shorter row of
+  // more than T keys, whose cut lies deep in the row (T is an eighth of it or more), bins every key coarsely
+  // (image >> 8) instead and takes the coarse bin holding the T-th key as its window at once.
   const bool bound_by_vectors = row.vectors >= count;
+  const bool coarse_first = !bound_by_vectors && row_keys > count;
   clear_histograms(hist);
   if (bound_by_vectors) clear_max_bins(max_bins);
   if (tx == 0) cut[0] = vector_bound[0] = 0;
-  // The row's first kCached vectors a lane: every load issued before any is used.
+  // The row's first kCached vectors a lane: every load issued before any is used, and in flight across the
+  // barrier that orders the clears before any count.
   unsigned cache[kCached][4];
   #pragma unroll
   for (int i = 0; i < kCached; ++i) row.load(i, cache[i]);
-  // The row's maximum and its vector maxima's histogram (the barrier orders both).
+  __syncthreads();
+  // The row's maximum and its vector maxima's (or keys' coarse) histogram; the barrier orders both.
   float top = -INFINITY;
   auto find_top = [&]() {
     float best = -INFINITY;
@@ -492,6 +502,7 @@ __device__ __forceinline__ void select_listed_or_mapped(const void* scores, int 
       const float m = vector_max(w);
       const unsigned image = image_of(__float_as_uint(m) >> 16);
       if (bound_by_vectors && image != 0u) atomicAdd(max_bins + max_bin_slot(image >> kMaxBinShift), 1);
+      if (coarse_first) count_coarse(w, own_hist);
       best = fmaxf(best, m);
     });
     #pragma unroll
@@ -508,23 +519,16 @@ __device__ __forceinline__ void select_listed_or_mapped(const void* scores, int 
     #pragma unroll
     for (int i = 0; i < kCached; ++i) drop_positive_inf(cache[i]);
     if (bound_by_vectors) clear_max_bins(max_bins);
+    if (coarse_first) clear_histograms(hist);
     __syncthreads();  // every thread has read the warps' maxima
     find_top();
   }
   float above = float_of_bits(kLowestFinite), equal = __int_as_float(0x7FC00000);  // every finite key; none tied
   int need = 0, above_window = 0;
-  const int row_keys = kListed ? min(kKeys * listed_blocks, row.end - row.start) : row.end - row.start;
   bool window = row_keys > count && top > -INFINITY;  // else every finite key is taken
   unsigned window_top = 0u, above_image = 0u, equal_image = 0u;
   if (window) {
-    // The window: WINDOW_BINS images from the vector maxima's bound up (the keys above it all taken), or
-    // below the top when fewer than T vectors hold a finite key.
-    const unsigned top_image = image_of(__float_as_uint(top) >> 16);
-    if (bound_by_vectors) find_vector_bound(max_bins, count, warp_sums, vector_bound);
-    unsigned low_image = unsigned(vector_bound[0]);
-    if (low_image == 0u) low_image = top_image >= kLowestImage + kBins - 1 ? top_image - (kBins - 1) : kLowestImage;
-    low_image = max(low_image, kLowestImage);
-    window_top = min(top_image, low_image + (kBins - 1));
+    unsigned low_image = 0u;
     // Lists the keys from ``low_end`` up, counts them in the window, returns the row's keys above it.
     auto count_from = [&](__nv_bfloat162 low_end) {
       walk(row, cache, [&](const unsigned* w, int first) { list_keys(w, first, low_end, own_list, own_values, listed); });
@@ -535,15 +539,28 @@ __device__ __forceinline__ void select_listed_or_mapped(const void* scores, int 
       }
       return block_sum(above_window, warp_above);  // its barrier also orders the histograms
     };
-    int above_total = count_from(splat(float_of_image(low_image)));
-    if (above_total < count) find_cut<kWarps>(hist, count - above_total, window_top, warp_sums, cut);
+    int above_total = 0;
+    if (!coarse_first) {
+      // The window: WINDOW_BINS images from the vector maxima's bound up (the keys above it all taken), or
+      // below the top when fewer than T vectors hold a finite key.
+      const unsigned top_image = image_of(__float_as_uint(top) >> 16);
+      if (bound_by_vectors) find_vector_bound(max_bins, count, warp_sums, vector_bound);
+      low_image = unsigned(vector_bound[0]);
+      if (low_image == 0u) low_image = top_image >= kLowestImage + kBins - 1 ? top_image - (kBins - 1) : kLowestImage;
+      low_image = max(low_image, kLowestImage);
+      window_top = min(top_image, low_image + (kBins - 1));
+      above_total = count_from(splat(float_of_image(low_image)));
+      if (above_total < count) find_cut<kWarps>(hist, count - above_total, window_top, warp_sums, cut);
+    }
     if (cut[0] == 0) {
-      // The T-th key lies further down: the coarse bin (image >> 8) holding it, then that bin as the
-      // window, every key above it taken.
-      clear_histograms(hist);
-      __syncthreads();
-      walk(row, cache, [&](const unsigned* w, int) { count_coarse(w, own_hist); });
-      __syncthreads();
+      // The T-th key lies further down (or the row bins coarsely first): the coarse bin (image >> 8) holding
+      // it, then that bin as the window, every key above it taken.
+      if (!coarse_first) {
+        clear_histograms(hist);
+        __syncthreads();
+        walk(row, cache, [&](const unsigned* w, int) { count_coarse(w, own_hist); });
+        __syncthreads();
+      }
       find_cut<kWarps>(hist, count, 255u, warp_sums, cut);
       window = cut[0] != 0;  // else fewer than T finite keys in a row of more than T keys: every one is taken
       if (window) {
@@ -619,16 +636,27 @@ __device__ __forceinline__ void select_listed_or_mapped(const void* scores, int 
 }
 
 // The kernel's row: candidate blocks of 8 in the candidate source's form (list_kept_blocks) are read
-// from the list, any other kept blocks through the map.
+// from the list, any other kept blocks through the map; a row keeping every one of its blocks is read whole.
 template <int kCached, int kBlock>
 __device__ __forceinline__ void select_row(const void* scores, int row_number, int width, int row_start, int row_end,
                                            int count, int offset, int* index, void* picked_out, int* hist, int* scratch,
-                                           const int* blocks, int kept_width, int* kept_words) {
+                                           const int* blocks, int kept_width, int* kept_words, bool source_form) {
   const int* row_blocks = blocks + (long long)row_number * kept_width;
   if constexpr (kBlock == kKeys) {
     if (kept_width <= kListedBlocks) {
       const int start = min(max(row_start, 0), width), end = max(min(row_end, width), start);
-      const int listed = list_kept_blocks(row_blocks, kept_width, start, end, kept_words, scratch + 3 * kWarps);
+      const int blocks_of_row = (end - start + kKeys - 1) / kKeys;
+      // In the source's form, the row keeps all its blocks iff its entry blocks_of_row - 1 is the last one.
+      const bool every_block = source_form && blocks_of_row <= kept_width &&
+                               (blocks_of_row == 0 || row_blocks[blocks_of_row - 1] == blocks_of_row - 1);
+      const int listed = every_block ? blocks_of_row
+                                     : list_kept_blocks(row_blocks, kept_width, source_form, blocks_of_row, kept_words,
+                                                        scratch + 3 * kWarps);
+      if (listed == blocks_of_row) {
+        select_listed_or_mapped<kCached, 0, false>(scores, row_number, width, row_start, row_end, count, offset, index,
+                                                   picked_out, hist, scratch, row_blocks, kept_width, kept_words, 0);
+        return;
+      }
       if (listed >= 0) {
         select_listed_or_mapped<kCached, kBlock, true>(scores, row_number, width, row_start, row_end, count, offset,
                                                        index, picked_out, hist, scratch, row_blocks, kept_width,
@@ -645,17 +673,21 @@ __device__ __forceinline__ void select_row(const void* scores, int row_number, i
 """
 
 
-def vector_select_kernel(block_size: int = 0, cached_vectors: int = CACHED_VECTORS, min_blocks: int = MIN_BLOCKS_PER_SM):
+def vector_select_kernel(block_size: int = 0, cached_vectors: int = CACHED_VECTORS, min_blocks: int | None = None):
     """PrimFunc of the vector select (index order, bf16; one block of 256 threads per row).
 
-    Scores bf16 [rows, width] (width a multiple of 8, 16-byte aligned: the wrapper checks), KS/KE
+    Scores bf16 [rows, width] (any width, the matrix 16-byte aligned: the wrapper checks), KS/KE
     int32 [rows] (the row's visible keys, clamped to [0, width]), Index int32 / Picked bf16 [rows,
     count] (window-local key numbers + ``offset``, -1 / -inf padding), Blocks int32 [rows,
     kept_width] with ``block_size`` > 0: the rows' kept candidate blocks, counted from ks (a row of
-    more than MASK_BLOCKS blocks of ``block_size``: the wrapper checks).
+    more than MASK_BLOCKS blocks of ``block_size``: the wrapper checks); ``source_form`` != 0: the
+    caller vouches that each list is in the candidate source's form (ascending, then -1).
+    ``min_blocks`` defaults to MIN_BLOCKS_PER_SM, or MASKED_MIN_BLOCKS_PER_SM with ``block_size``.
     """
     check_positive_int("block_size", block_size, minimum=0)
     check_positive_int("cached_vectors", cached_vectors)
+    if min_blocks is None:
+        min_blocks = MASKED_MIN_BLOCKS_PER_SM if block_size else MIN_BLOCKS_PER_SM
     check_positive_int("min_blocks", min_blocks)
     T = tilelang().language
     i32 = T.int32
@@ -671,6 +703,7 @@ def vector_select_kernel(block_size: int = 0, cached_vectors: int = CACHED_VECTO
         Picked: T.Tensor([rows, count], T.bfloat16),
         offset: i32,
         Blocks: T.Tensor([block_rows, kept_width], i32),
+        source_form: i32,
     ):
         with T.Kernel(rows, threads=THREADS) as row:
             T.import_source(ROW_SOURCE)
@@ -686,7 +719,7 @@ def vector_select_kernel(block_size: int = 0, cached_vectors: int = CACHED_VECTO
                 T.address_of(Scores[0, 0]), row, width, KS[row], KE[row], count, offset,
                 T.address_of(Index[row, 0]), T.address_of(Picked[row, 0]),
                 T.address_of(hist[0]), T.address_of(scratch[0]), T.address_of(Blocks[0, 0]), kept_width,
-                T.address_of(kept[0]),
+                T.address_of(kept[0]), source_form != 0,
             )  # fmt: skip
 
     return vector_select
