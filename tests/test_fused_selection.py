@@ -188,6 +188,30 @@ def test_planner_covers_rows_windows_hold_visible_keys_and_fit_the_budget(layout
             assert len(chunks) == 1
 
 
+@pytest.mark.parametrize("layout", ["causal", "packed", "random"])
+@pytest.mark.parametrize("budget", [150_000, 400_000, 1_000_000])
+def test_planner_splits_the_last_two_chunks_where_their_larger_cost_is_least(layout, budget):
+    """No sliver of a last chunk: among every query-tile split of the last two chunks' rows within the
+    budget, the plan's has the least larger cost (brute force)."""
+    ks, ke, _ = _layout(layout, 2, 1100, 4, seed=5)
+    row_bytes, align = v4_row_bytes(4, 32, 64), 8
+    chunks = plan_query_chunks(ks, ke, row_bytes, budget, row_align=align)
+    assert len(chunks) >= 2
+
+    def cost(start, end):
+        seen = ke[:, start:end] > ks[:, start:end]
+        if not seen.any():
+            return 0
+        lo = int(ks[:, start:end][seen].min()) // KEY_ALIGN * KEY_ALIGN
+        return (end - start) * 2 * int(row_bytes(np.array([int(ke[:, start:end][seen].max()) - lo]))[0])
+
+    a, b = chunks[-2], chunks[-1]
+    assert a.start % align == 0 and b.start % align == 0
+    fits = [max(cost(a.start, m), cost(m, b.end)) for m in range(a.start + align, b.end, align)
+            if cost(a.start, m) <= budget and cost(m, b.end) <= budget]  # fmt: skip
+    assert max(cost(a.start, b.start), cost(b.start, b.end)) == min(fits)
+
+
 def test_row_bytes_count_the_query_copy_only_for_several_sequences():
     # q[:, rows] is a view for B = 1 and a copy the scorer makes for B > 1: H * D bf16 per row.
     widths = np.array([0, 100, 4096])

@@ -84,7 +84,8 @@ def plan_query_chunks(
     one query tile of every kernel is the irreducible unit, so a tiny budget is exceeded rather
     than the tiles shifted. The window is the union of the chunk's visible ranges over the batch,
     its start rounded down to a multiple of ``key_align``; a chunk whose queries see nothing gets
-    the empty window (0, 0). Copies two [S] vectors to the host once.
+    the empty window (0, 0). The last two chunks then split their rows where the larger of their
+    two costs is least (:func:`_balance_last_two`). Copies two [S] vectors to the host once.
     """
     check_positive_int("chunk_bytes", chunk_bytes)
     row_align = ROW_ALIGN if row_align is None else check_positive_int("row_align", row_align)
@@ -116,7 +117,45 @@ def plan_query_chunks(
             count -= count % row_align
         chunks.append(QueryChunk(start, start + count, int(lo[count - 1]), int(hi[count - 1]) if sees_any[count - 1] else 0))
         start += count
+    if len(chunks) > 1:
+        chunks[-2:] = _balance_last_two(chunks[-2], chunks[-1], first, last, batch, row_bytes, chunk_bytes,
+                                        row_align, key_align, none)  # fmt: skip
     return chunks
+
+
+def _balance_last_two(a, b, first, last, batch, row_bytes, chunk_bytes, row_align, key_align, none):
+    """Chunks ``a`` and ``b`` (the last) split again at the query tile where the larger of their costs
+    is least, both within the budget. Filled greedily, the last chunk holds whatever rows remain, often
+    a sliver: a scorer launch of a few query tiles keeps most SMs idle (V4.1, S = 32,768, R = 2: 512
+    rows, 64 blocks of 8 queries over 132 SMs; docs/performance.md v32)."""
+    rows = slice(a.start, b.end)
+    # Windows of [a.start, m) (running from the front) and [m, b.end) (running from the back), each m.
+    head_lo, head_hi = np.minimum.accumulate(first[rows]), np.maximum.accumulate(last[rows])
+    tail_lo = np.minimum.accumulate(first[rows][::-1])[::-1]
+    tail_hi = np.maximum.accumulate(last[rows][::-1])[::-1]
+    splits = np.arange(a.start + row_align, b.end, row_align)  # a holds whole tiles, b at least one row
+    if splits.size == 0:
+        return [a, b]
+
+    def windows(lo, hi):
+        sees_any = lo != none
+        lo = np.where(sees_any, lo // key_align * key_align, 0)
+        return lo, np.where(sees_any, hi, 0)
+
+    head = windows(head_lo[splits - a.start - 1], head_hi[splits - a.start - 1])
+    tail = windows(tail_lo[splits - a.start], tail_hi[splits - a.start])
+    head_cost = (splits - a.start) * batch * row_bytes(head[1] - head[0])
+    tail_cost = (b.end - splits) * batch * row_bytes(tail[1] - tail[0])
+    worst = np.maximum(head_cost, tail_cost)
+    worst[(head_cost > chunk_bytes) | (tail_cost > chunk_bytes)] = np.iinfo(np.int64).max
+    best = int(np.argmin(worst))
+    if worst[best] == np.iinfo(np.int64).max:
+        return [a, b]
+    m = int(splits[best])
+    return [
+        QueryChunk(a.start, m, int(head[0][best]), int(head[1][best])),
+        QueryChunk(m, b.end, int(tail[0][best]), int(tail[1][best])),
+    ]
 
 
 def _selection_path(on_gpu: bool) -> str:
