@@ -31,7 +31,8 @@ row's kept blocks go into a byte map in static shared memory and keys of other b
 so the select applies the mask while it reads the scores (no [rows, W] mask, no rewrite).
 
 bf16 index-order rows (V4.1) go to ``vector_kernels`` instead when the matrix is 16-byte aligned
-(docs/performance.md v31-v32: 1.9-3.1x faster than this kernel on a 4,096-row chunk, H100).
+(docs/performance.md v31-v32: 1.6-3.7x faster than this kernel on the benchmark's 4,096-row
+V4.1 chunks, H100).
 
 Cost at S = 32768, K = 8192 causal (4096 visible keys a row on average), T = 512: one read of the
 row (256 MiB bf16 / 512 MiB fp32 for the whole matrix, ~0.1 ms of HBM), 2 histogram passes for

@@ -6,20 +6,23 @@ padding; with ``block_size`` > 0 (V4.1 reindex layers) keys outside the row's ke
 are never selected. One block of 256 threads a row; lane l of warp w loads 8 consecutive keys at a
 time (vectors aligned in the matrix, so any width works), the first 4 vectors a lane in registers.
 1. One walk: the row's maximum (three bf16x2 max instructions a vector) and, in rows of at least T
-   vectors, a histogram of the vector maxima by image >> 4. The bin holding the T-th largest vector maximum bounds the cut from below:
-   those T vectors each hold a key at least that large.
+   vectors, a histogram of the vector maxima by image >> 4. The bin holding the T-th largest vector
+   maximum bounds the cut from below: those T vectors each hold a key at least that large. Shorter
+   rows of more than T keys (T is an eighth of them or more) count every key coarsely (image >> 8)
+   in this walk instead and take the coarse bin holding the T-th key as their window (step 2).
 2. A window of WINDOW_BINS images from that bound up (below the top when fewer than T vectors hold
    a finite key): each warp lists its keys at or above the window's low end (numbers and bits, in
-   index order: a warp scan a vector), then counts the listed keys by image, 32 a round; keys above the window are
-   taken outright. A block scan over the bins gives the cut (the T-th image and how many of its ties
-   to take). A row whose cut lies below the window takes a coarse pass (image >> 8 of every key),
-   then the coarse bin as its window.
+   index order: a warp scan a vector), then counts the listed keys by image, 32 a round; keys above
+   the window are taken outright. A block scan over the bins gives the cut (the T-th image and how
+   many of its ties to take). A row whose cut lies below the window takes a coarse pass (image >> 8
+   of every key), then the coarse bin as its window.
 3. The gather ranks the listed keys with ballots (a warp whose list overflowed walks its keys).
 A row of at most T keys, or with fewer than T finite ones, takes every finite key. A row holding +inf
 (never selected) is read again with +inf as -inf. Every row is decided here.
 Candidate blocks of 8 (the released V4.1) in the candidate source's form (ascending, -1 padded) are
-read from the list, one vector a block: a reindex row reads its kept blocks only and needs no map.
-Other block sizes and other lists go through a map of the row's blocks applied at each load.
+read from the list, one vector a block: a reindex row reads its kept blocks only and needs no map,
+and a row keeping every block is read whole. Other block sizes and other lists go through a map of
+the row's blocks applied at each load.
 
 Why (docs/performance.md v31): ncu put the radix select at 73.6 % issue-slot use, the ALU its
 busiest pipe, ~130 thread instructions a key (a 2-byte load, an image and a test per key and walk,
@@ -37,8 +40,8 @@ WARPS = THREADS // 32
 # Bins of a window (one image each: two bf16 binades).
 WINDOW_BINS = 256
 # 16-byte vectors a lane keeps in registers (4 words each): 4 hold a row's first 8,192 keys; keys past
-# them are loaded again by each later walk. 4 with 5 blocks an SM beat 8 with 4 on every V4.1 chunk
-# measured, long rows too (docs/performance.md v32).
+# them are loaded again by each later walk. 4 with 5 blocks an SM matched or beat 8 with 4 on every
+# V4.1 chunk measured, long rows too (docs/performance.md v32).
 CACHED_VECTORS = 4
 # Candidate-block maps (V4.1 reindex layers): one byte per block of the row in static shared memory
 # (ROW_SOURCE's kMaskBlocks).
