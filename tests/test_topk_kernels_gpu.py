@@ -293,9 +293,8 @@ def test_vector_select_equals_reference(kind, count, width):
 def _listed_blocks(ks, ke, width: int, kept_width: int, seed: int, disordered: bool) -> torch.Tensor:
     """Candidate blocks of 8 in the candidate source's form: each row's kept blocks ascending, then -1;
     every fifth row's list ends in a block past the row (ignored), every seventh keeps at most 3 blocks,
-    every eleventh all it can.
-    ``disordered``: every third row's
-    list is not in that form (two entries swapped, or a block after the -1s): the map path."""
+    every eleventh all it can. ``disordered``: every third row's list is not in that form (two entries
+    swapped, or a block after the -1s): the map path."""
     g = torch.Generator().manual_seed(seed)
     rows = ks.shape[0]
     out = torch.full((rows, kept_width), -1, dtype=torch.int32)
@@ -325,8 +324,8 @@ def test_vector_select_reads_candidate_lists(kind, count, width, kept_width, dis
     """Candidate blocks of 8 through the vector select (V4.1 reindex layers): read from the list when it
     is in the candidate source's form (checked, or vouched for: ``blocks_in_source_form``), through the
     map otherwise, the whole row when it keeps every block; all equal the reference on the scores
-    masked to the kept blocks. Half the rows start at a multiple of 8 (16-byte block loads), the others
-    anywhere; partial last blocks; rows keeping fewer than T keys."""
+    masked to the kept blocks. Half the rows' ks at multiples of 8 (in matrices of even widths: 16-byte
+    block loads), the others anywhere; partial last blocks; rows keeping fewer than T keys."""
     from nemo_dsa.ops.topk import blocks_to_mask
 
     rows = 67
