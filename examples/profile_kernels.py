@@ -7,10 +7,11 @@
 
 ``--clock-control none`` leaves the card's clocks as they are (ncu's default locks them to base).
 ``select``: the selection of one 4,096-row chunk of V4.1 scores (32 index heads of 128, R=1 or
-``--ratio 2``, S=32,768, top-512 in index order), the chunk the streamed selection hands it: the vector select
-(``--radix``: the radix select, ``-k regex:radix_select``); it prints the chunk's key statistics. ``attention``: the sparse attention forward and backward at V4-Flash shapes
-(64 heads of 512, window 128 + top-512, S=32,768); ``-k regex:sparse_window_fwd`` takes the forward.
-docs/performance.md v14, v20 and v31 have what these showed.
+``--ratio 2``, S=32,768, top-512 in index order, rows from ``--first-row``), the chunk the streamed
+selection hands it: the vector select (``--radix``: the radix select, ``-k regex:radix_select``); it
+prints the chunk's key statistics. ``attention``: the sparse attention forward and backward at
+V4-Flash shapes (64 heads of 512, window 128 + top-512, S=32,768); ``-k regex:sparse_window_fwd``
+takes the forward. docs/performance.md v14, v20, v31 and v32 have what these showed.
 """
 
 from __future__ import annotations
