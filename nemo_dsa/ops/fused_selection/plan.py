@@ -105,25 +105,28 @@ def plan_query_chunks(
         # Rows the chunk can possibly hold: its window never narrows as rows join, so the per-row cost
         # at its first row's width bounds it (width 0 when that row sees nothing). A bound at width 0
         # for every chunk read ~25x more rows than fit at S = 131,072 (27 ms a plan).
-        width = last[start] - first[start] // key_align * key_align if first[start] != none else 0
-        per_row = max(1, batch * int(row_bytes(np.array([width], dtype=np.int64))[0]))
+        lo, hi = _windows(first[start : start + 1], last[start : start + 1], key_align, none)
+        per_row = max(1, batch * int(row_bytes(hi - lo)[0]))
         stop = min(queries, start + max(row_align, chunk_bytes // per_row + 1))
-        lo = np.minimum.accumulate(first[start:stop])
-        hi = np.maximum.accumulate(last[start:stop])
-        sees_any = lo != none
-        lo = np.where(sees_any, lo // key_align * key_align, 0)
-        width = np.where(sees_any, hi - lo, 0)
-        cost = np.arange(1, stop - start + 1, dtype=np.int64) * batch * row_bytes(width)
+        lo, hi = _windows(np.minimum.accumulate(first[start:stop]), np.maximum.accumulate(last[start:stop]), key_align, none)
+        cost = np.arange(1, stop - start + 1, dtype=np.int64) * batch * row_bytes(hi - lo)
         # cost is non-decreasing in rows; a chunk that does not reach the end is whole tiles
         count = max(min(row_align, stop - start), int((cost <= chunk_bytes).sum()))
         if start + count < queries:
             count -= count % row_align
-        chunks.append(QueryChunk(start, start + count, int(lo[count - 1]), int(hi[count - 1]) if sees_any[count - 1] else 0))
+        chunks.append(QueryChunk(start, start + count, int(lo[count - 1]), int(hi[count - 1])))
         start += count
     if len(chunks) > 1:
         chunks[-2:] = _balance_last_two(chunks[-2], chunks[-1], first, last, batch, row_bytes, chunk_bytes,
                                         row_align, key_align, none)  # fmt: skip
     return chunks
+
+
+def _windows(lo: np.ndarray, hi: np.ndarray, key_align: int, none: int) -> tuple[np.ndarray, np.ndarray]:
+    """Key windows from the visible ranges' running union ``[lo, hi)`` (``lo == none``: no query
+    sees anything yet, the empty window (0, 0)): the start rounded down to a multiple of ``key_align``."""
+    sees_any = lo != none
+    return np.where(sees_any, lo // key_align * key_align, 0), np.where(sees_any, hi, 0)
 
 
 def _balance_last_two(a, b, first, last, batch, row_bytes, chunk_bytes, row_align, key_align, none):
@@ -139,14 +142,8 @@ def _balance_last_two(a, b, first, last, batch, row_bytes, chunk_bytes, row_alig
     splits = np.arange(a.start + row_align, b.end, row_align)  # a holds whole tiles, b at least one row
     if splits.size == 0:
         return [a, b]
-
-    def windows(lo, hi):
-        sees_any = lo != none
-        lo = np.where(sees_any, lo // key_align * key_align, 0)
-        return lo, np.where(sees_any, hi, 0)
-
-    head = windows(head_lo[splits - a.start - 1], head_hi[splits - a.start - 1])
-    tail = windows(tail_lo[splits - a.start], tail_hi[splits - a.start])
+    head = _windows(head_lo[splits - a.start - 1], head_hi[splits - a.start - 1], key_align, none)
+    tail = _windows(tail_lo[splits - a.start], tail_hi[splits - a.start], key_align, none)
     head_cost = (splits - a.start) * batch * row_bytes(head[1] - head[0])
     tail_cost = (b.end - splits) * batch * row_bytes(tail[1] - tail[0])
     worst = np.maximum(head_cost, tail_cost)

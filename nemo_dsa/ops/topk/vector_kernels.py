@@ -320,7 +320,7 @@ __device__ __forceinline__ void find_cut(const int* hist, int wanted, unsigned t
   __syncthreads();
 }
 
-// A shared int, read where it is used: as a plain load the compiler keeps a lane's first 8 kept blocks in
+// A shared int, read where it is used: as a plain load the compiler keeps a lane's first kept blocks in
 // registers across the walks, and the row's register cache spills (ptxas, block_size 8).
 __device__ __forceinline__ int load_shared(const int* p) {
   int value;
