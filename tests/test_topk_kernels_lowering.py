@@ -13,7 +13,7 @@ from dataclasses import asdict
 
 import pytest
 import torch
-from _lowering import map_in_workers
+from _lowering import map_in_workers, ptxas_report
 
 from nemo_dsa.ops._tilelang import HOPPER_SMEM_LIMIT
 from nemo_dsa.ops.topk import kernels as topk_kernels
@@ -38,7 +38,7 @@ from nemo_dsa.ops.topk.kernels import (
     uses_vector_select,
 )
 from nemo_dsa.ops.topk.vector_kernels import (
-    MASKED_MIN_BLOCKS_PER_SM,
+    KEPT_INTS,
     ROW_SOURCE,
     SCRATCH_INTS,
     WARPS,
@@ -230,9 +230,10 @@ SM_SMEM, SM_RESERVED_SMEM = 228 * 1024, 1024
 
 def test_vector_select_lowers_and_serves_aligned_bf16_index_rows(monkeypatch):
     """The vector select (bf16 index order, docs/performance.md v31) lowers for sm_90a: one row a block
-    of 256 threads, 5 blocks an SM (4 with candidate blocks) within an SM's shared memory, the row's CUDA with 16-byte loads and bf16x2 maxima, per-warp
-    window histograms in shared memory, candidate blocks (a map, or the list for blocks of 8) in
-    static shared memory; the wrapper hands it only matrices it can read in 16-byte vectors."""
+    of 256 threads, 5 blocks an SM within an SM's shared memory (candidate blocks too), the row's CUDA
+    with 16-byte loads and bf16x2 maxima, per-warp window histograms in shared memory, candidate blocks
+    (a bit map, or the list of 16-bit numbers for blocks of 8) in 8 KiB of static shared memory; the
+    wrapper hands it only matrices it can read in 16-byte vectors."""
     from nemo_dsa.ops._tilelang import dynamic_shared_memory_bytes, lower
 
     artifact = lower(vector_select_kernel())
@@ -245,16 +246,16 @@ def test_vector_select_lowers_and_serves_aligned_bf16_index_rows(monkeypatch):
         vector_select_kernel(cached_vectors=0)
     with pytest.raises(ValueError, match="block_size"):
         vector_select_kernel(block_size=-1)
-    # Candidate blocks (reindex layers) in static shared memory, as the radix select's map: the CUDA's
-    # capacity is MASK_BLOCKS bytes.
-    assert f"constexpr int kMaskBlocks = {MASK_BLOCKS}," in ROW_SOURCE
+    # Candidate blocks (reindex layers) in static shared memory: rows of up to MASK_BLOCKS blocks, a bit
+    # each in the map, lists of up to 4,096 16-bit block numbers; 5 blocks an SM still fit.
+    assert f"constexpr int kMaskBlocks = {MASK_BLOCKS}, kListedBlocks = 4096;" in ROW_SOURCE
+    assert MASK_BLOCKS // 8 <= 4 * KEPT_INTS and 4096 * 2 <= 4 * KEPT_INTS
     masked = lower(vector_select_kernel(block_size=8))
     masked_smem = dynamic_shared_memory_bytes(masked)
-    assert f"__shared__ __align__(16) int kept[{MASK_BLOCKS // 4}];" in str(masked.kernel_source)
-    assert "__launch_bounds__(256, 4)" in str(masked.kernel_source)
-    assert "select_row<4, 8>(" in str(masked.kernel_source)
-    assert masked_smem + MASK_BLOCKS <= HOPPER_SMEM_LIMIT
-    assert MASKED_MIN_BLOCKS_PER_SM * (masked_smem + MASK_BLOCKS + SM_RESERVED_SMEM) <= SM_SMEM
+    assert f"__shared__ __align__(16) int kept[{KEPT_INTS}];" in str(masked.kernel_source)
+    assert "__launch_bounds__(256, 5)" in str(masked.kernel_source)
+    assert "select_row<2, 8>(" in str(masked.kernel_source)
+    assert VECTOR_BLOCKS_PER_SM * (masked_smem + 4 * KEPT_INTS + SM_RESERVED_SMEM) <= SM_SMEM
     bf16 = torch.randn(4, 1001).bfloat16()
     assert uses_vector_select(bf16, "index")  # any width: vectors are aligned in the matrix
     assert not uses_vector_select(bf16.float(), "index")
@@ -266,7 +267,13 @@ def test_vector_select_lowers_and_serves_aligned_bf16_index_rows(monkeypatch):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found: cannot build cubins")
-def test_vector_select_compiles_to_cubin():
-    from nemo_dsa.ops._tilelang import compile_cubin
+def test_vector_select_compiles_to_cubin_without_spills():
+    """Both builds fit 48 registers (5 blocks an SM) without spilling: with candidate blocks only at 2
+    cached vectors a lane (4 spill 24 bytes, docs/performance.md v33)."""
+    from nemo_dsa.ops._tilelang import compile_cubin, lower
 
-    assert "vector_select::select_row<4, 8>(" in compile_cubin(vector_select_kernel(block_size=8)).get_kernel_source()
+    assert "vector_select::select_row<2, 8>(" in compile_cubin(vector_select_kernel(block_size=8)).get_kernel_source()
+    for block_size in (0, 8):
+        report = ptxas_report(str(lower(vector_select_kernel(block_size=block_size)).kernel_source))
+        assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 48, report[-2000:]
+        assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", report), report[-2000:]

@@ -41,15 +41,19 @@ WARPS = THREADS // 32
 WINDOW_BINS = 256
 # 16-byte vectors a lane keeps in registers (4 words each): 4 hold a row's first 8,192 keys; keys past
 # them are loaded again by each later walk. 4 with 5 blocks an SM matched or beat 8 with 4 on every
-# V4.1 chunk measured, long rows too (docs/performance.md v32).
+# V4.1 chunk measured, long rows too (docs/performance.md v32). With candidate blocks 2: the build's
+# three row paths fit 48 registers without spills only so, and 2 at 5 blocks an SM beat 4 at 4 on every
+# reindex chunk measured (v33).
 CACHED_VECTORS = 4
-# Candidate-block maps (V4.1 reindex layers): one byte per block of the row in static shared memory
-# (ROW_SOURCE's kMaskBlocks).
+MASKED_CACHED_VECTORS = 2
+# Candidate blocks (V4.1 reindex layers): rows of up to MASK_BLOCKS blocks (ROW_SOURCE's kMaskBlocks). A
+# row's kept blocks live in KEPT_INTS of static shared memory: as a list of 16-bit block numbers (up to
+# kListedBlocks = 4096) or as a map of one bit a block.
 MASK_BLOCKS = 16384
-# Blocks an SM holds (__launch_bounds__): 5 caps a thread at 48 registers. With candidate blocks the
-# static map leaves shared memory for 4 (64 registers).
+KEPT_INTS = 2048
+# Blocks an SM holds (__launch_bounds__): 5 caps a thread at 48 registers; with candidate blocks too, which
+# the 8 KiB of kept blocks leave shared memory for (a 16 KiB byte map held them to 4).
 MIN_BLOCKS_PER_SM = 5
-MASKED_MIN_BLOCKS_PER_SM = 4
 # Shared ints of the vector maxima's histogram (4096 bins of 16 images, one pad int per 16 bins), which then
 # hold the warps' lists of key numbers, and of the lists' bf16 bits (ROW_SOURCE's kListCap a warp).
 MAX_BIN_SLOTS = 4096 + 4096 // 16
@@ -320,12 +324,12 @@ __device__ __forceinline__ void find_cut(const int* hist, int wanted, unsigned t
   __syncthreads();
 }
 
-// A shared int, read where it is used: as a plain load the compiler keeps a lane's first kept blocks in
-// registers across the walks, and the row's register cache spills (ptxas, block_size 8).
-__device__ __forceinline__ int load_shared(const int* p) {
-  int value;
-  asm volatile("ld.shared.b32 %0, [%1];" : "=r"(value) : "r"(unsigned(__cvta_generic_to_shared(p))));
-  return value;
+// A listed block number, read from shared memory where it is used: as a plain load the compiler keeps a
+// lane's first kept blocks in registers across the walks, and the row's register cache spills (ptxas).
+__device__ __forceinline__ int load_listed(const unsigned short* p) {
+  unsigned short value;
+  asm volatile("ld.shared.u16 %0, [%1];" : "=h"(value) : "r"(unsigned(__cvta_generic_to_shared(p))));
+  return int(value);
 }
 
 // A block's row: warp w owns ``segment`` vectors (a multiple of 32) from vector w * segment, lane l
@@ -335,15 +339,15 @@ __device__ __forceinline__ int load_shared(const int* p) {
 template <int kBlock, bool kListed>
 struct Row {
   const unsigned short* keys;  // the row's key 0
-  const unsigned char* kept;   // kBlock > 0, not kListed: the row's candidate-block map (1 = kept)
-  const int* listed;           // kListed: the row's kept blocks, ascending
+  const unsigned* kept;        // kBlock > 0, not kListed: the row's candidate-block map (bit set = kept)
+  const unsigned short* listed;  // kListed: the row's kept blocks, ascending
   int start, end, base, vectors, segment, steps, limit, warp, lane;
   bool aligned;                // the vectors start 16-byte aligned (always, unless kListed and ks's position is not)
   bool drop_inf = false;       // read +inf as -inf (a row holding one)
 
   __device__ __forceinline__ Row(const void* scores, int row, int width, int row_start, int row_end,
                                  const int* kept_words, int listed_blocks)
-      : kept(reinterpret_cast<const unsigned char*>(kept_words)), listed(kept_words) {
+      : kept(reinterpret_cast<const unsigned*>(kept_words)), listed(reinterpret_cast<const unsigned short*>(kept_words)) {
     warp = threadIdx.x >> 5;
     lane = threadIdx.x & 31;
     start = min(max(row_start, 0), width);
@@ -361,7 +365,7 @@ struct Row {
   }
   __device__ __forceinline__ int vector(int step) const { return warp * segment + 32 * step + lane; }
   __device__ __forceinline__ int first_key(int step) const {
-    if (kListed) return vector(step) < limit ? start + kKeys * load_shared(listed + vector(step)) : start;
+    if (kListed) return vector(step) < limit ? start + kKeys * load_listed(listed + vector(step)) : start;
     return base + kKeys * vector(step);
   }
   __device__ __forceinline__ void load(int step, unsigned* w) const {
@@ -372,7 +376,8 @@ struct Row {
       #pragma unroll
       for (int k = 0; k < kKeys; ++k) {
         const unsigned from_start = unsigned(first + k - start);
-        if (from_start < unsigned(end - start) && kept[from_start / kBlock] == 0) {
+        const unsigned block = from_start / kBlock;
+        if (from_start < unsigned(end - start) && ((kept[block >> 5] >> (block & 31)) & 1u) == 0u) {
           w[k >> 1] = (k & 1) ? (w[k >> 1] & 0xFFFFu) | (kNegInf << 16) : (w[k >> 1] & 0xFFFF0000u) | kNegInf;
         }
       }
@@ -380,16 +385,16 @@ struct Row {
   }
 };
 
-// The row's candidate-block map: blocks of kBlock keys from ``start``, 1 for those in ``blocks`` (-1 and
-// blocks past the row skipped). Two barriers.
+// The row's candidate-block map: blocks of kBlock keys from ``start``, a set bit for those in ``blocks`` (-1
+// and blocks past the row skipped). Two barriers.
 template <int kBlock>
-__device__ __forceinline__ void fill_block_map(unsigned char* kept, const int* blocks, int kept_width, int start, int end) {
+__device__ __forceinline__ void fill_block_map(unsigned* kept, const int* blocks, int kept_width, int start, int end) {
   const int row_blocks = (end - start + kBlock - 1) / kBlock;
-  for (int i = threadIdx.x; i < row_blocks; i += kThreads) kept[i] = 0;
+  for (int i = threadIdx.x; i < (row_blocks + 31) / 32; i += kThreads) kept[i] = 0u;
   __syncthreads();
   for (int i = threadIdx.x; i < kept_width; i += kThreads) {
     const int block = blocks[i];
-    if (block >= 0 && block < row_blocks) kept[block] = 1;
+    if (block >= 0 && block < row_blocks) atomicOr(kept + (block >> 5), 1u << (block & 31));
   }
   __syncthreads();
 }
@@ -422,19 +427,19 @@ __device__ __forceinline__ int block_sum(int x, int* slots) {
   return total;
 }
 
-// Candidate blocks of 8 (one vector each) whose list fits the map's shared memory as ints are read from
-// the list itself: copies the row's list to ``listed`` and returns how many kept blocks it holds, or -1
+// Candidate blocks of 8 (one vector each) whose list fits the map's shared memory as 16-bit numbers are read
+// from the list itself: copies the row's list to ``listed`` and returns how many kept blocks it holds, or -1
 // unless those come first and in ascending order (the candidate source's form), followed only by entries
 // the map ignores (-1, blocks past the row). ``source_form``: the caller vouches for that form, so only
 // the first ``row_blocks`` entries are read, unchecked. One barrier.
-constexpr int kMaskBlocks = 16384, kListedBlocks = kMaskBlocks / 4;
+constexpr int kMaskBlocks = 16384, kListedBlocks = 4096;
 __device__ __forceinline__ int list_kept_blocks(const int* blocks, int kept_width, bool source_form, int row_blocks,
-                                                int* listed, int* slots) {
+                                                unsigned short* listed, int* slots) {
   int kept = 0, disordered = 0;
   const int entries = source_form ? min(kept_width, row_blocks) : kept_width;
   for (int i = threadIdx.x; i < entries; i += kThreads) {
     const int block = blocks[i];
-    listed[i] = block;
+    listed[i] = (unsigned short)block;  // read only where kept: 0 <= block < row_blocks <= kMaskBlocks
     const bool in_row = block >= 0 && block < row_blocks;
     kept += in_row;
     if (!source_form && in_row && i > 0) {
@@ -465,7 +470,7 @@ __device__ __forceinline__ void select_listed_or_mapped(const void* scores, int 
   const int tx = threadIdx.x;
   Row<kBlock, kListed> row(scores, row_number, width, row_start, row_end, kept_words, listed_blocks);
   if (kBlock > 0 && !kListed) {
-    fill_block_map<kBlock>(reinterpret_cast<unsigned char*>(kept_words), row_blocks, kept_width, row.start, row.end);
+    fill_block_map<kBlock>(reinterpret_cast<unsigned*>(kept_words), row_blocks, kept_width, row.start, row.end);
   }
   const int warp = row.warp, lane = row.lane;
   unsigned short* picked = static_cast<unsigned short*>(picked_out);
@@ -653,8 +658,8 @@ __device__ __forceinline__ void select_row(const void* scores, int row_number, i
       const bool every_block = source_form && blocks_of_row <= kept_width &&
                                (blocks_of_row == 0 || row_blocks[blocks_of_row - 1] == blocks_of_row - 1);
       const int listed = every_block ? blocks_of_row
-                                     : list_kept_blocks(row_blocks, kept_width, source_form, blocks_of_row, kept_words,
-                                                        scratch + 3 * kWarps);
+                                     : list_kept_blocks(row_blocks, kept_width, source_form, blocks_of_row,
+                                                        reinterpret_cast<unsigned short*>(kept_words), scratch + 3 * kWarps);
       if (listed == blocks_of_row) {
         select_listed_or_mapped<kCached, 0, false>(scores, row_number, width, row_start, row_end, count, offset, index,
                                                    picked_out, hist, scratch, row_blocks, kept_width, kept_words, 0);
@@ -676,7 +681,7 @@ __device__ __forceinline__ void select_row(const void* scores, int row_number, i
 """
 
 
-def vector_select_kernel(block_size: int = 0, cached_vectors: int = CACHED_VECTORS, min_blocks: int | None = None):
+def vector_select_kernel(block_size: int = 0, cached_vectors: int | None = None, min_blocks: int = MIN_BLOCKS_PER_SM):
     """PrimFunc of the vector select (index order, bf16; one block of 256 threads per row).
 
     Scores bf16 [rows, width] (any width, the matrix 16-byte aligned: the wrapper checks), KS/KE
@@ -685,12 +690,12 @@ def vector_select_kernel(block_size: int = 0, cached_vectors: int = CACHED_VECTO
     kept_width] with ``block_size`` > 0: the rows' kept candidate blocks, counted from ks (a row of
     more than MASK_BLOCKS blocks of ``block_size``: the wrapper checks); ``source_form`` != 0: the
     caller vouches that each list is in the candidate source's form (ascending, then -1).
-    ``min_blocks`` defaults to MIN_BLOCKS_PER_SM, or MASKED_MIN_BLOCKS_PER_SM with ``block_size``.
+    ``cached_vectors`` defaults to CACHED_VECTORS, or MASKED_CACHED_VECTORS with ``block_size``.
     """
     check_positive_int("block_size", block_size, minimum=0)
+    if cached_vectors is None:
+        cached_vectors = MASKED_CACHED_VECTORS if block_size else CACHED_VECTORS
     check_positive_int("cached_vectors", cached_vectors)
-    if min_blocks is None:
-        min_blocks = MASKED_MIN_BLOCKS_PER_SM if block_size else MIN_BLOCKS_PER_SM
     check_positive_int("min_blocks", min_blocks)
     T = tilelang().language
     i32 = T.int32
@@ -714,9 +719,9 @@ def vector_select_kernel(block_size: int = 0, cached_vectors: int = CACHED_VECTO
             # Per warp, then the vector maxima's (later the lists' key numbers), then the lists' bits.
             hist = T.alloc_shared([WARPS * WINDOW_BINS + MAX_BIN_SLOTS + LIST_VALUE_SLOTS], i32)
             scratch = T.alloc_shared([SCRATCH_INTS], i32)
-            # Static, as the radix select's: the row's kept candidate blocks (block_size > 0), a byte map
-            # or, for blocks of 8, the list itself (ints).
-            kept = T.alloc_shared([MASK_BLOCKS // 4 if block_size else 1], i32, scope="shared")
+            # Static, as the radix select's: the row's kept candidate blocks (block_size > 0), a bit map
+            # or, for blocks of 8, the list itself (16-bit block numbers).
+            kept = T.alloc_shared([KEPT_INTS if block_size else 1], i32, scope="shared")
             T.call_extern(
                 "handle", f"vector_select::select_row<{cached_vectors}, {block_size}>",
                 T.address_of(Scores[0, 0]), row, width, KS[row], KE[row], count, offset,
