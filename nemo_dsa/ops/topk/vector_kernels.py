@@ -41,8 +41,8 @@ WARPS = THREADS // 32
 WINDOW_BINS = 256
 # 16-byte vectors a lane keeps in registers (4 words each): 4 hold a row's first 8,192 keys; keys past
 # them are loaded again by each later walk. 4 with 5 blocks an SM matched or beat 8 with 4 on every
-# V4.1 chunk measured, long rows too (docs/performance.md v32). With candidate blocks 2: the build's
-# three row paths fit 48 registers without spills only so, and 2 at 5 blocks an SM beat 4 at 4 on every
+# V4.1 chunk measured, long rows too (docs/performance.md v32). With candidate blocks 2: at 48 registers
+# that build's three row paths spill with 3 or 4 (ptxas), and 2 at 5 blocks an SM beat 4 at 4 on every
 # reindex chunk measured (v33).
 CACHED_VECTORS = 4
 MASKED_CACHED_VECTORS = 2
