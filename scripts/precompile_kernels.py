@@ -82,8 +82,10 @@ def main(argv: list[str] | None = None) -> None:
     from nemo_dsa.ops.v4_indexer.kernels import SUPPORTED_DIMS, SUPPORTED_HEADS
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--heads", type=int, nargs="+", default=list(SUPPORTED_HEADS))
-    parser.add_argument("--dims", type=int, nargs="+", default=list(SUPPORTED_DIMS))
+    parser.add_argument("--heads", type=int, nargs="+", default=list(SUPPORTED_HEADS), choices=SUPPORTED_HEADS,
+                        help="the indexers' head counts (the attention kernels' shapes need none)")
+    parser.add_argument("--dims", type=int, nargs="+", default=list(SUPPORTED_DIMS), choices=SUPPORTED_DIMS,
+                        help="the indexers' head dims (the attention kernels' come from their own table)")
     parser.add_argument("--counts", type=int, nargs="+", default=[512], help="top-k sizes the selector serves")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--kinds", nargs="+", default=None, choices=KINDS, help="only these kernel kinds (default: all)")

@@ -30,6 +30,31 @@ def test_table_covers_supported_shapes():
         assert bwd.threads in (128, 256, 512)
 
 
+@pytest.mark.parametrize("heads,dim", [(32, 512), (48, 128), (64, 32)])
+def test_configs_reject_shapes_outside_the_table(heads, dim):
+    """A shape the table lacks is one ValueError naming the argument, not TileLang's layout error
+    (``--dims 512`` once reached the backward's lowering through scripts/precompile_kernels.py)."""
+    name = "heads" if heads not in kernels.SUPPORTED_HEADS else "index_dim"
+    for config in (kernels.forward_config, kernels.backward_config):
+        with pytest.raises(ValueError, match=f"{name} must be one of"):
+            config(heads, dim)
+
+
+def test_precompile_script_rejects_shapes_outside_the_table(capsys):
+    """The script's --heads / --dims take the indexers' table only: a wrong one is argparse's line."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "precompile_kernels.py"
+    spec = importlib.util.spec_from_file_location("precompile_kernels", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(["--dims", "512", "--kinds", "v4_bwd"])
+    assert exit_info.value.code == 2
+    assert "argument --dims: invalid choice: 512" in capsys.readouterr().err
+
+
 def _check_lowering(prim_func, pass_configs=None):
     artifact = tlh.lower(prim_func, pass_configs=pass_configs)
     assert "tl::wgmma_ss" in str(artifact.kernel_source), "expected Hopper wgmma GEMMs"

@@ -56,6 +56,15 @@ def _round_up(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
 
 
+def _check_kernel_shape(heads: int, index_dim: int) -> None:
+    """The table covers these shapes only (the wrappers pad others to them, ``padded_shape``);
+    TileLang fails on others with a layout error deep in lowering."""
+    if heads not in SUPPORTED_HEADS:
+        raise ValueError(f"heads must be one of {SUPPORTED_HEADS} for a kernel, got {heads}")
+    if index_dim not in SUPPORTED_DIMS:
+        raise ValueError(f"index_dim must be one of {SUPPORTED_DIMS} for a kernel, got {index_dim}")
+
+
 @dataclass(frozen=True)
 class ForwardConfig:
     heads: int
@@ -97,6 +106,7 @@ def forward_config(heads: int, index_dim: int) -> ForwardConfig:
     256 rows is wgmma's widest N: each 16 KiB key tile read from L2 feeds 4.2 MFLOP (128 rows
     measured 3.5 % slower on the H200 at the benchmark shape). D = 256 uses 128 rows.
     """
+    _check_kernel_shape(heads, index_dim)
     # wgmma N must be a multiple of 8: grow the query tile until block_q * heads is.
     # D = 256 halves the rows so queries + two key stages fit in 227 KiB of shared memory.
     rows = 256 if index_dim <= 128 else 128
@@ -109,6 +119,7 @@ def forward_config(heads: int, index_dim: int) -> ForwardConfig:
 
 def backward_config(heads: int, index_dim: int) -> BackwardConfig:
     """One query per block; enough warpgroups that the four fp32 fragments fit in registers."""
+    _check_kernel_shape(heads, index_dim)
     block_t = 64
     hp = _round_up(heads, 16)
     fragment_floats = index_dim * hp + block_t * index_dim + 2 * block_t * hp
