@@ -331,3 +331,22 @@ def test_the_forward_stamp_tool_finds_its_anchors():
         tool.stamped("void other() {}")
     with pytest.raises(RuntimeError, match="anchor not in the generated CUDA"):
         tool.stamped(code.replace("free_l[1].arrive();", "free_l[1].arrive_and_expect_tx(0);"))
+
+
+def test_the_gather_probe_keeps_its_ring_in_flight(tmp_path):
+    """examples/probe_gathers.py measures the forward's gather path alone: its build must issue
+    zero-filling 16-byte cp.async (as the forward's producer does), commit a group a tile and wait
+    only for the group ``stages`` tiles back, or its table would time something else."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "probe_gathers.py"
+    spec = importlib.util.spec_from_file_location("probe_gathers", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    out = tmp_path / "probe.cu"
+    tool.main(["--cuda", str(out), "--tiles", "8"])
+    source = out.read_text()
+    assert "cp_async_gs_conditional<16>" in source
+    assert "tl::cp_async_commit();" in source and "tl::cp_async_wait<3>();" in source  # the 4-stage build
+    assert "extern __shared__" in source
