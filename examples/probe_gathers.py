@@ -14,10 +14,16 @@ SM keeps in flight from the warps that issue them. docs/performance.md v34 has w
 
 # No `from __future__ import annotations`: TileLang evaluates the prim_func's tensor annotations.
 import argparse
+import os
+import sys
 
 import torch
 
-from nemo_dsa.ops._tilelang import compile_cubin, lower_to_cuda_source, tilelang
+sys.path.insert(0, os.path.dirname(__file__))
+
+from benchmark_attention import median_ms  # noqa: E402
+
+from nemo_dsa.ops._tilelang import compile_cubin, lower_to_cuda_source, tilelang  # noqa: E402
 
 ROWS, COLS, TABLE_ROWS = 64, 256, 8192  # a tile: 64 half rows of 256 bf16 (32 KiB)
 PASS_CONFIGS = {"tl.disable_warp_specialized": True}
@@ -52,18 +58,6 @@ def gather_kernel(stages: int, blocks: int, tiles: int):
     return gather_probe
 
 
-def median_ms(fn, reps: int = 10) -> float:
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiles", type=int, default=1024, help="tiles a block gathers")
@@ -85,9 +79,7 @@ def main(argv: list[str] | None = None) -> None:
         kernel = compile_cubin(gather_kernel(stages, blocks, args.tiles), pass_configs=PASS_CONFIGS)
         idx = torch.randint(0, TABLE_ROWS, (blocks, args.tiles, ROWS), device="cuda", dtype=torch.int32)
         out = torch.empty(blocks, 128, device="cuda")
-        for _ in range(3):
-            kernel(table, idx, out)
-        ms = median_ms(lambda: kernel(table, idx, out))
+        ms = median_ms(lambda: kernel(table, idx, out), iters=10)
         nbytes = blocks * args.tiles * ROWS * COLS * 2
         print(f"| {stages} | {per_sm} | {32 * stages * per_sm} | {ms:.3f} | {nbytes / ms / 1e9:.2f} |")
 
