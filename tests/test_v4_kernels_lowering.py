@@ -40,6 +40,16 @@ def test_configs_reject_shapes_outside_the_table(heads, dim):
             config(heads, dim)
 
 
+def test_every_shape_the_wrappers_accept_pads_to_a_config():
+    """The wrappers take heads 1..128 and head dims that are multiples of 16 up to 256, pad them
+    (``padded_shape``) and only then ask for a config: the table check never fires on that path."""
+    for heads in range(1, 129):
+        for dim in range(16, 257, 16):
+            heads_to, dim_to = kernels.padded_shape(heads, dim)
+            assert kernels.forward_config(heads_to, dim_to).heads == heads_to
+            assert kernels.backward_config(heads_to, dim_to) is not None
+
+
 def test_precompile_script_rejects_shapes_outside_the_table(capsys):
     """The script's --heads / --dims take the indexers' table only: a wrong one is argparse's line."""
     import importlib.util
