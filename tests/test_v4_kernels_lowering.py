@@ -46,8 +46,9 @@ def test_every_shape_the_wrappers_accept_pads_to_a_config():
     for heads in range(1, 129):
         for dim in range(16, 257, 16):
             heads_to, dim_to = kernels.padded_shape(heads, dim)
-            assert kernels.forward_config(heads_to, dim_to).heads == heads_to
-            assert kernels.backward_config(heads_to, dim_to) is not None
+            assert heads_to >= heads and dim_to >= dim
+            forward, backward = kernels.forward_config(heads_to, dim_to), kernels.backward_config(heads_to, dim_to)
+            assert (forward.heads, backward.heads, backward.index_dim) == (heads_to, heads_to, dim_to)
 
 
 def test_precompile_script_rejects_shapes_outside_the_table(capsys):
