@@ -24,10 +24,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 from benchmark_attention import median_ms  # noqa: E402
 
 from nemo_dsa.ops._tilelang import compile_cubin, lower_to_cuda_source, tilelang  # noqa: E402
+from nemo_dsa.ops.sparse_attention.forward import NO_COPY_WAIT  # noqa: E402  (the forward producer's copies)
 
 ROWS, COLS, TABLE_ROWS = 64, 256, 8192  # a tile: 64 half rows of 256 bf16 (32 KiB)
 PASS_CONFIGS = {"tl.disable_warp_specialized": True}
-NO_COPY_WAIT = {"parallel_async_without_async_commit_wait": True}
 CASES = ((1, 1), (2, 1), (3, 1), (4, 1), (6, 1), (1, 2), (2, 2), (3, 2))  # (stages, blocks an SM)
 
 
