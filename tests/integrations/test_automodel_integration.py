@@ -39,7 +39,7 @@ from nemo_dsa.integrations.automodel_data import document_examples, stdlib_docst
 from nemo_dsa.models.dsa_lm.configuration import DSAModelConfig
 from nemo_dsa.models.dsa_lm.modeling import DSAForCausalLM
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ARCHS = {
     "NemoDsaV4ForCausalLM": (integ.NemoDsaV4Config, integ.NemoDsaV4ForCausalLM, "v4"),
     "NemoDsaV41ForCausalLM": (integ.NemoDsaV41Config, integ.NemoDsaV41ForCausalLM, "v41"),

@@ -19,7 +19,7 @@ except ImportError as error:
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples" / "automodel"
 
 

@@ -16,7 +16,7 @@ from nemo_dsa.generate import main as generate_main
 from nemo_dsa.recipe.inference import filter_logits, generate, load_run
 from nemo_dsa.train import load_config, read_metrics, train
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHORT = ["recipe=smoke", "recipe.seq_len=32", "recipe.batch_size=2", "recipe.max_steps=3", "recipe.ckpt_every=3",
          "recipe.val_every=3", "recipe.val_batches=2", "recipe.warmup_steps=1", "recipe.num_threads=1",
          "recipe.plot=false"]

@@ -56,7 +56,7 @@ def test_precompile_script_rejects_shapes_outside_the_table(capsys):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "precompile_kernels.py"
+    path = Path(__file__).resolve().parents[2] / "scripts" / "precompile_kernels.py"
     spec = importlib.util.spec_from_file_location("precompile_kernels", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)

@@ -32,7 +32,7 @@ try:
 except ImportError as error:
     skip_without_automodel(error)
 
-SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "benchmark_model_step.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "benchmark_model_step.py"
 RTOL = 1e-4
 VOCAB = 64
 SEQ = {"v41": 64, "v4": 256}  # V4: two ratio-128 groups; V4.1: 16 candidate blocks of 4, 3 kept

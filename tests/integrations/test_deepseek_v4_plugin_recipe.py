@@ -31,7 +31,7 @@ from nemo_dsa.integrations.deepseek_v4_checkpoint import read_hf_checkpoint
 from nemo_dsa.integrations.recompute import is_recomputed
 from test_deepseek_v4_plugin import build_plugin
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples" / "automodel"
 
 

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from nemo_dsa.train import load_config, main, read_metrics, train
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHORT = ["recipe=smoke", "recipe.seq_len=32", "recipe.batch_size=2", "recipe.max_steps=4", "recipe.ckpt_every=2",
          "recipe.val_every=2", "recipe.warmup_steps=1", "recipe.plot=false"]
 

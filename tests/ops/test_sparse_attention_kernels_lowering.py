@@ -314,7 +314,7 @@ def test_the_forward_stamp_tool_finds_its_anchors():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "examples" / "trace_forward.py"
+    path = Path(__file__).resolve().parents[2] / "examples" / "trace_forward.py"
     spec = importlib.util.spec_from_file_location("trace_forward", path)
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
@@ -340,7 +340,7 @@ def test_the_gather_probe_keeps_its_ring_in_flight(tmp_path):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "examples" / "probe_gathers.py"
+    path = Path(__file__).resolve().parents[2] / "examples" / "probe_gathers.py"
     spec = importlib.util.spec_from_file_location("probe_gathers", path)
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)

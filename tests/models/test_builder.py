@@ -147,7 +147,7 @@ def test_compare_selection_example_v4_and_v41_select_visible_groups():
 
     from nemo_dsa.data import build_streams
 
-    path = Path(__file__).resolve().parents[1] / "examples" / "compare_selection.py"
+    path = Path(__file__).resolve().parents[2] / "examples" / "compare_selection.py"
     spec = importlib.util.spec_from_file_location("compare_selection", path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
