@@ -34,7 +34,7 @@ TileLang and nemo-automodel. S: a multiple of 128 (V4's ratio 128 and the kernel
 
 ``--activation-checkpointing full | selective`` wraps both sides' decoder blocks with nemo-automodel's
 ``apply_ac`` (what a recipe's ``distributed.activation_checkpointing: true | selective`` does); long
-sequences need it (tests/test_activation_checkpointing.py checks the plugins' gradients under it).
+sequences need it (tests/integrations/test_activation_checkpointing.py checks the plugins' gradients under it).
 ``--recompute hyper_connections,norms[,attention]`` turns on the plugin's own lighter recompute
 instead (or as well): those parts' activations are recomputed, not kept
 (``nemo_dsa.integrations.recompute``).
@@ -45,7 +45,7 @@ writes the ops' self CUDA time (key_averages, grouped by op name) as a table to
 with a range (``fwd L<i> <part>``) so its CUDA time can be read beside the ops.
 
 ``model_config`` and ``build`` also build both sides on CPU (fp32, tiny dimensions as overrides):
-tests/test_benchmark_model_step_cpu.py runs two steps of each there and checks the losses agree.
+tests/integrations/test_benchmark_model_step_cpu.py runs two steps of each there and checks the losses agree.
 """
 
 from __future__ import annotations

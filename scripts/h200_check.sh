@@ -18,17 +18,17 @@ python3 scripts/precompile_kernels.py --workers 16 --heads 8 16 32 64 128 --dims
 
 step "pytest -m gpu (three groups at once: kernel compiles take the CPUs, the tests are short)"
 pytest_gpu=(python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --durations=5)
-indexers=(tests/test_v4_kernels_gpu.py tests/test_v41_kernels_gpu.py tests/test_v41_layer_gpu.py)
-"${pytest_gpu[@]}" tests/test_topk_kernels_gpu.py >"$out/gpu_topk.part" 2>&1 &
+indexers=(tests/ops/test_v4_kernels_gpu.py tests/ops/test_v41_kernels_gpu.py tests/layers/test_v41_layer_gpu.py)
+"${pytest_gpu[@]}" tests/ops/test_topk_kernels_gpu.py >"$out/gpu_topk.part" 2>&1 &
 "${pytest_gpu[@]}" "${indexers[@]}" >"$out/gpu_indexers.part" 2>&1 &
 # test_automodel_integration.py holds no GPU test and needs `datasets`, which the main bundle lacks.
-"${pytest_gpu[@]}" tests --ignore=tests/test_topk_kernels_gpu.py --ignore=tests/test_automodel_integration.py "${indexers[@]/#/--ignore=}" >"$out/gpu_rest.part" 2>&1 &
+"${pytest_gpu[@]}" tests --ignore=tests/ops/test_topk_kernels_gpu.py --ignore=tests/integrations/test_automodel_integration.py "${indexers[@]/#/--ignore=}" >"$out/gpu_rest.part" 2>&1 &
 wait
 cat "$out"/gpu_*.part >"$out/gpu_tests.txt" && rm -f "$out"/gpu_*.part
 grep -E "passed|failed|FAILED|ERROR" "$out/gpu_tests.txt" | tail -15
 
 step "memcheck: the radix select on long rows (compute-sanitizer; its bound checks are off by design)"
-compute-sanitizer --tool memcheck --print-limit 5 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_topk_kernels_gpu.py \
+compute-sanitizer --tool memcheck --print-limit 5 python3 -m pytest -m gpu -q -p no:cacheprovider tests/ops/test_topk_kernels_gpu.py \
   -k "(on_ranges and special and 512-20001) or (block_masked and special and 512-20001)" 2>&1 | tail -2
 
 step "indexer benchmark"
@@ -52,7 +52,7 @@ done
 
 if [ "${2:-}" = cp ]; then
   step "context parallelism over NCCL"
-  python3 -m pytest -q -p no:cacheprovider tests/test_cp_gpu.py 2>&1 | tail -5
+  python3 -m pytest -q -p no:cacheprovider tests/models/test_cp_gpu.py 2>&1 | tail -5
   python3 -m torch.distributed.run --standalone --nproc-per-node 2 examples/benchmark_cp.py \
     --seq-len 65536 --out "$out/bench_cp.json" 2>&1 | grep -v INFO | tail -10
 fi

@@ -467,7 +467,7 @@ def test_all_padding_and_short_rows():
 
 
 def test_device_argument_places_tensorless_metadata_and_checks_tensors():
-    # CPU-only here; tests/test_model.py::test_cuda_forward_from_input_ids_alone places it on CUDA.
+    # CPU-only here; tests/models/test_model.py::test_cuda_forward_from_input_ids_alone places it on CUDA.
     meta = build_attention_metadata(compress_ratio=4, batch_size=2, seq_len=8, device="cpu")
     assert meta.ks.device.type == "cpu" and meta.positions.shape == (2, 8)
     with pytest.raises(ValueError, match="device"):

@@ -16,7 +16,7 @@ the module tree and every parameter name as they are. That matters: nemo-automod
 hyper-connections' parameters in fp32 by name (``_keep_in_fp32_modules_strict``), and a wrapper
 module in the path (``checkpoint_wrapper``'s ``_checkpoint_wrapped_module``) made a bf16 cast
 turn them bf16. State-dict keys, FSDP2 and nemo-automodel's ``apply_ac`` (whole blocks, around
-these) are unchanged. Values and gradients are the plain step's, bitwise (tests/test_recompute.py).
+these) are unchanged. Values and gradients are the plain step's, bitwise (tests/integrations/test_recompute.py).
 """
 
 from __future__ import annotations

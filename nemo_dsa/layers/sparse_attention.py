@@ -23,7 +23,7 @@ their document-local positions, a pooled key at its group's first token's docume
 nemo-automodel 0.7.0's built-in DeepSeek-V4 attention rotates at the trainer's ``position_ids``
 (document-local in THD packs, 0.. in plain rows) and a packed pooled key at
 ``(first local position // R) * R``: on rows and on packs whose documents start on multiples of
-every ratio both are the same numbers, so the two agree there (tests/test_released_v4_attention.py).
+every ratio both are the same numbers, so the two agree there (tests/layers/test_released_v4_attention.py).
 
 Precision, as the release: the sinks and the compressors' ``wkv``/``wgate``/``ape`` are fp32
 parameters that stay fp32 inside bf16 models (``KeepsFP32Parameters``); the indexer scores in the
@@ -60,7 +60,7 @@ unrotated latent (``index_keys = "latent"``); the window KV quantize-dequantized
 of 32 after RoPE (``window_kv_quant``) and the compressed KV to NVFP4 in blocks of 16 after RoPE
 (``compressed_kv_quant``), straight-through gradients; the frozen MXFP4 indexer scoring in the
 model's precision. Compared with nemo-automodel 0.7.0's built-in ``DeepseekV41Attention``
-(tests/test_released_v41_attention.py): fp32 outputs and gradients agree to ~3e-7, the cached KV
+(tests/layers/test_released_v41_attention.py): fp32 outputs and gradients agree to ~3e-7, the cached KV
 and index keys bitwise; bf16 caches bitwise, selections equal except exact score ties.
 
 Training the V4 indexer (DeepSeek's sparse-attention recipe, arXiv 2512.02556): the indexer's
@@ -109,7 +109,7 @@ FP8_BLOCK = 32  # V4.1 window KV: fp8 blocks of 32 channels
 NVFP4_BLOCK = 16  # V4.1 compressed KV: nvfp4 blocks of 16 channels
 # V4's per-head q norm + RoPE as one TileLang kernel each way on CUDA (ops/head_norm_rope) instead
 # of ~10 eager passes: -82 ms of a 518 ms V4 step at S = 16,384 on the H200 (docs/performance.md
-# v16). False restores the eager ops; tests/test_head_norm_rope_gpu.py runs the layer either way.
+# v16). False restores the eager ops; tests/ops/test_head_norm_rope_gpu.py runs the layer either way.
 FUSED_Q_NORM_ROPE = True
 
 

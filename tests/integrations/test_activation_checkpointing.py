@@ -3,7 +3,7 @@
 Long contexts need it: a V4 step keeps ~2.4 MiB a token for its backward without it
 (docs/performance.md v15-v16), so S = 65,536 does not fit one H200. A recipe turns it on with
 ``distributed.activation_checkpointing: selective`` (or ``true``, which nemo-automodel 0.7.0's
-train_ft cannot run for these MoE models: tests/test_deepseek_v4_plugin_recipe.py); its MoE
+train_ft cannot run for these MoE models: tests/integrations/test_deepseek_v4_plugin_recipe.py); its MoE
 parallelizer then wraps every decoder block through ``apply_ac``, the function called here. The plugins'
 attention recomputes inside it (its own nested checkpoint of V4's queries included), so the
 gradients must be bitwise those of the plain step, every indexer parameter's too, and what the

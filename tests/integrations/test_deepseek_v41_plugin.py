@@ -1,6 +1,6 @@
 """NemoDsaDeepseekV41ForCausalLM against nemo-automodel's built-in DeepseekV41ForCausalLM (CPU, fp32).
 
-The same tiny config as tests/test_released_v41_attention.py (ratios 0/2/1, source / reindex /
+The same tiny config as tests/layers/test_released_v41_attention.py (ratios 0/2/1, source / reindex /
 reuse on both compressed ratios, candidate blocks, YaRN, grouped output projection), in the
 built-in's full model: 4 hyper-connection streams, a small MoE, the fp32 LM head. Both models hold
 the same random weights (the plugin's parameter names are the built-in's: one state dict loads
@@ -16,7 +16,7 @@ packing from ``seq_lens``):
   of fp32 reordering; the plugin's differ from the built-in's by at most 2.2e-4 (measured). Each
   mixer parameter is held to four times the built-in's own movement of its gradient when its
   attention outputs move by 3e-7 relative (the plugin's attention difference,
-  tests/test_released_v41_attention.py), the larger of two noise draws (measured: the plugin's
+  tests/layers/test_released_v41_attention.py), the larger of two noise draws (measured: the plugin's
   movement is at most 2.3 times that floor), and every one to 1e-3. Every other parameter's
   gradient agrees to 2.3e-6 (measured).
 Loading: a state dict exported by the built-in's adapter (the released HF names) comes back

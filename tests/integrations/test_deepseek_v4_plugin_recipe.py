@@ -124,7 +124,7 @@ def train_ft_losses(checkpoint: Path, run_dir: Path, **overrides) -> tuple[list[
 def test_train_ft_under_selective_activation_checkpointing_takes_the_same_steps(cpu_automodel, tmp_path):
     """``distributed.activation_checkpointing: selective`` (long sequences): nemo-automodel wraps the
     plugin's decoder blocks and the fine-tune's losses are those of the plain run (the gradients are
-    bitwise equal: tests/test_activation_checkpointing.py). The full mode (``true``) stops in
+    bitwise equal: tests/integrations/test_activation_checkpointing.py). The full mode (``true``) stops in
     nemo-automodel 0.7.0's MoE router recompute with a CheckpointError on this recipe, the built-in
     model's as well (seen on 2026-12-02); it runs once no layer is hash-routed (the next test), so
     the docs point to ``selective`` for released checkpoints (their first layers are hash-routed)."""
@@ -139,7 +139,7 @@ def test_train_ft_under_selective_activation_checkpointing_takes_the_same_steps(
 
 def test_train_ft_with_recomputed_parts_takes_the_same_steps(cpu_automodel, tmp_path):
     """``model.recompute: hyper_connections,norms`` in the recipe: the plugin recomputes those
-    modules (tests/test_recompute.py has the bitwise gradients) and the fine-tune's losses are the
+    modules (tests/integrations/test_recompute.py has the bitwise gradients) and the fine-tune's losses are the
     plain run's."""
     checkpoint = load_writer().write_tiny_v4_checkpoint(tmp_path / "pretrained", seed=3)
     plain, _ = train_ft_losses(checkpoint, tmp_path / "plain")

@@ -11,7 +11,7 @@ run layer after layer on the same input, each threading its own cross-layer stat
 
 What must agree, on right-padded rows and on THD packs whose documents start on multiples of 2:
 - outputs within rel 1e-5 (measured ~3e-7). The bound: both stacks round the same values to the
-  same fp8 / NVFP4 / MXFP4 grids with the same rules (tests/test_cache_quant.py: bitwise), so
+  same fp8 / NVFP4 / MXFP4 grids with the same rules (tests/ops/test_cache_quant.py: bitwise), so
   what is left is fp32 arithmetic order (~1e-7 relative). A value landing within that noise of a
   grid mid-point would move one grid step (fp8: 2^-3 of its block's scale, NVFP4: up to 1/3 of its
   level); the test asserts the cached KV and index keys are bitwise equal, so no such move happens

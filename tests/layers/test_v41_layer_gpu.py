@@ -18,7 +18,7 @@ within 3e-2 relative (Frobenius norms); selections equal for every real query ex
 where the two sets differ, every key in one and not the other must score, in the reference
 scores of that layer (masked by the candidate blocks on the reindex layer), the same as the
 T-th best, or within one bf16 ulp of it where the scorers' head-sum order moved it (the kernel's
-own scores are checked against the formula in tests/test_v41_kernels_gpu.py); at most 1 % of the
+own scores are checked against the formula in tests/ops/test_v41_kernels_gpu.py); at most 1 % of the
 queries may differ. The indexer is frozen in both: no gradient.
 """
 

@@ -1,6 +1,6 @@
 """Context parallelism over NCCL on two GPUs: primitives and the model vs one GPU.
 
-Same checks as the gloo tests (tests/test_cp_primitives.py, tests/test_cp_model.py) with CUDA
+Same checks as the gloo tests (tests/distributed/test_cp_primitives.py, tests/models/test_cp_model.py) with CUDA
 tensors, so the indexer runs its TileLang kernels; the single-process reference runs on cuda:0.
 """
 

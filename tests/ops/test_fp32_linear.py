@@ -2,7 +2,7 @@
 
 cuBLAS's bf16 x bf16 -> fp32 products are emulated by float64 products rounded to fp32 (products of
 two bf16 numbers are exact in both; only the order and precision of the additions differ). The
-GPU test runs the real one (tests/test_fp32_linear_gpu.py)."""
+GPU test runs the real one (tests/ops/test_fp32_linear_gpu.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The exact-product fp32 head on the GPU: cuBLAS's bf16 x bf16 -> fp32 products against the fp32
-GEMM (``pytest -m gpu``; the CPU tests emulate the product, tests/test_fp32_linear.py)."""
+GEMM (``pytest -m gpu``; the CPU tests emulate the product, tests/ops/test_fp32_linear.py)."""
 
 from __future__ import annotations
 

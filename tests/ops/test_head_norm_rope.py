@@ -1,7 +1,7 @@
 """V4's per-head q RMS norm + RoPE (``ops/head_norm_rope``) on the CPU: the reference is the
 layer's eager composition bit for bit, every kernel configuration lowers for sm_90a (16-byte loads,
 a block all-reduce, shared memory far below the limit) and one compiles with nvcc, and the op
-validates its inputs. The kernels' numbers are checked on the GPU (tests/test_head_norm_rope_gpu.py)."""
+validates its inputs. The kernels' numbers are checked on the GPU (tests/ops/test_head_norm_rope_gpu.py)."""
 
 import shutil
 

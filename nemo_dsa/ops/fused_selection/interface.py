@@ -37,7 +37,7 @@ from nemo_dsa.visibility import check_ks_ke
 
 # Reindex layers on the GPU: the TileLang select applies the kept candidate blocks itself instead
 # of a torch [rows, W] mask over the chunk's scores (measured 3.1x faster on the H200 and exact,
-# docs/performance.md v12). False restores the torch mask (tests/test_fused_selection_gpu.py
+# docs/performance.md v12). False restores the torch mask (tests/ops/test_fused_selection_gpu.py
 # and test_topk_kernels_gpu.py run both).
 SELECT_APPLIES_BLOCKS = True
 

@@ -7,7 +7,7 @@ that lie before ``ke_r`` (-inf when there are none): the exact block maxima of
 ``topk.candidates``. One thread per block, a grid of (blocks / THREADS, rows). The default on
 CUDA (``candidates.MAXIMA_KERNEL``): measured exact; the candidate-source layer at S = 32,768,
 R=1 takes 12.8 ms with it and 19.1 ms with the torch table (docs/performance.md v14). It lowers
-for sm_90a on the CPU (tests/test_topk_kernels_lowering.py); tests/test_topk_kernels_gpu.py
+for sm_90a on the CPU (tests/ops/test_topk_kernels_lowering.py); tests/ops/test_topk_kernels_gpu.py
 compares it with a brute force and, through ``candidate_blocks``, with the reference. Importing
 this module does not import TileLang.
 """

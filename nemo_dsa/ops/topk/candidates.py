@@ -24,7 +24,7 @@ _NEG_INF = float("-inf")
 # CUDA fp32/bf16 scores: the block maxima from one TileLang read of the scores
 # (ops/topk/block_kernels.py) instead of the torch table. Measured exact on the H200; the
 # candidate-source layer at S = 32,768, R=1 takes 12.8 ms with it, 19.1 with the table
-# (docs/performance.md v14). False restores the table (tests/test_topk_kernels_gpu.py runs both).
+# (docs/performance.md v14). False restores the table (tests/ops/test_topk_kernels_gpu.py runs both).
 MAXIMA_KERNEL = True
 # Transients of one row: (score-sized copies per key, bytes per block). The torch table holds the
 # cleared copy and two tables of running maxima, the kernel reads the scores in place; per block,

@@ -79,7 +79,7 @@ MAX_COUNT = 8192
 # counting walk; a row whose T-th key lies further down takes the generic passes. On by default
 # since it was measured exact and faster on the H200 (docs/performance.md v12: streamed V4.1
 # selection 1.54x -> 1.46x the scores alone); ``TOP_WINDOW["bfloat16"] = False`` restores the
-# generic passes (tests/test_topk_kernels_gpu.py runs both).
+# generic passes (tests/ops/test_topk_kernels_gpu.py runs both).
 WINDOW_BINS = THREADS
 TOP_WINDOW = {"float32": False, "bfloat16": True}
 # Every access of the kernel is in bounds by construction (keys below the row's end <= width,

@@ -11,7 +11,7 @@ and -inf where j is outside the query's visible set. The per-head values never l
 (r is the second wgmma's A operand, in the accumulator's own register layout). Only fp32
 accumulation differs from the torch formula (the tensor cores' dot products and their sum of
 r_h x 1, which are exact products in an fp32 accumulator with its own rounding), so rare
-scores sit one rounding step away (tests/test_v41_kernels_gpu.py: 0 of 2.1M at S = 4096).
+scores sit one rounding step away (tests/ops/test_v41_kernels_gpu.py: 0 of 2.1M at S = 4096).
 
 Cost model (S = 32768, K = 8192, H = 64, D = 128, causal, B = 1):
 - GEMM: 2*H*D = 16 KFLOP per visible (query, key) pair, S*K/2 pairs -> 2.2e12 FLOP, 2.9 ms at
