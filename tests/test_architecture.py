@@ -15,7 +15,7 @@ import nemo_dsa
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "nemo_dsa"
-OP_PACKAGES = ["topk", "fused_selection", "v4_indexer", "v41_indexer", "mxfp4"]
+OP_PACKAGES = ["topk", "fused_selection", "v4_indexer", "v41_indexer", "quant"]
 
 
 def _contracts() -> list[dict]:
@@ -53,7 +53,7 @@ def test_every_top_level_module_has_a_layer():
         "nemo_dsa.ops.fused_selection.interface",
         "nemo_dsa.ops.v4_indexer.interface",
         "nemo_dsa.ops.v41_indexer.interface",
-        "nemo_dsa.ops.mxfp4.naive",
+        "nemo_dsa.ops.quant.mxfp4",
         "nemo_dsa.ops._tilelang",
         "nemo_dsa.ops.topk.kernels",
         "nemo_dsa.ops.v4_indexer.kernels",

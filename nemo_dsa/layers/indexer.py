@@ -39,7 +39,7 @@ from nemo_dsa.layers.norm import RMSNorm
 from nemo_dsa.layers.rope import apply_rope, rope_angles
 from nemo_dsa.ops.dispatch import resolve_backend, resolve_fused_topk
 from nemo_dsa.ops.fused_selection import interface as fused_selection
-from nemo_dsa.ops.mxfp4 import mxfp4_quant_dequant
+from nemo_dsa.ops.quant import mxfp4_quant_dequant
 from nemo_dsa.ops.topk import blocks_to_mask, select_topk
 from nemo_dsa.ops.topk import candidate_blocks as find_candidate_blocks
 from nemo_dsa.ops.v41_indexer import indexer_scores

@@ -97,9 +97,8 @@ from nemo_dsa.layers.indexer_loss import indexer_kl_loss
 from nemo_dsa.layers.norm import RMSNorm, rms_normalize
 from nemo_dsa.layers.rope import apply_rope, rope_angles
 from nemo_dsa.layers.shared_state import SharedLayerState, SourceState
-from nemo_dsa.ops.fp8 import fp8_quant_dequant
 from nemo_dsa.ops.head_norm_rope import head_rms_rope, kernels_support
-from nemo_dsa.ops.nvfp4 import nvfp4_quant_dequant
+from nemo_dsa.ops.quant import fp8_quant_dequant, nvfp4_quant_dequant
 from nemo_dsa.ops.sparse_attention import sparse_attention, sparse_window_attention
 from nemo_dsa.ops.sparse_attention.interface import _check_kernel_limits
 from nemo_dsa.ops.sparse_attention.naive import window_key_indices

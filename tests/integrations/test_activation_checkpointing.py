@@ -22,7 +22,8 @@ try:
 except ImportError as error:
     skip_without_automodel(error)
 
-from test_benchmark_model_step_cpu import SEQ, TINY, VOCAB, bench, redraw_attention_
+from nemo_dsa.integrations import side_by_side as sides
+from tiny_side_by_side import SEQ, TINY, VOCAB, redraw_attention_
 
 WRAPPED = "._checkpoint_wrapped_module"
 
@@ -51,14 +52,14 @@ def step(model, family: str):
 @pytest.mark.parametrize("selective", [False, True], ids=["full", "selective"])
 @pytest.mark.parametrize("family", ["v4", "v41"])
 def test_checkpointed_blocks_give_the_plain_steps_gradients(family, selective):
-    config = bench.model_config(family, bench.DEFAULT_RATIOS[family], VOCAB, 2, dtype="float32", **TINY[family])
+    config = sides.model_config(family, sides.DEFAULT_RATIOS[family], VOCAB, 2, dtype="float32", **TINY[family])
     if family == "v4":  # the indexers learn from their KL loss, which rides on the final hidden state
         config.indexer_kl_coef = 0.5
     cpu = {"device": "cpu", "dtype": torch.float32, "attn": "sdpa"}
     torch.manual_seed(0)
-    plain = bench.build("plugin", config, **cpu)
+    plain = sides.build("plugin", config, **cpu)
     redraw_attention_(plain, family, seed=5)
-    checkpointed = bench.build("plugin", config, bench.copy_weights(plain), **cpu)
+    checkpointed = sides.build("plugin", config, sides.copy_weights(plain), **cpu)
     apply_ac(checkpointed, selective=selective)
     assert all(WRAPPED.strip(".") in dict(block.named_children()) for block in checkpointed.model.layers.values())
 

@@ -20,13 +20,14 @@ except ImportError as error:
 
 from nemo_dsa.integrations.recompute import PARTS, is_recomputed, recompute_parts
 from test_activation_checkpointing import step
-from test_benchmark_model_step_cpu import SEQ, TINY, VOCAB, bench, redraw_attention_
+from nemo_dsa.integrations import side_by_side as sides
+from tiny_side_by_side import SEQ, TINY, VOCAB, redraw_attention_
 
 CPU = {"device": "cpu", "dtype": torch.float32, "attn": "sdpa"}
 
 
 def tiny_config(family, recompute=None):
-    config = bench.model_config(family, bench.DEFAULT_RATIOS[family], VOCAB, 2, dtype="float32", **TINY[family])
+    config = sides.model_config(family, sides.DEFAULT_RATIOS[family], VOCAB, 2, dtype="float32", **TINY[family])
     if family == "v4":
         config.indexer_kl_coef = 0.5  # the indexers train too
     if recompute is not None:
@@ -43,10 +44,10 @@ def tiny_config(family, recompute=None):
 )  # fmt: skip
 def test_recomputed_parts_give_the_plain_steps_loss_and_gradients(family, whole_blocks, attention):
     torch.manual_seed(0)
-    plain = bench.build("plugin", tiny_config(family), **CPU)
+    plain = sides.build("plugin", tiny_config(family), **CPU)
     redraw_attention_(plain, family, seed=5)
     parts = "hyper_connections, norms" + (",attention" if attention else "")
-    lean = bench.build("plugin", tiny_config(family, parts), bench.copy_weights(plain), **CPU)
+    lean = sides.build("plugin", tiny_config(family, parts), sides.copy_weights(plain), **CPU)
     wrapped = [name for name, module in lean.named_modules() if is_recomputed(module)]
     layers = len(plain.model.layers)
     # every block's 2 mixes and 2 norms (and attention), the final norm (and V4's head mix)
@@ -89,7 +90,7 @@ def test_parts_are_named_and_checked():
     with pytest.raises(ValueError, match="recompute must be a list of part names"):
         recompute_parts(3)
     with pytest.raises(ValueError, match="unknown part"):
-        bench.build("plugin", tiny_config("v4", "moe"), **CPU)
+        sides.build("plugin", tiny_config("v4", "moe"), **CPU)
 
 
 @pytest.mark.parametrize("family", ["v4", "v41"])
@@ -98,10 +99,10 @@ def test_a_bf16_model_keeps_the_release_fp32_parameters(family):
     when the model is cast to bf16; recompute must not change a name or a dtype."""
     dtypes = []
     for recompute in (None, "hyper_connections,norms,attention"):
-        config = bench.model_config(family, bench.DEFAULT_RATIOS[family], VOCAB, 2, **TINY[family])
+        config = sides.model_config(family, sides.DEFAULT_RATIOS[family], VOCAB, 2, **TINY[family])
         if recompute is not None:
             config.recompute = recompute
-        model = bench.build("plugin", config, device="cpu", dtype=torch.bfloat16, attn="sdpa")
+        model = sides.build("plugin", config, device="cpu", dtype=torch.bfloat16, attn="sdpa")
         dtypes.append({name: p.dtype for name, p in model.named_parameters()})
     assert dtypes[0] == dtypes[1]
     assert any(".attn_hc." in n and d == torch.float32 for n, d in dtypes[1].items())

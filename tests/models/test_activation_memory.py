@@ -52,7 +52,7 @@ def reference_backward(inputs, out, lse, grad_out, *, need_dq=True, need_d_raw=T
 def route_attention_through_the_kernel_function(monkeypatch) -> None:
     """The layer's attention through the kernels' own autograd Function (what it keeps is what the
     GPU keeps), with the reference computing in place of the kernels (also used by
-    examples/saved_activations.py)."""
+    benchmarks/saved_activations.py)."""
     monkeypatch.setattr(kernels, "KernelInputs", OperandsAsGiven)
     monkeypatch.setattr(kernels, "sparse_window_forward", reference_forward)
     monkeypatch.setattr(kernels, "sparse_window_backward", reference_backward)

@@ -1,6 +1,6 @@
 """FP8 (window KV) and NVFP4 (compressed KV) quantize-dequantize: bitwise the release's rounding.
 
-nemo_dsa's readable references (ops/fp8, ops/nvfp4) against nemo-automodel 0.7.0's DeepSeek-V4.1
+nemo_dsa's readable references (ops/quant: fp8, nvfp4) against nemo-automodel 0.7.0's DeepSeek-V4.1
 ``quantize_cache`` on fresh random inputs of many magnitudes, ragged channel counts (partial last
 blocks), bf16 and fp32, exact E2M1 half-way ties, saturating blocks; identity gradients; NaN
 blocks; argument errors.
@@ -11,8 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_dsa.ops.fp8 import fp8_quant_dequant
-from nemo_dsa.ops.nvfp4 import nvfp4_quant_dequant
+from nemo_dsa.ops.quant import fp8_quant_dequant, nvfp4_quant_dequant
 
 quantization = pytest.importorskip("nemo_automodel.components.models.deepseek_v41.quantization")
 

@@ -1,4 +1,4 @@
-"""MXFP4 quantize-dequantize (nemo_dsa.ops.mxfp4) against a scalar oracle of docs/semantics.md's rule."""
+"""MXFP4 quantize-dequantize (nemo_dsa.ops.quant.mxfp4) against a scalar oracle of docs/semantics.md's rule."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers import generator
-from nemo_dsa.ops.mxfp4 import mxfp4_quant_dequant
+from nemo_dsa.ops.quant import mxfp4_quant_dequant
 
 _LEVELS = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 

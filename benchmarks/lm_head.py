@@ -12,8 +12,8 @@ loss), TFLOP/s on the fp32 GEMMs' work (2 N K V forward, 6 N K V forward + backw
 above the inputs, the ratio; and the largest logit difference between the sides in bf16 ulps of
 the row's largest logit, with the relative norm of the difference.
 
-    python examples/benchmark_lm_head.py --rows 16384 --hidden 4096 --vocab 32768 129280 --json head.json
-    python examples/benchmark_lm_head.py --hidden 5120 --logits fp32   # the V4.1 step model's head
+    python benchmarks/lm_head.py --rows 16384 --hidden 4096 --vocab 32768 129280 --json head.json
+    python benchmarks/lm_head.py --hidden 5120 --logits fp32   # the V4.1 step model's head
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import json
 import torch
 from torch import nn
 
-from benchmark_attention import median_ms, peak_mib
+from attention import median_ms, peak_mib
 
 
 def sides(hidden: int, vocab: int, logits: str):
@@ -94,7 +94,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("benchmark_lm_head.py needs a CUDA GPU")
+        raise SystemExit("lm_head.py needs a CUDA GPU")
     rows = [run(n, args.hidden, v, kind, args.iters) for kind in args.logits for n in args.rows for v in args.vocab]
     print("| logits | N x K x V | built-in fwd / fwd+bwd ms (TFLOP/s) | nemo_dsa fwd / fwd+bwd ms (TFLOP/s) | ratio fwd / fwd+bwd | peak MiB built-in / nemo_dsa | max diff (row-max ulps) / rel |")
     print("|---|---|---|---|---|---|---|")

@@ -1,9 +1,9 @@
-"""examples/benchmark_model_step.py builds both sides of its comparison alike (CPU, fp32).
+"""``nemo_dsa.integrations.side_by_side`` builds both sides of the model-step comparison alike (CPU, fp32).
 
-The benchmark times nemo-automodel's built-in DeepSeek-V4 / V4.1 model against nemo_dsa's plugin
-on the H200. What makes those numbers a like-for-like comparison is checked here, through the
-script's own ``model_config``, ``build``, ``copy_weights`` and ``training_step`` (the functions the
-timed run calls), at tiny dimensions given as config overrides on the script's schedule (V4.1:
+``benchmarks/model_step.py`` times nemo-automodel's built-in DeepSeek-V4 / V4.1 model against
+nemo_dsa's plugin on a GPU, both built by ``side_by_side``. What makes those numbers a like-for-like
+comparison is checked here, through the same ``model_config``, ``build``, ``copy_weights`` and
+``training_step``, at tiny dimensions given as config overrides on the benchmark's schedule (V4.1:
 ratios 0 / 2 / 2 / 1 / 1 and the roles ``v41_layer_roles`` derives, candidate blocks that prune;
 V4: ratios 0 / 4 / 128):
 - the second side holds exactly the first side's weights, every tensor bitwise;
@@ -19,9 +19,6 @@ the loss; the benchmark itself keeps the init (its losses are printed for the re
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -32,29 +29,11 @@ try:
 except ImportError as error:
     skip_without_automodel(error)
 
-SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "benchmark_model_step.py"
+from nemo_dsa.integrations import side_by_side as sides
+from tiny_side_by_side import SEQ, TINY, VOCAB, redraw_attention_
+
 RTOL = 1e-4
-VOCAB = 64
-SEQ = {"v41": 64, "v4": 256}  # V4: two ratio-128 groups; V4.1: 16 candidate blocks of 4, 3 kept
-TINY = {  # the released structure at toy widths (attention: 4 heads of 32, top-6, window 8)
-    "v4": dict(hidden_size=64, moe_intermediate_size=32, num_attention_heads=4, head_dim=32, qk_rope_head_dim=16,
-               q_lora_rank=32, o_lora_rank=16, o_groups=2, sliding_window=8, index_n_heads=16, index_head_dim=32,
-               index_topk=6),
-    "v41": dict(hidden_size=64, moe_intermediate_size=32, num_attention_heads=4, head_dim=32, qk_rope_head_dim=16,
-                q_lora_rank=32, o_lora_rank=16, o_groups=2, sliding_window=8, index_n_heads=8, index_head_dim=32,
-                index_topk=6, candidate_topk_blocks=3, candidate_block_size=4),
-}  # fmt: skip
 ROLES = {"v41": ["window", "source", "reuse", "source", "reindex"]}
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("benchmark_model_step", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = load_script()
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -80,17 +59,17 @@ def redraw_attention_(model, family: str, seed: int) -> None:
 
 def build_sides(family: str):
     """(plugin, built-in) as the benchmark builds them: the plugin first, its weights into the built-in."""
-    config = bench.model_config(family, bench.DEFAULT_RATIOS[family], VOCAB, 2, dtype="float32", **TINY[family])
+    config = sides.model_config(family, sides.DEFAULT_RATIOS[family], VOCAB, 2, dtype="float32", **TINY[family])
     cpu = {"device": "cpu", "dtype": torch.float32, "attn": "sdpa"}  # sdpa: the built-in's CPU attention
     torch.manual_seed(0)
-    plugin = bench.build("plugin", config, **cpu)
+    plugin = sides.build("plugin", config, **cpu)
     redraw_attention_(plugin, family, seed=5)
-    builtin = bench.build("builtin", config, bench.copy_weights(plugin), **cpu)
+    builtin = sides.build("builtin", config, sides.copy_weights(plugin), **cpu)
     return plugin, builtin
 
 
 def losses(model, family: str, steps: int = 2) -> list[torch.Tensor]:
-    step, _optimizer = bench.training_step(model, SEQ[family], VOCAB, seed=0, device="cpu")
+    step, _optimizer = sides.training_step(model, SEQ[family], VOCAB, seed=0, device="cpu")
     return [step() for _ in range(steps)]
 
 
@@ -105,7 +84,7 @@ def test_both_sides_take_the_same_step(family):
     for key, value in plugin.state_dict().items():
         assert torch.equal(value, theirs[key]), key
     blocks = list(plugin.model.layers.values())
-    assert len(blocks) == len(bench.DEFAULT_RATIOS[family])
+    assert len(blocks) == len(sides.DEFAULT_RATIOS[family])
     assert all(isinstance(attention_block(b, family), CoreAttention) for b in blocks)
     assert not any(isinstance(attention_block(b, family), CoreAttention) for b in builtin.model.layers.values())
     if family in ROLES:
@@ -138,7 +117,7 @@ def test_both_sides_take_the_same_step(family):
 
 
 def test_v41_schedule_from_ratios():
-    roles = bench.v41_layer_roles
+    roles = sides.v41_layer_roles
     assert roles([0, 2, 2, 1, 1]) == {"kv_source_layer_ids": [1, 3], "index_source_layer_ids": [1, 3, 4],
                                       "candidate_source_layer_id": 3}  # fmt: skip
     # Each run of one ratio has its own source; only ratio 1 re-indexes, right after its source.
@@ -149,16 +128,16 @@ def test_v41_schedule_from_ratios():
     assert roles([2, 1, 1, 1]) == {"kv_source_layer_ids": [0, 1], "index_source_layer_ids": [0, 1, 2],
                                    "candidate_source_layer_id": 1}  # fmt: skip
     for bad in ([0, 4, 128], [], [0, -1], [1, 2, 1]):
-        with pytest.raises(ValueError, match="--ratios"):
+        with pytest.raises(ValueError, match="ratios of a V4.1 model"):
             roles(bad)
-    config = bench.model_config("v41", [0, 0, 2, 2, 2, 1, 1, 1, 0], VOCAB, 4).text_config  # the release accepts it
+    config = sides.model_config("v41", [0, 0, 2, 2, 2, 1, 1, 1, 0], VOCAB, 4).text_config  # the release accepts it
     assert (config.index_n_heads, config.index_head_dim, config.index_topk, config.hc_mult) == (32, 128, 512, 4)
     assert (config.num_attention_heads, config.head_dim, config.q_lora_rank, config.o_groups) == (64, 512, 1280, 8)
     assert config.engram_layer_ids == [] and config.num_nextn_predict_layers == 0
     with pytest.raises(ValueError, match="family"):
-        bench.model_config("v5", [0], VOCAB, 4)
+        sides.model_config("v5", [0], VOCAB, 4)
     with pytest.raises(ValueError, match="kind"):
-        bench.build("other", bench.model_config("v41", [0, 1], VOCAB, 2, **TINY["v41"]), device="cpu")
+        sides.build("other", sides.model_config("v41", [0, 1], VOCAB, 2, **TINY["v41"]), device="cpu")
 
 
 def test_v41_hyper_connections_fall_back_to_torch_sinkhorn_on_both_sides():
@@ -168,8 +147,8 @@ def test_v41_hyper_connections_fall_back_to_torch_sinkhorn_on_both_sides():
     from nemo_automodel.components.models.deepseek_v4.optimized_kernels import is_dsv4_kernel_available
     from nemo_automodel.components.models.deepseek_v41.layers import DeepseekV41HyperConnection
 
-    config = bench.model_config("v41", [0, 2, 1], VOCAB, 2, **TINY["v41"])
+    config = sides.model_config("v41", [0, 2, 1], VOCAB, 2, **TINY["v41"])
     for kind in ("builtin", "plugin"):
-        model = bench.build(kind, config, device="cpu", dtype=torch.float32, attn="tilelang")
+        model = sides.build(kind, config, device="cpu", dtype=torch.float32, attn="tilelang")
         backends = {m.sinkhorn_backend for m in model.modules() if isinstance(m, DeepseekV41HyperConnection)}
         assert backends == ({"tilelang"} if is_dsv4_kernel_available("sinkhorn") else {"torch"}), kind

@@ -1,8 +1,8 @@
 """The V4.1 chunk select: the vector select against the radix select, on one chunk of scores.
 
-    python examples/compare_select_kernels.py --ratios 1 2 --first-rows 16384 28672 --reindex
+    python benchmarks/compare_select_kernels.py --ratios 1 2 --first-rows 16384 28672 --reindex
 
-On one 4,096-row chunk of V4.1 scores (``benchmark_selection._v41_inputs``: 32 index heads of 128,
+On one 4,096-row chunk of V4.1 scores (``selection._v41_inputs``: 32 index heads of 128,
 S = 32,768, causal, top-512 in index order), the chunk the streamed selection hands the select,
 each kernel is timed alone with CUDA events around one launch (``--launches``, medians; the
 events hold each launch, so a kernel with little work shows mostly its launch): the vector select
@@ -20,8 +20,8 @@ from dataclasses import asdict
 
 import torch
 
-from benchmark_attention import median_ms
-from benchmark_selection import TOPK, V41_BLOCK_SIZE, V41_TOPK_BLOCKS, _v41_inputs
+from attention import median_ms
+from selection import TOPK, V41_BLOCK_SIZE, V41_TOPK_BLOCKS, _v41_inputs
 from nemo_dsa.ops._tilelang import compile_cached
 from nemo_dsa.ops.topk import candidate_blocks
 from nemo_dsa.ops.topk import kernels as topk_kernels

@@ -13,7 +13,7 @@ Reports the median of CUDA-event timings after warm-up, TFLOP/s on the visible (
 the peak extra memory (torch.cuda.max_memory_allocated delta) and the speed-up over the built-in.
 The built-in code is imported only here. Run on the GPU machine, e.g.
 
-    python examples/benchmark_indexer.py --quick --out results.json
+    python benchmarks/indexer.py --quick --out results.json
 """
 
 import argparse
@@ -37,7 +37,7 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--extra-seqlen", type=int, default=16384, help="S of the B = 2 and packed rows (0 = skip them)")
-    p.add_argument("--out", default="benchmark_indexer.json", help="JSON results file")
+    p.add_argument("--out", default="indexer.json", help="JSON results file")
     args = p.parse_args(argv)
     if args.quick:
         args.seqlens, args.reps, args.extra_seqlen = [4096, 16384], 8, 4096

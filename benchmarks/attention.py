@@ -8,7 +8,7 @@ timings, forward and forward + backward, TFLOP/s on the visible work (4 * D per 
 head, key) forward, 14 * D forward + backward), peak memory above the inputs. Prints a table and
 writes JSON (``--json``).
 
-    python examples/benchmark_attention.py --seq 4096 16384 32768 65536 --json out.json
+    python benchmarks/attention.py --seq 4096 16384 32768 65536 --json out.json
 
 ``--variants balanced-lean/atomic balanced/key-major/staged`` times nemo_dsa once per kernel
 variant (forward schedule / how the window keys' dkv is summed [/ backward schedule], see

@@ -18,24 +18,22 @@ from __future__ import annotations
 
 import torch
 
-from nemo_dsa.ops.block_quant import channel_blocks, from_channel_blocks, straight_through_quant_dequant
+from nemo_dsa.ops.quant.blocks import (
+    channel_blocks,
+    from_channel_blocks,
+    power_of_two_ceil,
+    straight_through_quant_dequant,
+)
 
 BLOCK = 32
 E4M3_MAX = 448.0
 AMAX_FLOOR = 1e-4
 
 
-def power_of_two_at_least(values: torch.Tensor) -> torch.Tensor:
-    """Smallest power of two >= each positive, normal fp32 value, from its bits (no logarithm)."""
-    bits = values.contiguous().view(torch.int32)
-    exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
-    return (exponent << 23).view(torch.float32)
-
-
 def _quant_dequant(x: torch.Tensor, block_size: int) -> torch.Tensor:
     blocks = channel_blocks(x, block_size)
     amax = blocks.abs().amax(-1, keepdim=True)
-    scale = power_of_two_at_least(amax.clamp_min(AMAX_FLOOR) * (1 / E4M3_MAX))
+    scale = power_of_two_ceil(amax.clamp_min(AMAX_FLOOR) * (1 / E4M3_MAX))
     codes = (blocks / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     out = codes.float() * scale
     out = torch.where(torch.isfinite(amax), out, float("nan"))

@@ -1,9 +1,9 @@
 """Top-k selection at long context on the H200: streaming (no [B, S, K] matrix) vs materialising.
 
-    python examples/benchmark_selection.py --out selection.json
-    python examples/benchmark_selection.py --sizes 32768 --reps 5 --check
-    python examples/benchmark_selection.py --shapes v41 --sizes 32768 --v41-ratios 1 2 --check
-    python examples/benchmark_selection.py --shapes v41 --sizes 131072 --v41-ratios 1 --builtin-max-seq 65536
+    python benchmarks/selection.py --out selection.json
+    python benchmarks/selection.py --sizes 32768 --reps 5 --check
+    python benchmarks/selection.py --shapes v41 --sizes 32768 --v41-ratios 1 2 --check
+    python benchmarks/selection.py --shapes v41 --sizes 131072 --v41-ratios 1 --builtin-max-seq 65536
 
 Shapes: H=64 index heads, D=128, R=4, T=512, causal, B=1, K = S/4. Rows per S:
 - ``nemo_dsa scores only v4`` / ``v41``: the scoring kernel alone (the [S, K] matrix is its
@@ -58,7 +58,7 @@ def _inputs(seq: int, w_dtype: torch.dtype, seed: int = 0):
 def _v41_inputs(seq: int, ratio: int, seed: int = 0):
     """The V4.1 indexer's operands: MXFP4-rounded q [1, S, 32, 128] and k [1, K, 128], bf16 head
     weights, causal ranges; a second q / w for a reindex layer on the same keys."""
-    from nemo_dsa.ops.mxfp4 import mxfp4_quant_dequant
+    from nemo_dsa.ops.quant import mxfp4_quant_dequant
     from nemo_dsa.visibility import causal_ks_ke
 
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -346,7 +346,7 @@ def main() -> None:
     parser.add_argument("--out", default="selection_benchmark.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("benchmark_selection.py needs a CUDA GPU (Hopper): it times the TileLang kernels")
+        raise SystemExit("selection.py needs a CUDA GPU (Hopper): it times the TileLang kernels")
     rows = _rows(args.chunk_mib * 2**20)
     results = []
     if "v41" in args.shapes:

@@ -1,7 +1,7 @@
 """How fast can blocks gather the forward's key rows into shared memory, with nothing else to do?
 
-    python examples/probe_gathers.py            # on the GPU: prints the table
-    python examples/probe_gathers.py --cuda g.cu  # anywhere: writes one build's generated CUDA
+    python benchmarks/probe_gathers.py            # on the GPU: prints the table
+    python benchmarks/probe_gathers.py --cuda g.cu  # anywhere: writes one build's generated CUDA
 
 The sparse-attention forward's producer (one warpgroup of 128 threads a block, one block an SM)
 gathers each 64-key tile as two 32 KiB halves of 512-byte half rows by 16-byte cp.async. This
@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from benchmark_attention import median_ms  # noqa: E402
+from attention import median_ms  # noqa: E402
 
 from nemo_dsa.ops._tilelang import compile_cubin, lower_to_cuda_source, tilelang  # noqa: E402
 from nemo_dsa.ops.sparse_attention.forward import NO_COPY_WAIT  # noqa: E402  (the forward producer's copies)

@@ -1,7 +1,7 @@
 """Where a block of the default sparse-attention forward spends its time: clock64 stamps.
 
-    python examples/trace_forward.py --seq 32768        # on the GPU: prints the table
-    python examples/trace_forward.py --cuda stamped.cu  # anywhere: writes the stamped CUDA
+    python benchmarks/trace_forward.py --seq 32768        # on the GPU: prints the table
+    python benchmarks/trace_forward.py --cuda stamped.cu  # anywhere: writes the stamped CUDA
 
 The default forward (``alternating-lean``, per-query indices, D = 512) is built with stamps
 written into its generated CUDA by TileLang's post-processing hook: the first thread of each
@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from benchmark_attention import DIM, WINDOW, make_inputs  # noqa: E402
+from attention import DIM, WINDOW, make_inputs  # noqa: E402
 
 from nemo_dsa.ops._tilelang import compile_cubin  # noqa: E402
 from nemo_dsa.ops.sparse_attention import kernels  # noqa: E402

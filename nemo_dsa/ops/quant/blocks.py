@@ -1,5 +1,5 @@
-"""What every block quantize-dequantize reference shares: channel blocks, validation, and the
-straight-through gradient (the V4.1 cache roundings in ``ops/fp8`` and ``ops/nvfp4``)."""
+"""What the block quantize-dequantize formats share: channel blocks, the power-of-two scale read
+off the fp32 bits, argument checks and the straight-through gradient."""
 
 from __future__ import annotations
 
@@ -10,6 +10,14 @@ import torch
 from nemo_dsa._checks import check_tensor, is_positive_int
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def power_of_two_ceil(values: torch.Tensor) -> torch.Tensor:
+    """Smallest power of two >= each positive, normal fp32 value, read off the fp32 bits (no
+    logarithm): a value with a zero mantissa is one already, otherwise its exponent goes up by one."""
+    bits = values.contiguous().view(torch.int32)
+    exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    return (exponent << 23).view(torch.float32)
 
 
 def channel_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:

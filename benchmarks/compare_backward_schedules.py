@@ -1,8 +1,8 @@
 """The sparse-attention backward's schedules against each other: launches interleaved, one result check.
 
-    python examples/compare_backward_schedules.py --schedules transposed-ahead staged --seq 16384 32768
+    python benchmarks/compare_backward_schedules.py --schedules transposed-ahead staged --seq 16384 32768
 
-On the benchmark's operands (``benchmark_attention.make_inputs``: H = 64, D = 512, window 128,
+On the benchmark's operands (``attention.make_inputs``: H = 64, D = 512, window 128,
 top-512 of ratio-4 compressed rows, B = 1), the forward runs once; then each schedule's backward
 (``kernels.sparse_window_backward``, so delta, the dkv buffer's zeros and the conversions are in
 every timing alike) runs once to compare its gradients with the first schedule's (dq and delta
@@ -10,7 +10,7 @@ should be bitwise equal, dkv differs by the order of its atomics), then ``--laun
 launch every schedule once each, in turn, so that clocks and the L2's state drift alike for all.
 Prints the median of each and its change against the first; ``--json`` writes them.
 (docs/performance.md v28-v29 used this method; on one shape it tells schedules apart by ~1 %,
-where separate runs of ``benchmark_attention.py`` differ by up to 5 %.)
+where separate runs of ``attention.py`` differ by up to 5 %.)
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import statistics
 
 import torch
 
-from benchmark_attention import DIM, WINDOW, make_inputs
+from attention import DIM, WINDOW, make_inputs
 from nemo_dsa.ops.sparse_attention import kernels
 
 

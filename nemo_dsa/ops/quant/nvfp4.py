@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from nemo_dsa.ops.block_quant import channel_blocks, from_channel_blocks, straight_through_quant_dequant
+from nemo_dsa.ops.quant.blocks import channel_blocks, from_channel_blocks, straight_through_quant_dequant
 
 BLOCK = 16
 E2M1_MAX = 6.0

@@ -5,10 +5,10 @@ forward + backward with ``cp_group``; the script reports, per rank, the forward 
 forward+backward time (median over the timed steps) and the peak memory, and rank 0 writes them
 as JSON. Run the same global length with 1 and 2 processes to see what CP buys:
 
-    torchrun --nproc-per-node 2 examples/benchmark_cp.py --seq-len 65536 --out cp2.json
-    torchrun --nproc-per-node 1 examples/benchmark_cp.py --seq-len 65536 --out cp1.json
+    torchrun --nproc-per-node 2 benchmarks/context_parallel.py --seq-len 65536 --out cp2.json
+    torchrun --nproc-per-node 1 benchmarks/context_parallel.py --seq-len 65536 --out cp1.json
     # CPU check of the same code path (gloo, tiny model):
-    torchrun --nproc-per-node 2 examples/benchmark_cp.py --device cpu --tiny --seq-len 512 --steps 2
+    torchrun --nproc-per-node 2 benchmarks/context_parallel.py --device cpu --tiny --seq-len 512 --steps 2
 """
 
 from __future__ import annotations

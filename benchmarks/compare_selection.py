@@ -1,7 +1,7 @@
 """Compare DeepSeek-V4 and V4.1 top-k selection on one packed batch of the offline corpus.
 
-    python examples/compare_selection.py                        # random init, seed 0
-    python examples/compare_selection.py --checkpoint runs/tiny-v4-default/checkpoints/step_0000200
+    python benchmarks/compare_selection.py                        # random init, seed 0
+    python benchmarks/compare_selection.py --checkpoint runs/tiny-v4-default/checkpoints/step_0000200
 
 One set of weights (the tiny preset, or a checkpoint of it) is run twice on the same packed row:
 with V4 scoring (fp32 logits) and with V4.1 scoring (BF16 rounding boundaries, MXFP4 index q/k).

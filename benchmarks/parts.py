@@ -1,6 +1,6 @@
 """Where the indexer's time goes on one Hopper GPU: each stage of the V4 and V4.1 paths alone.
 
-    python examples/benchmark_parts.py --seq-len 32768
+    python benchmarks/parts.py --seq-len 32768
 
 H=64 index heads, D=128, R=4, T=512, causal, B=1. Medians of CUDA-event timings after one warm-up
 call (TileLang compiles on first use). Stages: the scoring kernels, the bare torch.topk on the
@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from benchmark_indexer import measure  # the sibling script's timing loop (median of CUDA events)
+from indexer import measure  # the sibling script's timing loop (median of CUDA events)
 
 HEADS, DIM, RATIO, TOPK = 64, 128, 4, 512
 
@@ -25,7 +25,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=7)
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("benchmark_parts.py needs a CUDA GPU (Hopper): it times the TileLang kernels")
+        raise SystemExit("parts.py needs a CUDA GPU (Hopper): it times the TileLang kernels")
     from nemo_dsa.ops.fused_selection import v4_select_topk, v41_select_topk
     from nemo_dsa.ops.topk import select_topk, select_topk_reference
     from nemo_dsa.visibility import causal_ks_ke

@@ -14,24 +14,13 @@ from __future__ import annotations
 import torch
 
 from nemo_dsa._checks import check_tensor
+from nemo_dsa.ops.quant.blocks import FLOAT_DTYPES, power_of_two_ceil
 
 BLOCK = 32
 E2M1_MAX = 6.0
 # The non-negative E2M1 levels; the mantissa bit of level n is n % 2, so "ties to even mantissa"
 # means "ties to the even position" in this table.
 E2M1_LEVELS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def power_of_two_ceil(values: torch.Tensor) -> torch.Tensor:
-    """Smallest power of two >= each positive, normal fp32 value, read off the fp32 bits.
-
-    A value with a zero mantissa is already a power of two; otherwise bump the exponent by one.
-    """
-    bits = values.view(torch.int32)
-    exponent = (bits >> 23) & 0xFF
-    exponent = exponent + ((bits & 0x7FFFFF) != 0).to(torch.int32)
-    return (exponent << 23).view(torch.float32)
 
 
 def _round_to_e2m1(magnitude: torch.Tensor) -> torch.Tensor:

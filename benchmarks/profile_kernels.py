@@ -1,9 +1,9 @@
 """Workloads for Nsight Compute: one kernel's launches at the benchmarks' shapes, nothing timed.
 
     ncu --clock-control none -k regex:vector_select --launch-skip 3 --launch-count 1 --set full \
-        -o select -f python examples/profile_kernels.py select
+        -o select -f python benchmarks/profile_kernels.py select
     ncu --clock-control none -k regex:sparse_window_bwd --launch-skip 2 --launch-count 1 --set full \
-        -o attention_bwd -f python examples/profile_kernels.py attention
+        -o attention_bwd -f python benchmarks/profile_kernels.py attention
 
 ``--clock-control none`` leaves the card's clocks as they are (ncu's default locks them to base).
 ``select``: the selection of one 4,096-row chunk of V4.1 scores (32 index heads of 128, R=1 or
@@ -22,7 +22,7 @@ import torch
 
 
 def select_workload(launches: int, ratio: int = 1, radix: bool = False, first_row: int = 16384) -> None:
-    from benchmark_selection import TOPK, _v41_inputs
+    from selection import TOPK, _v41_inputs
 
     from nemo_dsa.ops.topk import kernels
     from nemo_dsa.ops.v41_indexer.kernels import v41_scores_tilelang
@@ -43,7 +43,7 @@ def select_workload(launches: int, ratio: int = 1, radix: bool = False, first_ro
 
 
 def attention_workload(launches: int) -> None:
-    from benchmark_attention import DIM, WINDOW, make_inputs
+    from attention import DIM, WINDOW, make_inputs
 
     from nemo_dsa.ops.sparse_attention import sparse_window_attention
 

@@ -1,5 +1,5 @@
 """What a training step keeps for its backward, counted on the CPU: the V4 / V4.1 step models of
-``benchmark_model_step.py`` (same configs), nemo_dsa's plugin or the built-in, bf16.
+``nemo_dsa.integrations.side_by_side`` (the configs ``model_step.py`` times), nemo_dsa's plugin or the built-in, bf16.
 
 Every distinct storage autograd packs during the forward (``torch.autograd.graph.saved_tensors_hooks``),
 parameters excluded, is attributed to the module whose forward packed it. On the plugin side the
@@ -8,7 +8,7 @@ place of the kernels, so what is kept is what the GPU keeps (the CPU reference k
 things). The built-in runs its CPU attention path, so its attention rows are not its GPU's. Prints
 KiB a token in total and per module (``--depth`` name parts), largest first.
 
-    python examples/saved_activations.py --side plugin --family v4 --seq 512
+    python benchmarks/saved_activations.py --side plugin --family v4 --seq 512
 """
 
 from __future__ import annotations
@@ -20,25 +20,24 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from nemo_dsa.integrations import side_by_side
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 
 def count(
     side: str, family: str, seq: int, depth: int, activation_checkpointing: str = "off", recompute: str | None = None
 ) -> tuple[float, dict]:
-    import benchmark_model_step as bms
-
     if side == "plugin":
         import pytest
 
         from test_activation_memory import route_attention_through_the_kernel_function
 
         route_attention_through_the_kernel_function(pytest.MonkeyPatch())
-    config = bms.model_config(family, bms.DEFAULT_RATIOS[family], 1024, 4)
+    config = side_by_side.model_config(family, side_by_side.DEFAULT_RATIOS[family], 1024, 4)
     if recompute:
         config.recompute = recompute  # the plugin's own recompute parts
-    model = bms.build(side, config, device="cpu", dtype=torch.bfloat16, attn="torch" if family == "v4" else "sdpa")
+    model = side_by_side.build(side, config, device="cpu", dtype=torch.bfloat16, attn="torch" if family == "v4" else "sdpa")
     if activation_checkpointing != "off":  # what the blocks keep is then their inputs (the rest is recomputed)
         from nemo_automodel.components.moe.parallelizer import apply_ac
 
