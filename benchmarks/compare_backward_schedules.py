@@ -9,7 +9,7 @@ every timing alike) runs once to compare its gradients with the first schedule's
 should be bitwise equal, dkv differs by the order of its atomics), then ``--launches`` rounds
 launch every schedule once each, in turn, so that clocks and the L2's state drift alike for all.
 Prints the median of each and its change against the first; ``--json`` writes them.
-(docs/performance.md v28-v29 used this method; on one shape it tells schedules apart by ~1 %,
+(benchmarks/results/2026-12-05.md and 2026-12-06.md used this method; on one shape it tells schedules apart by ~1 %,
 where separate runs of ``attention.py`` differ by up to 5 %.)
 """
 

@@ -10,7 +10,7 @@ events hold each launch, so a kernel with little work shows mostly its launch): 
 scores masked by the candidate blocks of 8 (2,048 kept) that the first layer's scores give, read
 from the list by the vector select (in the candidate source's form) and through the map by the radix
 select. Checks that both
-kernels give the same indices and scores. docs/performance.md v31-v32 have the numbers.
+kernels give the same indices and scores. benchmarks/results/2026-12-06.md has the numbers.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ probe does only that: each block copies ``--tiles`` tiles of 64 random half rows
 table (8,192 rows of 512 bf16: V4's compressed rows at S = 32,768) into a ring of ``stages``
 32 KiB buffers, one cp.async group a tile, keeping ``stages`` groups in flight
 (``cp.async.wait_group``). It runs one and two blocks an SM, so the table separates the bytes an
-SM keeps in flight from the warps that issue them. docs/performance.md v34 has what it showed.
+SM keeps in flight from the warps that issue them. benchmarks/results/2026-12-06.md has what it showed.
 """
 
 # No `from __future__ import annotations`: TileLang evaluates the prim_func's tensor annotations.

@@ -11,7 +11,7 @@
 selection hands it: the vector select (``--radix``: the radix select, ``-k regex:radix_select``); it
 prints the chunk's key statistics. ``attention``: the sparse attention forward and backward at
 V4-Flash shapes (64 heads of 512, window 128 + top-512, S=32,768); ``-k regex:sparse_window_fwd``
-takes the forward. docs/performance.md v14, v20, v31 and v32 have what these showed.
+takes the forward. benchmarks/results/ (2026-12-01, 2026-12-03, 2026-12-06) has what these showed.
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ def _v41_rows(chunk_bytes: int):
         q, _, k, w, _, ks, ke = inputs
         return v41_select_topk(q, k, w, ks, ke, TOPK, backend="tilelang", chunk_bytes=budget)
 
-    def radix_only(fn):  # the radix select instead of the vector select (v30's default)
+    def radix_only(fn):  # the radix select instead of the vector select
         def run(inputs, blocks, allowed):
             with mock.patch.object(topk_kernels, "VECTOR_SELECT", False):
                 return fn(inputs, blocks, allowed)

@@ -15,7 +15,7 @@ schedules it among its neighbours). The anchors are statements of the generated 
 kernel changes, the rewrite stops with the anchor it could not find.
 
 Prints medians over the blocks of queries >= 4,096 (five rounds each at top-512), the clock
-rate, and the gap between consecutive blocks on an SM. docs/performance.md v26 and v27 have what it showed.
+rate, and the gap between consecutive blocks on an SM. benchmarks/results/2026-12-05.md has what it showed.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Compile nemo_dsa's TileLang kernels into TileLang's disk cache, in parallel.
 
-A GPU session then loads each kernel from the cache instead of compiling it on first use (5 to 40
+A GPU run then loads each kernel from the cache instead of compiling it on first use (5 to 40
 s a kernel). Runs without a GPU too (the nvcc builds are the same), so the cache can be filled on
 any machine with the same TileLang and carried along:
 

@@ -1,6 +1,6 @@
 """Recompute in the backward the DeepSeek-V4 parts that are cheap to run and expensive to keep.
 
-Counted by ``examples/saved_activations.py`` on the V4 step model (docs/performance.md v17), the
+Counted by ``benchmarks/saved_activations.py`` on the V4 step model, the
 built-in's hyper-connections keep two fp32 copies of the ``[S, hc_mult * hidden]`` stream per
 mixing module (its fp32 cast and its RMS-normalised copy, 128 KiB a token at hidden 4,096 and
 hc_mult 4): 7 modules in 3 layers are 896 of the step's 2,454 KiB a token. Their forward is a

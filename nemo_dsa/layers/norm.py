@@ -12,7 +12,7 @@ class _RMSNormFunction(torch.autograd.Function):
     The forward is the plain formula, op for op. The backward is written out so that only ``x``
     (in its own dtype) and the fp32 ``1 / rms`` per row are kept: autograd through the formula
     keeps ``x``'s fp32 copy instead, which for V4's per-head q norm (64 heads of 512) is 128 KiB a
-    token a layer, twice the bf16 q itself (docs/performance.md v15).
+    token a layer, twice the bf16 q itself.
     """
 
     @staticmethod

@@ -1,7 +1,7 @@
 """The plugins under nemo-automodel's activation checkpointing (CPU, fp32, tiny released structure).
 
 Long contexts need it: a V4 step keeps ~2.4 MiB a token for its backward without it
-(docs/performance.md v15-v16), so S = 65,536 does not fit one H200. A recipe turns it on with
+(``benchmarks/saved_activations.py``), so S = 65,536 does not fit one H200. A recipe turns it on with
 ``distributed.activation_checkpointing: selective`` (or ``true``, which nemo-automodel 0.7.0's
 train_ft cannot run for these MoE models: tests/integrations/test_deepseek_v4_plugin_recipe.py); its MoE
 parallelizer then wraps every decoder block through ``apply_ac``, the function called here. The plugins'

@@ -30,7 +30,7 @@ The rounding bound at model level: layer by layer, the two stacks' attention inp
 goes the other way in one of them; the release does the same under any reordering of its own fp32
 sums. In the main test such flips of the window-KV fp8 and compressed-KV NVFP4 codes are found and
 reconciled (``CacheRoundingFlips``: the same value to 1e-5, other codes; at most 8 a forward),
-so that the comparison holds to 1e-5 on any CPU: on the machine of earlier sessions none happened
+so that the comparison holds to 1e-5 on any CPU: on one x86 CPU none happened
 (logits 4e-7); on an AVX-512 Xeon one window-KV element of layer 5 flips on the packed batch
 (logits 3.9e-5 without the reconciliation, 4e-7 with it). With the checkpoint files'
 bf16 / FP8 weights something does: exactly one window-KV element of layer 4 (bf16 files; logits

@@ -151,7 +151,7 @@ def test_train_ft_with_recomputed_parts_takes_the_same_steps(cpu_automodel, tmp_
 
 def test_train_ft_under_full_checkpointing_and_recompute_without_hash_routed_layers(cpu_automodel, tmp_path):
     """The longest sequences on one card need more recomputed than ``selective`` does
-    (docs/performance.md v17: S = 131,072 with ``recompute`` and whole blocks checkpointed). In
+    (docs/performance.md: S = 131,072 with ``recompute`` and whole blocks checkpointed). In
     train_ft, ``activation_checkpointing: true`` wraps each block's attention, MoE and norms; it stops
     on hash-routed MoE layers (above) and runs without them. The plugin's ``recompute`` on top changes
     nothing: the same losses bit for bit. Both differ from the plain run from the second step on by

@@ -3,7 +3,7 @@
 DeepSeek-V4's LM head is an fp32 weight applied to the bf16 final hidden state, in fp32, its
 logits rounded to bf16 (nemo-automodel's ``fp32_lm_head``). The fp32 GEMMs run on SIMT units
 (~48 TFLOP/s on the H200: 273 ms of a 695 ms V4-Flash-shaped step at S = 16,384,
-docs/performance.md v10). Every operand that meets the weight there is bf16-exact: the hidden
+benchmarks/results/2026-12-01.md). Every operand that meets the weight there is bf16-exact: the hidden
 state in the forward, the logits' (bf16) gradient in the backward. So the weight is written as
 three bf16 pieces, ``w1 = bf16(w)``, ``w2 = bf16(w - w1)``, ``w3 = bf16(w - w1 - w2)`` (each
 remainder exact in fp32; the three pieces carry its 24 significant bits, with at most 2^-27 of
