@@ -22,7 +22,9 @@ import torch
 
 from nemo_dsa.integrations import side_by_side
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+# The plugin side routes attention as the CPU tests do (tests/models/test_activation_memory.py).
+TESTS = Path(__file__).resolve().parents[1] / "tests"
+sys.path[:0] = [str(TESTS), str(TESTS / "layers"), str(TESTS / "models")]
 
 
 def count(
