@@ -498,6 +498,11 @@ def _cu_to_lengths(cu_seqlens: torch.Tensor, G: int, checks: _Checks) -> torch.T
     if checks.failed(cu[:, 0] != 0):
         b = int((cu[:, 0] != 0).nonzero()[0])
         raise ValueError(f"cu_seqlens: row {b} starts at {int(cu[b, 0])}, expected 0")
+    # Checked before the differences: values past int64's range would wrap them to plausible lengths.
+    outside = (cu < 0) | (cu > G)
+    if checks.failed(outside):
+        b, k = _first(outside)
+        raise ValueError(f"cu_seqlens: entry {k} of row {b} is {int(cu[b, k])}, outside [0, {G}] (= seq_len * cp_size)")
     lengths = cu.diff(dim=1)
     if checks.failed(lengths < 0):
         b, k = _first(lengths < 0)
@@ -526,6 +531,14 @@ def _layout_from_lengths(name, lengths, spans, pos, G, checks: _Checks):
             )
     if spans.shape[1] == 0:
         raise ValueError(f"{span_name} has no entries; the documents must cover {G} (= seq_len * cp_size) tokens")
+    # An entry longer than the row is wrong on its own, and entries near 2**63 would wrap the
+    # int64 sum below to a plausible total (documents at negative positions).
+    if checks.failed(spans > G):
+        b, k = _first(spans > G)
+        raise ValueError(
+            f"{span_name}: entry {k} of row {b} is {int(spans[b, k])}, longer than the row's {G} tokens "
+            "(= seq_len * cp_size)"
+        )
     ends = spans.cumsum(dim=1)
     if checks.failed(ends[:, -1] != G):
         b = int((ends[:, -1] != G).nonzero()[0])

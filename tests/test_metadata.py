@@ -472,3 +472,17 @@ def test_device_argument_places_tensorless_metadata_and_checks_tensors():
     assert meta.ks.device.type == "cpu" and meta.positions.shape == (2, 8)
     with pytest.raises(ValueError, match="device"):
         build_attention_metadata(compress_ratio=4, position_ids=torch.arange(8)[None], device="meta")
+
+
+def test_lengths_whose_int64_sum_wraps_are_refused():
+    """Entries near 2**63 sum (wrapping) to the row's length: refused by name, not laid out."""
+    big = 2**62
+    for lengths in ([[big, big, big, big, 8]], [[3, 2**63 - 1, 2**63 - 1, 7]]):
+        with pytest.raises(ValueError, match=r"seq_lens: entry \d of row 0 is \d+, longer than the row's 8 tokens"):
+            build_attention_metadata(compress_ratio=4, seq_lens=torch.tensor(lengths), seq_len=8)
+    spans = torch.tensor([[big, big, big, big, 8]])
+    with pytest.raises(ValueError, match="seq_lens_padded: entry 0 of row 0"):
+        build_attention_metadata(compress_ratio=4, seq_lens=spans.clamp_max(8), seq_lens_padded=spans, seq_len=8)
+    with pytest.raises(ValueError, match=r"cu_seqlens: entry 1 of row 0 is 9223372036854775807, outside \[0, 8\]"):
+        build_attention_metadata(compress_ratio=4, cu_seqlens=torch.tensor([[0, 2**63 - 1, -(2**63), -(2**62), 0, 8]]),
+                                 seq_len=8)

@@ -439,3 +439,22 @@ def test_candidate_blocks_are_read_back_once_and_never_from_a_candidate_source(m
     user_blocks[0, 5, 0] = 7  # changed in place: checked again, and out of range
     with pytest.raises(ValueError, match="candidate_blocks must lie in"):
         v41_select_topk(q, k, w, ks, ke, 4, candidate_block_size=2, candidate_blocks=user_blocks)
+
+
+@pytest.mark.parametrize("batch,queries,num_keys", [(0, 5, 7), (0, 0, 3), (0, 4, 0)])
+def test_fused_selection_of_no_rows_returns_the_unfused_empties(batch, queries, num_keys):
+    """Batch 0 has no rows to plan chunks over: the empty results of the unfused paths, not a crash."""
+    q, k, w = indexer_inputs(batch, queries, 2, 16, num_keys, seed=3, w_dtype=torch.float32, quantised=True)
+    ks, ke = torch.zeros(batch, queries, dtype=torch.int32), torch.full((batch, queries), num_keys, dtype=torch.int32)
+    count = min(3, num_keys)
+    want = select_topk_reference(v4_logits(q, k, w, ks, ke), 3)
+    scores, indices = v4_select_topk(q, k, w, ks, ke, 3, backend="torch")
+    assert indices.shape == want.shape == (batch, queries, count) and indices.dtype == want.dtype == torch.int32
+    assert scores.shape == (batch, queries, count) and scores.dtype == torch.float32
+    w41 = w.bfloat16()
+    want41 = select_topk_reference(v41_scores(q, k, w41, ks, ke), 3, order="index")
+    got41 = v41_select_topk(q, k, w41, ks, ke, 3, backend="torch")
+    assert got41.shape == want41.shape and got41.dtype == want41.dtype
+    got_source, blocks = v41_select_topk(q, k, w41, ks, ke, 3, candidate_block_size=2, candidate_topk_blocks=2,
+                                         backend="torch")
+    assert got_source.shape == want41.shape and blocks.shape == (batch, queries, min(2, -(-num_keys // 2)))

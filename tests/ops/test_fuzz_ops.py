@@ -136,7 +136,7 @@ def test_extract_topk_scores_equals_oracle(shape, width, dim, seed):
 
 
 @FUZZ
-@given(batch=st.integers(1, 2), seq=st.integers(0, 10), heads=st.integers(1, 4), num_keys=st.integers(0, 6),
+@given(batch=st.integers(0, 2), seq=st.integers(0, 10), heads=st.integers(1, 4), num_keys=st.integers(0, 6),
        topk=st.integers(1, 8), fused=st.booleans(), seq_first=st.booleans(), seed=st.integers(0, 2**16))  # fmt: skip
 def test_v4_indexer_equals_oracle(batch, seq, heads, num_keys, topk, fused, seq_first, seed):
     g = seeded(seed)
@@ -354,3 +354,31 @@ def test_metadata_builder_accepts_or_names_the_error(layout, ratio, cp, shape):
         return
     assert bool((meta.ks >= 0).all() & (meta.ks <= meta.ke).all() & (meta.ke <= meta.num_groups).all())
     assert meta.ks.shape == (meta.batch_size, meta.seq_len)
+
+
+HUGE_LENGTHS = [2**62, 2**63 - 1, 2**63 - 8, 2**61 + 3]
+
+
+@FUZZ
+@given(seq_len=st.integers(1, 12), small=st.lists(st.integers(0, 6), max_size=4),
+       huge=st.lists(st.sampled_from(HUGE_LENGTHS), min_size=1, max_size=4), padded=st.booleans(), order=st.randoms())
+def test_metadata_builder_names_lengths_past_int64(seq_len, small, huge, padded, order):
+    """``seq_lens`` entries near 2**63, with a last entry that wraps their int64 sum to exactly the
+    row's length: a named error, never a layout with documents at negative positions."""
+    entries = small + huge
+    order.shuffle(entries)
+    wrapped = (seq_len - sum(entries)) % 2**64  # the entry that makes the wrapped sum seq_len
+    entries.append(wrapped - 2**64 if wrapped >= 2**63 else wrapped)
+    lengths = torch.tensor([entries], dtype=torch.int64)
+    assert int(lengths.sum()) == seq_len  # the overflow the builder has to see through
+    kwargs = {"seq_lens": lengths.clamp_max(seq_len) if padded else lengths}
+    if padded:
+        kwargs["seq_lens_padded"] = lengths
+    name = "seq_lens_padded" if padded else "seq_lens"
+    with pytest.raises(ValueError, match=name):
+        build_attention_metadata(compress_ratio=4, seq_len=seq_len, **kwargs)
+    with pytest.raises(ValueError, match=name):  # the length derived from the lengths alone
+        build_attention_metadata(compress_ratio=4, **kwargs)
+    cu = torch.cat((torch.zeros(1, 1, dtype=torch.int64), lengths.cumsum(1)), dim=1)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        build_attention_metadata(compress_ratio=4, seq_len=seq_len, cu_seqlens=cu)

@@ -121,6 +121,9 @@ def v4_select_topk_validated(q, k, w, ks, ke, topk: int, backend: str, chunk_byt
     it skips the ks/ke value checks and their host sync. ``backend`` is a resolved one."""
     batch, queries, heads, dim = q.shape
     count = min(topk, k.shape[1])
+    if batch == 0 or queries == 0:  # no rows to plan chunks over: the empty result select_topk gives
+        return (torch.empty((batch, queries, count), dtype=torch.float32, device=q.device),
+                torch.empty((batch, queries, count), dtype=torch.int32, device=q.device))
     # Poisoned: every chunk overwrites its rows, so a sentinel left over is a bug the tests see.
     indices = torch.full((batch, queries, count), -2, dtype=torch.int32, device=q.device)
     scores = torch.full((batch, queries, count), float("nan"), dtype=torch.float32, device=q.device)
@@ -224,6 +227,8 @@ def v41_select_topk(
     if source:
         num_blocks = min(candidate_topk_blocks, -(-num_keys // candidate_block_size))
         blocks_out = torch.full((batch, queries, num_blocks), -2, dtype=torch.int32, device=q.device)
+    if batch == 0 or queries == 0:  # no rows to plan chunks over: the empty results, as unfused
+        return indices if blocks_out is None else (indices, blocks_out)
     on_gpu = _selects_on_gpu(backend, count)
     # Reindex on the GPU: the radix select applies the kept blocks itself, so a chunk holds only
     # its scores (and, with B > 1, a copy of its rows' block lists).
