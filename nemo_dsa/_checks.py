@@ -52,6 +52,14 @@ def is_positive_int(value, *, minimum: int = 1) -> bool:
     return is_int(value) and value >= minimum
 
 
+def check_seed(value, name: str = "seed") -> int:
+    """A random seed: an int in [0, 2**63) (what torch's generators take as given), never a
+    string, a float or a bool converted on the way (a ValueError, as config checks report)."""
+    if not is_int(value) or not 0 <= value < 2**63:
+        raise ValueError(f"{name} must be an int in [0, 2**63), got {value!r}")
+    return value
+
+
 # Sizes that land in int32 tensors (ks/ke, indices, positions of a row) must stay below this.
 INT32_MAX = 2**31 - 1
 
@@ -80,6 +88,19 @@ def check_finite_float(name: str, value) -> float:
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
     return value
+
+
+def check_device(name: str, value) -> torch.device:
+    """A device argument as a ``torch.device``: a ``torch.device`` or a string torch parses
+    (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"meta"``); anything else is named, not torch's RuntimeError."""
+    if isinstance(value, torch.device):
+        return value
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a torch.device or a string such as 'cpu' or 'cuda:0', got {type(value).__name__}")
+    try:
+        return torch.device(value)
+    except RuntimeError:
+        raise ValueError(f"{name} must name a device such as 'cpu', 'cuda' or 'cuda:0', got {value!r}") from None
 
 
 def check_has_data(name: str, value: torch.Tensor) -> torch.Tensor:

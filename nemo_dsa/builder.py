@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from nemo_dsa._checks import is_positive_int
+from nemo_dsa._checks import check_device, is_positive_int
 from nemo_dsa.models.dsa_lm.configuration import SCORINGS, DSAModelConfig
 from nemo_dsa.models.dsa_lm.layer_roles import derive_v41_layer_roles
 from nemo_dsa.ops.v41_indexer.heads import largest_supported_heads
@@ -165,6 +165,7 @@ def build_model(
     ``seed`` makes the initialisation reproducible without touching the global RNG.
     ``name`` is the preset's name, kept on the model as ``model.preset_name``.
     """
+    device = check_device("device", device)
     cfg = build_model_config(config, scoring)
     if isinstance(dtype, str):
         if dtype not in _DTYPES:

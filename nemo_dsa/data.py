@@ -153,17 +153,31 @@ def _add_module(module_name: str, add) -> None:
                     add(_doc_of(f"{module_name}.{name}.{attr}", member))
 
 
+def _bucket(title: str) -> int:
+    return zlib.crc32(title.encode("utf-8")) % 100
+
+
 def is_validation(title: str, val_percent: int) -> bool:
     """Deterministic split by a hash of the title (stable across runs and machines)."""
-    return zlib.crc32(title.encode("utf-8")) % 100 < val_percent
+    return _bucket(title) < val_percent
 
 
 def split_documents(docs: Sequence[Document], val_percent: int = 5) -> tuple[list[Document], list[Document]]:
-    """(train, validation) documents; the split depends only on each document's title."""
+    """(train, validation) documents; the split depends only on the documents' titles.
+
+    With ``val_percent > 0`` and at least two documents, both sides get one: a small corpus whose
+    titles all hash to one side gives the document whose hash lies nearest the other side to it
+    (otherwise 17 files at val_percent=20 hold out none about once in 44 corpora).
+    """
     if not 0 <= val_percent < 100:
         raise ValueError(f"val_percent must be in [0, 100), got {val_percent}")
-    train = [d for d in docs if not is_validation(d.title, val_percent)]
-    val = [d for d in docs if is_validation(d.title, val_percent)]
+    held_out = [is_validation(d.title, val_percent) for d in docs]
+    if val_percent > 0 and len(docs) >= 2 and len(set(held_out)) == 1:
+        order = sorted(range(len(docs)), key=lambda i: (_bucket(docs[i].title), docs[i].title, i))
+        moved = order[0] if not held_out[0] else order[-1]  # nearest the validation side, or the training side
+        held_out[moved] = not held_out[moved]
+    train = [d for d, v in zip(docs, held_out, strict=True) if not v]
+    val = [d for d, v in zip(docs, held_out, strict=True) if v]
     return train, val
 
 
@@ -375,14 +389,19 @@ def pack_documents(
 
     train_ids = tokenized(train_docs)
     if not train_ids:
-        raise ValueError("the corpus has no training documents: lower val_percent")
+        raise ValueError(f"the corpus has no training documents ({len(documents)} documents, {len(train_docs)} of them "
+                         f"for training, none of 2 tokens or more, val_percent={val_percent}): add documents or lower "
+                         "val_percent (recipe.val_percent)")
     train = PackedBatches(train_ids, seq_len=seq_len, batch_size=batch_size, seed=seed, shuffle=True,
                           min_piece=min_piece, pad_id=tokenizer.pad_id)
     val: list[dict[str, torch.Tensor]] = []
     if val_batches > 0:
         val_ids = tokenized(val_docs)
         if not val_ids:
-            raise ValueError("the corpus has no validation documents: raise val_percent or set val_batches=0")
+            raise ValueError(f"the corpus has no validation documents ({len(documents)} documents, {len(val_docs)} held out "
+                             f"at val_percent={val_percent}, none of 2 tokens or more; a corpus of one document has "
+                             "none): add documents, raise val_percent (recipe.val_percent) or set val_batches=0 "
+                             "(recipe.val_batches=0)")
         val_stream = PackedBatches(val_ids, seq_len=seq_len, batch_size=batch_size, shuffle=False,
                                    min_piece=min_piece, pad_id=tokenizer.pad_id)
         val = fixed_batches(val_stream, val_batches)

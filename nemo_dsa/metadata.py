@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nemo_dsa._checks import INT32_MAX, check_has_data, check_positive_int, check_tensor
+from nemo_dsa._checks import INT32_MAX, check_device, check_has_data, check_positive_int, check_tensor
 from nemo_dsa.visibility import document_ks_ke, visible_mask, vouch_ks_ke
 
 __all__ = ["AttentionMetadata", "build_attention_metadata", "build_attention_metadata_for_ratios"]
@@ -233,7 +233,8 @@ def _resolve_layout(
 
     tensors = _check_input_tensors(position_ids, seq_lens, seq_lens_padded, cu_seqlens, packed_seq_ids, attention_mask)
     given = next((t.device for t in tensors.values()), None)
-    if device is not None and given is not None and not _same_device(torch.device(device), given):
+    device = None if device is None else check_device("device", device)
+    if device is not None and given is not None and not _same_device(device, given):
         raise ValueError(f"device: the layout tensors are on {given}, but device={device} was asked for")
     device = given if given is not None else torch.device(device if device is not None else "cpu")
     if seq_lens is not None and seq_lens.ndim == 1:

@@ -124,7 +124,16 @@ def _first_line(error: BaseException) -> str:
     return " ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
+def yaml_error_line(error: BaseException) -> str:
+    """A YAML syntax error as one line naming the file, line and column (PyYAML's spans several)."""
+    mark = getattr(error, "problem_mark", None) or getattr(error, "context_mark", None)
+    where = f"{mark.name}, line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "a YAML file"
+    problem = getattr(error, "problem", None) or _first_line(error)
+    return f"{where}: not valid YAML ({problem})"
+
+
 def _compose(overrides: Sequence[str]):
+    import yaml
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
@@ -132,8 +141,11 @@ def _compose(overrides: Sequence[str]):
 
     try:
         return load_config(overrides)
+    except yaml.YAMLError as e:  # a config file of the config directory
+        raise UsageError(yaml_error_line(e)) from e
     except (HydraException, OmegaConfBaseException) as e:
-        raise UsageError(_explain_composition(e, overrides)) from e
+        syntax = next((c for c in _chain(e) if isinstance(c, yaml.YAMLError)), None)
+        raise UsageError(yaml_error_line(syntax) if syntax else _explain_composition(e, overrides)) from e
     except ValueError as e:  # check_known_keys
         raise UsageError(_first_line(e)) from e
 
@@ -175,14 +187,14 @@ def _log_warnings_to_stderr() -> None:
 def _run_one(overrides: Sequence[str]) -> int:
     from hydra.errors import InstantiationException
 
-    from nemo_dsa.recipe.files import RunDirLocked
+    from nemo_dsa.recipe.files import RunDirLocked, RunDirUnusable
     from nemo_dsa.recipe.state import CorruptCheckpoint
     from nemo_dsa.recipe.loop import train
 
     cfg = _compose(overrides)
     try:
         result = train(cfg)
-    except (InstantiationException, RunDirLocked, FileNotFoundError, CorruptCheckpoint) as e:
+    except (InstantiationException, RunDirLocked, RunDirUnusable, FileNotFoundError, CorruptCheckpoint) as e:
         raise UsageError(_first_line(e)) from e
     except (ValueError, TypeError) as e:
         if not _is_user_error(e):
@@ -218,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _reported(args: list[str]) -> int:
     """``_main``'s exit code, an expected error printed as one line (all of it with ``--verbose``)."""
-    from nemo_dsa.recipe.parallel import RanksStopped
+    from nemo_dsa.recipe.parallel import RanksStopped, describe_error
 
     verbose = "--verbose" in args or os.environ.get("HYDRA_FULL_ERROR") == "1"
     _log_warnings_to_stderr()
@@ -233,6 +245,12 @@ def _reported(args: list[str]) -> int:
         if verbose:
             raise
         print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # the disk or a path failed mid-run (full, read-only, gone): not the code
+        if verbose:
+            raise
+        print(f"{PROG}: error: {describe_error(e)}. Any checkpoint saved before is intact: fix the cause and run "
+              "again to resume from the newest", file=sys.stderr)
         return 1
 
 

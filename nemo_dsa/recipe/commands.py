@@ -21,7 +21,7 @@ from typing import Optional  # noqa: UP035 - OmegaConf reads these annotations a
 
 from omegaconf import MISSING
 
-from nemo_dsa.recipe.cli import EXIT_USAGE, UsageError, _article, _closest, _first_line
+from nemo_dsa.recipe.cli import EXIT_USAGE, UsageError, _article, _closest, _first_line, yaml_error_line
 
 
 @dataclass
@@ -95,6 +95,8 @@ def _check_run_dir(run_dir: str) -> None:
 
 
 def _run_command(prog: str, body, argv: Sequence[str] | None) -> int:
+    import yaml
+
     from nemo_dsa.recipe.state import CorruptCheckpoint
 
     args = list(sys.argv[1:] if argv is None else argv)
@@ -105,10 +107,11 @@ def _run_command(prog: str, body, argv: Sequence[str] | None) -> int:
         return 0
     try:
         return body(args)
-    except (UsageError, ValueError, TypeError, FileNotFoundError, CorruptCheckpoint) as e:
+    except (UsageError, ValueError, TypeError, FileNotFoundError, CorruptCheckpoint, yaml.YAMLError) as e:
         if verbose:
             raise
-        print(f"{prog}: error: {_first_line(e)}", file=sys.stderr)
+        line = yaml_error_line(e) if isinstance(e, yaml.YAMLError) else _first_line(e)
+        print(f"{prog}: error: {line}", file=sys.stderr)
         return EXIT_USAGE
 
 
@@ -132,6 +135,8 @@ def _generate(argv: list[str]) -> int:
         problems.append(f"top_p must be in (0, 1], got {args.top_p}")
     if args.num_samples < 1:
         problems.append(f"num_samples must be >= 1, got {args.num_samples}")
+    if not 0 <= args.seed < 2**63 - max(args.num_samples, 1):  # sample i draws with seed + i
+        problems.append(f"seed must be an int in [0, 2**63 - num_samples), got {args.seed}")
     if problems:
         raise UsageError("; ".join(problems))
     _check_run_dir(args.run_dir)

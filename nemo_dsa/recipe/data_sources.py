@@ -24,6 +24,7 @@ import contextlib
 import glob
 import hashlib
 import json
+import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,6 +33,8 @@ from nemo_dsa import data as corpus
 from nemo_dsa.data import ByteTokenizer, Document
 
 SOURCES = ("stdlib", "text", "jsonl", "hf")
+REPLACEMENT = "\ufffd"
+log = logging.getLogger("nemo_dsa.recipe")
 TOKENIZER_KINDS = ("byte", "hf")
 
 
@@ -63,7 +66,13 @@ def text_documents(paths: Sequence[str], separator: str | None = None) -> list[D
     """One document per file, or per ``separator``-delimited part of each file (empty parts dropped)."""
     docs = []
     for path in _files(paths, (".txt", ".md")):
-        text = path.read_text(encoding="utf-8", errors="replace")
+        raw = path.read_bytes()
+        text = raw.decode("utf-8", errors="replace")
+        # U+FFFD the file did not hold itself: bytes that are not UTF-8 (a binary or Latin-1 file?)
+        replaced = text.count(REPLACEMENT) - raw.count(REPLACEMENT.encode("utf-8"))
+        if replaced:
+            log.warning("data.paths: %s is not valid UTF-8: %d replacement character%s (U+FFFD) stand for its "
+                        "undecodable bytes", path, replaced, "" if replaced == 1 else "s")
         parts = text.split(separator) if separator else [text]
         docs += [Document(_content_title(p), p) for p in parts if p.strip()]
     return docs
@@ -75,8 +84,13 @@ def jsonl_documents(paths: Sequence[str], text_key: str = "text") -> list[Docume
     # Directories contribute *.jsonl only (a config or dataset_info.json is not a corpus); a .json
     # file named explicitly is read as JSON lines.
     for path in _files(paths, (".jsonl",)):
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, start=1):
+        with open(path, "rb") as f:
+            for n, raw in enumerate(f, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"data.paths: {path} line {n} is not UTF-8 text (byte {raw[e.start]:#04x} at column "
+                                     f"{e.start + 1}); JSON lines files are UTF-8") from None
                 if not line.strip():
                     continue
                 try:
@@ -191,7 +205,11 @@ class HFTokenizer:
         if not file.is_file():
             raise FileNotFoundError(f"tokenizer.path: no tokenizer file at {file}")
         self.path = str(file)
-        self._tok = Tokenizer.from_file(self.path)
+        try:
+            self._tok = Tokenizer.from_file(self.path)
+        except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception for any unreadable file
+            detail = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise ValueError(f"tokenizer.path: {self.path} is not a tokenizers JSON file ({detail})") from None
         named = _special_tokens(file.parent)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.bos_id = self._token_id("bos_token", bos_token or named.get("bos_token"), required=False)
@@ -225,9 +243,14 @@ def _special_tokens(directory: Path) -> dict[str, str]:
     found: dict[str, str] = {}
     for name in ("special_tokens_map.json", "tokenizer_config.json"):
         try:
-            config = json.loads((directory / name).read_text())
-        except (OSError, ValueError):
+            config = json.loads((directory / name).read_text(encoding="utf-8"))
+        except FileNotFoundError:
             continue
+        except (OSError, ValueError) as e:  # there, but not readable JSON (UnicodeDecodeError is a ValueError)
+            detail = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise ValueError(f"tokenizer.path: {directory / name} is not readable JSON ({detail})") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"tokenizer.path: {directory / name} holds a JSON {type(config).__name__}, not an object")
         for key in ("bos_token", "eos_token", "pad_token"):
             value = config.get(key)
             value = value.get("content") if isinstance(value, dict) else value

@@ -7,9 +7,11 @@ atomic on POSIX); logs are only ever appended to.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
+import stat
 import time
 from pathlib import Path
 
@@ -71,6 +73,26 @@ class RunDirLocked(RuntimeError):
     """Another live process holds the run directory."""
 
 
+class RunDirUnusable(ValueError):
+    """``run_dir`` (or a path under it) cannot hold the run: named in the message."""
+
+
+def check_run_dir(run_dir) -> Path:
+    """``run_dir`` as a path, refusing the empty one (it would scatter the run into the current directory)."""
+    if not isinstance(run_dir, str | os.PathLike) or not str(run_dir).strip():
+        raise RunDirUnusable(f"run_dir must name a directory for the run, got {run_dir!r}")
+    return Path(run_dir)
+
+
+def path_under(run_dir: Path, relative, key: str) -> Path:
+    """``run_dir / relative``, refusing an absolute ``relative`` or one that leaves ``run_dir`` (``key`` names it)."""
+    text = str(relative) if isinstance(relative, str | os.PathLike) else ""
+    parts = Path(text).parts
+    if not text.strip() or Path(text).is_absolute() or ".." in parts or text.startswith("~"):
+        raise RunDirUnusable(f"{key} must be a relative path inside run_dir (e.g. tensorboard), got {relative!r}")
+    return Path(run_dir) / text
+
+
 class RunDirLock:
     """An exclusive ``flock`` on ``<run_dir>/.lock``, held for the whole run.
 
@@ -87,8 +109,21 @@ class RunDirLock:
     def acquire(self) -> RunDirLock:
         import fcntl
 
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        run_dir = self.path.parent
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            # O_NOFOLLOW: a symlink named .lock is refused, never followed to the file it names
+            # (which the holder's record below would overwrite).
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise RunDirUnusable(f"run_dir {run_dir}: {self.path} is a symbolic link; remove it "
+                                     "(the run's lock file is a plain file it creates)") from None
+            raise RunDirUnusable(f"run_dir {run_dir} cannot be written ({e.strerror}: {e.filename}): "
+                                 "pick a writable run_dir") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise RunDirUnusable(f"run_dir {run_dir}: {self.path} is not a regular file; remove it")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from nemo_dsa._checks import check_device
 from nemo_dsa.recipe.parallel import Parallel
 from nemo_dsa.recipe.state import CorruptCheckpoint, list_checkpoints, read_state
 
@@ -51,6 +52,7 @@ def load_run(run_dir: str | Path, checkpoint: str | None = None, device: str = "
     from nemo_dsa.models.dsa_lm import DSAForCausalLM, DSAModelConfig, load_checkpoint
     from nemo_dsa.recipe.data_sources import build_tokenizer
 
+    device = check_device("device", device)
     run_dir = Path(run_dir)
     config_file = run_dir / "config.yaml"
     if not config_file.is_file():

@@ -16,9 +16,10 @@ from typing import Any
 
 import torch
 
+from nemo_dsa._checks import check_seed
 from nemo_dsa.data import PAD_ID
 from nemo_dsa.labels import IGNORE_INDEX
-from nemo_dsa.recipe.files import RunDirLock, atomic_write, remove_temporaries
+from nemo_dsa.recipe.files import RunDirLock, atomic_write, check_run_dir, path_under, remove_temporaries
 from nemo_dsa.recipe.metrics import (
     MetricsLog,
     TensorBoardScalars,
@@ -39,7 +40,9 @@ from nemo_dsa.recipe.parallel import (
     drop_unreached_gradients,
     finish_parallel,
     is_collective_timeout,
+    is_peer_lost,
     launch_rank,
+    peer_lost,
     setup_parallel,
     shard_model,
     share_failure,
@@ -272,10 +275,12 @@ def train(cfg) -> TrainResult:
     """Run the recipe described by a composed config (see ``load_config``)."""
     recipe = cfg.recipe
     check_recipe(recipe)
+    check_seed(cfg.seed)
     device = _device(cfg, recipe)
+    run_dir = check_run_dir(cfg.run_dir)
+    path_under(run_dir, cfg.logger.log_dir, "logger.log_dir")
     if cfg.logger.tensorboard:
         require_tensorboard()  # before any work: the missing package is named at once
-    run_dir = Path(cfg.run_dir)
     lock = RunDirLock(run_dir).acquire() if launch_rank() == 0 else None  # before anything is written
     try:
         return _run(cfg, recipe, device, run_dir)
@@ -342,7 +347,8 @@ def _run_parallel(cfg, recipe, device: torch.device, run_dir: Path, par: Paralle
     abandoned = abandon_newer(run_dir, start) if par.is_main and path is not None else []
     metrics = _open_metrics(cfg, run_dir, par, saved, path, applied, fallbacks)
     if cfg.logger.tensorboard and par.is_main:
-        metrics.tensorboard = TensorBoardScalars(run_dir / cfg.logger.log_dir, purge_step=start + 1)
+        metrics.tensorboard = TensorBoardScalars(path_under(run_dir, cfg.logger.log_dir, "logger.log_dir"),
+                                                 purge_step=start + 1)
     for old in abandoned:
         note(f"set aside {old.name[len(ABANDONED_PREFIX):]} as {old} (newer than step {start}, which this run resumes from)")
         metrics.log({"step": start, "event": "checkpoint_abandoned", "path": str(old)})
@@ -429,6 +435,8 @@ def _stall_reported(par: Parallel, markers: Path, step: int | None, during: str 
     except RuntimeError as e:
         if par.size > 1 and is_collective_timeout(e):
             raise stalled_collective(e, par, step, _report_timeout(markers, par), during) from e
+        if par.size > 1 and is_peer_lost(e):
+            raise peer_lost(e, par, step, _report_timeout(markers, par), during) from e
         raise
 
 

@@ -223,6 +223,17 @@ def is_collective_timeout(error: BaseException) -> bool:
     return "timed out" in text or "timeout" in text
 
 
+# How gloo (and NCCL's socket transport) report a peer whose process is gone: killed, crashed,
+# or its host lost. Matched in lower case.
+_PEER_LOST = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused",
+              "socket closed", "remote process exited")
+
+
+def is_peer_lost(error: BaseException) -> bool:
+    text = str(error).lower()
+    return any(phrase in text for phrase in _PEER_LOST)
+
+
 class RanksStopped(RuntimeError):
     """The run stopped, every rank of it together, for the reason the message gives (a stalled
     collective, a failed save); the command line prints it as one paragraph, exit 1."""
@@ -252,6 +263,28 @@ def stalled_collective(error: BaseException, par: Parallel, step: int | None, ti
     return StalledCollective(
         f"rank {par.rank}: a collective {where} did not complete within recipe.dist_timeout_s={par.timeout_s}s; "
         f"{who}. Raise recipe.dist_timeout_s if steps or saves are simply slow. ({describe_error(error)})"
+    )
+
+
+class PeerLost(RanksStopped):
+    """A collective lost its connection to a rank whose process is gone (the message names it)."""
+
+
+def peer_lost(error: BaseException, par: Parallel, step: int | None, alive: set[int],
+              during: str | None = None) -> PeerLost:
+    """A one-line error for a collective whose peer's process died (killed, crashed).
+
+    ``alive``: the ranks that reported the failure themselves (see ``loop``); the others are the
+    ones whose process is gone (or, in a larger job, still waiting on a collective of their own).
+    """
+    gone = sorted(set(range(par.size)) - alive - {par.rank})
+    who = (f"rank(s) {gone} did not report it: their process died or was killed" if gone
+           else "every rank reported it (a network failure?)")
+    where = f"in step {step}" if during is None else f"while {during}"
+    phrase = next(p for p in _PEER_LOST if p in str(error).lower())
+    return PeerLost(
+        f"rank {par.rank}: lost the connection to another rank {where}; {who}. Any checkpoint saved before is "
+        f"intact: run again to resume from the newest ({type(error).__name__}: {phrase})"
     )
 
 

@@ -148,11 +148,19 @@ def check_recipe(recipe) -> None:
     """Fail before any work, naming the key: the rules the schema's types do not express."""
     problems = []
     positive = (
-        "seq_len", "batch_size", "max_steps", "log_every", "val_every", "ckpt_every", "keep_checkpoints", "cp_size", "dp_size",
+        "batch_size", "max_steps", "log_every", "val_every", "ckpt_every", "keep_checkpoints", "cp_size", "dp_size",
     )
     problems += [f"recipe.{k} must be an int >= 1, got {recipe[k]!r}" for k in positive if not is_positive_int(recipe[k])]
     problems += [f"recipe.{k} must be an int >= 0, got {recipe[k]!r}"
                  for k in ("warmup_steps", "val_batches", "max_skipped_steps") if not is_positive_int(recipe[k], minimum=0)]
+    if not is_positive_int(recipe.seq_len, minimum=2):
+        problems.append(f"recipe.seq_len must be an int >= 2 (a token and the next one it predicts), got {recipe.seq_len!r}")
+    elif not is_positive_int(recipe.min_piece, minimum=2) or recipe.min_piece > recipe.seq_len:
+        problems.append(f"recipe.min_piece must be an int in [2, recipe.seq_len={recipe.seq_len}] (the shortest document "
+                        f"piece a row starts), got {recipe.min_piece!r}: lower recipe.min_piece or raise recipe.seq_len")
+    if recipe.val_percent == 0 and is_positive_int(recipe.val_batches):
+        problems.append(f"recipe.val_percent=0 holds out no validation documents, but recipe.val_batches="
+                        f"{recipe.val_batches} evaluates on them: set recipe.val_percent (e.g. 5) or recipe.val_batches=0")
     if not recipe.lr > 0:
         problems.append(f"recipe.lr must be > 0, got {recipe.lr}")
     if not 0 <= recipe.min_lr_ratio <= 1:

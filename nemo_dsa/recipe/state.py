@@ -10,8 +10,10 @@ is complete by construction, and its manifest proves its bytes are the ones writ
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
+import pickle
 import random
 import shutil
 from pathlib import Path
@@ -95,19 +97,35 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def verify_checkpoint(path: Path) -> None:
-    """Raise ``CorruptCheckpoint`` naming ``path`` and the bad file, unless every file matches the manifest."""
+def _manifest_files(path: Path) -> dict[str, dict]:
+    """The ``files`` mapping of ``path``'s manifest, its structure checked (``CorruptCheckpoint`` naming the file)."""
     manifest_path = path / MANIFEST_FILE
     try:
-        manifest = json.loads(manifest_path.read_text())
-        files = manifest["files"]
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise CorruptCheckpoint(f"checkpoint {path} has no {MANIFEST_FILE} (an unfinished or pre-manifest save)") from None
-    except (ValueError, KeyError, TypeError) as e:
-        raise CorruptCheckpoint(f"checkpoint {path}: unreadable {MANIFEST_FILE} ({e})") from None
+    except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
+        raise CorruptCheckpoint(f"checkpoint {path}: unreadable {manifest_path} ({e})") from None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict) or not files:
-        raise CorruptCheckpoint(f"checkpoint {path}: {MANIFEST_FILE} lists no files")
+        raise CorruptCheckpoint(f"checkpoint {path}: {manifest_path} is not a manifest (expected an object whose "
+                                "'files' maps file names to {'sha256': ..., 'size': ...})")
     for name, entry in files.items():
+        # A plain name: the manifest is read from the checkpoint, so it may not point outside it.
+        if name in (".", "..") or "/" in name or "\\" in name:
+            raise CorruptCheckpoint(f"checkpoint {path}: {manifest_path} names {name!r}, not a file of the checkpoint")
+        size, digest = (entry.get("size"), entry.get("sha256")) if isinstance(entry, dict) else (None, None)
+        if type(size) is not int or not isinstance(digest, str):
+            raise CorruptCheckpoint(f"checkpoint {path}: {manifest_path} entry {name!r} is not "
+                                    "{'sha256': <hex digest>, 'size': <bytes>}")
+    if STATE_FILE not in files:
+        raise CorruptCheckpoint(f"checkpoint {path}: {manifest_path} does not list {STATE_FILE}")
+    return files
+
+
+def verify_checkpoint(path: Path) -> None:
+    """Raise ``CorruptCheckpoint`` naming ``path`` and the bad file, unless every file matches the manifest."""
+    for name, entry in _manifest_files(path).items():
         file = path / name
         try:  # OSError: the file vanished meanwhile (another rank set the checkpoint aside)
             size = file.stat().st_size
@@ -180,8 +198,14 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, schedule, stream
     tmp.mkdir(parents=True)
     try:
         save_weights(model, tmp)  # model.safetensors with the DeepSeek-V4 key names
+        # Serialised in memory, then written: a full disk is then the OSError of the write
+        # (torch.save's own writer reports it as a RuntimeError without the cause).
+        buffer = io.BytesIO()
         torch.save({"step": step, "optimizer": optimizer_state, "scheduler": schedule.state_dict(),
-                    "rng": rng_state(), "data": stream.state_dict(), **state}, tmp / STATE_FILE)
+                    "rng": rng_state(), "data": stream.state_dict(), **state}, buffer)
+        with open(tmp / STATE_FILE, "wb") as f:
+            f.write(buffer.getbuffer())
+        del buffer
         files = {}
         for file in sorted(tmp.iterdir()):
             fsync_file(file)
@@ -233,12 +257,24 @@ def abandon_newer(run_dir: Path, step: int) -> list[Path]:
 
 
 def read_state(path: Path) -> dict:
-    """The verified train state of checkpoint ``path`` (``CorruptCheckpoint`` if it is not intact)."""
+    """The verified train state of checkpoint ``path`` (``CorruptCheckpoint`` if it is not intact).
+
+    Loaded with ``weights_only=True``: tensors and plain data only (what ``save_checkpoint``
+    writes), so a run directory from someone else cannot run code here. Its manifest proves
+    nothing against that: a sha256 is recomputed as easily as the file is edited.
+    """
     verify_checkpoint(path)
     try:
-        return torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
+        state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise CorruptCheckpoint(f"checkpoint {path}: {STATE_FILE} holds objects other than tensors and plain data; "
+                                "refused (loading them could run code)") from None
     except Exception as e:  # noqa: BLE001 - intact bytes that do not load are still a bad checkpoint
-        raise CorruptCheckpoint(f"checkpoint {path}: {STATE_FILE} does not load ({type(e).__name__}: {e})") from None
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise CorruptCheckpoint(f"checkpoint {path}: {STATE_FILE} does not load ({type(e).__name__}: {first})") from None
+    if not isinstance(state, dict):
+        raise CorruptCheckpoint(f"checkpoint {path}: {STATE_FILE} holds a {type(state).__name__}, not a train state")
+    return state
 
 
 def restore(path: Path, state: dict, model, optimizer, schedule, stream, *, sharded: bool = False) -> None:

@@ -32,7 +32,7 @@ def _tied_keys(model: nn.Module) -> set[str]:
 def save_checkpoint(model: nn.Module, path: str | os.PathLike) -> str:
     """Write ``model``'s parameters to ``path`` (a ``.safetensors`` file, or a directory that
     receives ``model.safetensors``); returns the file written."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     target = _file(path)
     tied = _tied_keys(model)
@@ -41,7 +41,11 @@ def save_checkpoint(model: nn.Module, path: str | os.PathLike) -> str:
     config = getattr(model, "config", None)
     if hasattr(config, "to_dict"):
         metadata[_CONFIG_KEY] = json.dumps(config.to_dict(), default=str)
-    save_file(tensors, target, metadata=metadata)
+    # Serialised in memory, then written: a full disk is then the OSError of the write (safetensors'
+    # own writer raises a SafetensorError that no caller can tell from a bad tensor).
+    data = save(tensors, metadata=metadata)
+    with open(target, "wb") as f:
+        f.write(data)
     return target
 
 

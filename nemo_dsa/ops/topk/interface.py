@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from nemo_dsa._checks import check_positive_int, check_tensor
+from nemo_dsa._checks import check_has_data, check_positive_int, check_tensor
 from nemo_dsa.ops.dispatch import resolve_backend
 from nemo_dsa.ops.topk.kernels import MAX_COUNT, select_rows_tilelang
 from nemo_dsa.ops.topk.naive import select_topk_reference
@@ -42,6 +42,7 @@ def select_topk(
     for CUDA fp32/bf16 scores with T <= 8192 and the reference otherwise.
     """
     check_tensor("scores", scores, dtypes=SCORE_DTYPES)
+    check_has_data("scores", scores)  # the selection reads values (meta tensors have none)
     if scores.ndim < 1:
         raise ValueError("scores must have at least 1 dimension (the key axis)")
     check_positive_int("topk", topk)
