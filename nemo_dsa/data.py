@@ -364,6 +364,10 @@ def build_streams(
                           seed=seed, val_percent=val_percent, val_batches=val_batches, min_piece=min_piece)
 
 
+def _documents(n: int) -> str:
+    return f"{n} document" if n == 1 else f"{n} documents"
+
+
 def pack_documents(
     documents: Sequence[Document],
     tokenizer,
@@ -389,8 +393,8 @@ def pack_documents(
 
     train_ids = tokenized(train_docs)
     if not train_ids:
-        raise ValueError(f"the corpus has no training documents ({len(documents)} documents, {len(train_docs)} of them "
-                         f"for training, none of 2 tokens or more, val_percent={val_percent}): add documents or lower "
+        raise ValueError(f"the corpus has no training documents (of {_documents(len(documents))}, {len(train_docs)} for "
+                         f"training at val_percent={val_percent}, none of 2 tokens or more): add documents or lower "
                          "val_percent (recipe.val_percent)")
     train = PackedBatches(train_ids, seq_len=seq_len, batch_size=batch_size, seed=seed, shuffle=True,
                           min_piece=min_piece, pad_id=tokenizer.pad_id)
@@ -398,10 +402,10 @@ def pack_documents(
     if val_batches > 0:
         val_ids = tokenized(val_docs)
         if not val_ids:
-            raise ValueError(f"the corpus has no validation documents ({len(documents)} documents, {len(val_docs)} held out "
-                             f"at val_percent={val_percent}, none of 2 tokens or more; a corpus of one document has "
-                             "none): add documents, raise val_percent (recipe.val_percent) or set val_batches=0 "
-                             "(recipe.val_batches=0)")
+            raise ValueError(f"the corpus has no validation documents (of {_documents(len(documents))}, {len(val_docs)} held "
+                             f"out at val_percent={val_percent}, none of 2 tokens or more; a corpus of one document "
+                             "holds none out): add documents, raise val_percent (recipe.val_percent) or set "
+                             "val_batches=0 (recipe.val_batches=0)")
         val_stream = PackedBatches(val_ids, seq_len=seq_len, batch_size=batch_size, shuffle=False,
                                    min_piece=min_piece, pad_id=tokenizer.pad_id)
         val = fixed_batches(val_stream, val_batches)

@@ -15,8 +15,10 @@ from nemo_dsa.data import (
     SEQ_LENS_PAD,
     VOCAB_SIZE,
     ByteTokenizer,
+    Document,
     PackedBatches,
     build_streams,
+    is_validation,
     split_documents,
     stdlib_documents,
 )
@@ -189,3 +191,31 @@ def test_corpus_fingerprint_takes_ids_of_large_vocabularies():
     large = [[128_000, 5, 151_642], [3]]  # ids of Llama 3 / Qwen-sized vocabularies
     assert corpus_fingerprint(large) != corpus_fingerprint([[128_000 % 65_536, 5, 151_642 % 65_536], [3]])
     assert corpus_fingerprint(large) == corpus_fingerprint([list(d) for d in large])
+
+
+@pytest.mark.parametrize("val_percent", [1, 20, 95])
+def test_a_split_of_two_or_more_documents_has_both_sides(val_percent):
+    """Titles that all hash to one side: the one nearest the other side moves there; a split that
+    already has both sides is the hash's alone."""
+    rng = random.Random(val_percent)
+    for n in (2, 3, 17):
+        for side in (False, True):
+            if side and val_percent == 1 or not side and val_percent == 95:
+                continue  # too rare a side to draw n titles from quickly: covered by the other case
+            titles = []
+            while len(titles) < n:
+                t = f"doc-{rng.random()}"
+                if is_validation(t, val_percent) == side:
+                    titles.append(t)
+            docs = [Document(t, f"text {t}") for t in titles]
+            train, val = split_documents(docs, val_percent)
+            assert train and val and len(train) + len(val) == n
+            assert sorted(d.title for d in train + val) == sorted(titles)
+            moved = val if not side else train
+            assert len(moved) == 1 and split_documents(list(reversed(docs)), val_percent)[1 if not side else 0] == moved
+    mixed = [Document(f"t{i}", "x") for i in range(200)]
+    train, val = split_documents(mixed, 20)
+    assert [d.title for d in val] == [d.title for d in mixed if is_validation(d.title, 20)] and train
+    for one in ([d] for d in mixed[:6]):  # one document: on its hash's side, nothing moved
+        assert split_documents(one, 20) == (([], one) if is_validation(one[0].title, 20) else (one, []))
+    assert split_documents(mixed[:5], 0)[1] == []  # val_percent=0 holds out nothing

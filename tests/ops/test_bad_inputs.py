@@ -230,3 +230,22 @@ def test_metadata_max_position_embeddings_is_enforced():
     assert int(meta.local_positions.max()) == 7
     with pytest.raises(ValueError, match="max_position_embeddings is 7"):
         build_attention_metadata(compress_ratio=4, batch_size=2, seq_len=4, cp_rank=1, cp_size=2, max_position_embeddings=7)
+
+
+def test_select_topk_on_meta_tensors_is_named():
+    """A meta tensor has a shape but no values to select from: a ValueError naming scores."""
+    with pytest.raises(ValueError, match="scores must hold data, got a tensor on the meta device"):
+        select_topk(torch.empty(1, 4, 8, device="meta"), 2)
+    ks = torch.zeros(1, 4, dtype=torch.int32, device="meta")
+    with pytest.raises(ValueError, match="scores must hold data"):
+        select_topk(torch.empty(1, 4, 8, device="meta"), 2, ks=ks, ke=ks)
+
+
+@pytest.mark.parametrize("device,error", [("nonsense", ValueError), ("cuda:x", ValueError), (3.5, TypeError)])
+def test_a_device_argument_that_is_no_device_is_named(device, error):
+    from nemo_dsa.builder import build_model
+
+    with pytest.raises(error, match="device must"):
+        build_attention_metadata(compress_ratio=4, batch_size=1, seq_len=8, device=device)
+    with pytest.raises(error, match="device must"):
+        build_model({"vocab_size": 64}, device=device)

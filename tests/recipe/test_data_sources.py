@@ -221,3 +221,70 @@ def test_the_default_data_is_the_embedded_corpus():
     train_stream, val = pack_documents(load_documents(cfg.data)[:50], ByteTokenizer(), seq_len=64, batch_size=2,
                                        val_percent=20, val_batches=1)
     assert next(train_stream)["input_ids"].shape == (2, 64) and len(val) == 1
+
+
+def test_files_that_are_not_utf8_are_named(tmp_path, capsys):
+    """A binary .jsonl line, a binary tokenizer.json or tokenizer_config.json: one line naming the file."""
+    (tmp_path / "ok.jsonl").write_text(json.dumps({"text": "fine"}) + "\n")
+    (tmp_path / "bad.jsonl").write_bytes(json.dumps({"text": "fine"}).encode() + b"\n\xff\xfe\x00binary\n")
+    toks = tmp_path / "binary_tok"
+    toks.mkdir()
+    (toks / "tokenizer.json").write_bytes(bytes(range(256)) * 4)
+    from pathlib import Path
+
+    cfg_toks = Path(_tokenizer_dir(tmp_path, _texts(1, 8)))  # a real tokenizer ...
+    (cfg_toks / "tokenizer_config.json").write_bytes(b'{"eos_token": "\xe9"}')  # ... named in Latin-1, not UTF-8
+    cases = [
+        (["data=jsonl", f"data.paths=[{tmp_path / 'ok.jsonl'},{tmp_path / 'bad.jsonl'}]"],
+         f"data.paths: {tmp_path / 'bad.jsonl'} line 2 is not UTF-8 text (byte 0xff at column 1)"),
+        (["tokenizer=hf", f"tokenizer.path={toks}"], f"tokenizer.path: {toks / 'tokenizer.json'} is not a tokenizers JSON file"),
+        (["tokenizer=hf", f"tokenizer.path={cfg_toks}"], f"tokenizer.path: {cfg_toks / 'tokenizer_config.json'} is not readable JSON"),
+    ]
+    for overrides, expected in cases:
+        assert main([*SHORT, f"run_dir={tmp_path / 'run'}", *overrides]) == 2, overrides
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and expected in err[0] and "Traceback" not in err[0], (overrides, err)
+
+
+def test_a_text_file_that_is_not_utf8_warns_with_the_count_of_replacements(tmp_path, caplog):
+    good, bad = tmp_path / "good.txt", tmp_path / "latin1.txt"
+    good.write_text("a real \ufffd replacement character, written on purpose\n", encoding="utf-8")
+    bad.write_bytes("café crème brûlée".encode("latin-1") + b"\n\x80\x81 binary tail\n")
+    with caplog.at_level("WARNING", logger="nemo_dsa.recipe"):
+        docs = text_documents([str(good), str(bad)])
+    assert len(docs) == 2 and docs[1].text.count("\ufffd") == 6
+    (record,) = caplog.records  # the good file's own U+FFFD is not counted
+    assert f"data.paths: {bad} is not valid UTF-8: 6 replacement characters (U+FFFD)" in record.getMessage()
+
+
+def _titles_all_training(n: int, val_percent: int) -> list[str]:
+    """``n`` texts whose content hashes all send them to training at ``val_percent``."""
+    from nemo_dsa.data import is_validation
+    from nemo_dsa.recipe.data_sources import _content_title
+
+    texts, i = [], 0
+    while len(texts) < n:
+        text = " ".join(_texts(i, 1)) * 3
+        i += 1
+        if not is_validation(_content_title(text), val_percent) and text not in texts:
+            texts.append(text)
+    return texts
+
+
+def test_a_small_corpus_whose_files_all_hash_to_training_still_validates(tmp_path, capsys):
+    """17 files at val_percent=20, none held out by its hash: one is, and the run trains and validates."""
+    corpus = tmp_path / "notes"
+    corpus.mkdir()
+    for i, text in enumerate(_titles_all_training(17, 20)):
+        (corpus / f"note{i}.txt").write_text(text)
+    args = [a for a in SHORT if not a.startswith("recipe.val_percent")]
+    assert main([*args, "recipe.val_percent=20", "data=text", f"data.paths=[{corpus}]", f"run_dir={tmp_path / 'run'}"]) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["val_loss"] is not None and summary["val_loss"] > 0
+    capsys.readouterr()
+    (tmp_path / "one").mkdir()
+    (tmp_path / "one" / "only.txt").write_text("a single document of a few words")
+    assert main([*args, "data=text", f"data.paths=[{tmp_path / 'one'}]", f"run_dir={tmp_path / 'run1'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the corpus has no validation documents (of 1 document, 0 held out at val_percent=5" in err[0], err
+    assert "recipe.val_batches=0" in err[0]
