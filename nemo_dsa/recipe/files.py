@@ -119,6 +119,8 @@ class RunDirLock:
             if e.errno == errno.ELOOP:
                 raise RunDirUnusable(f"run_dir {run_dir}: {self.path} is a symbolic link; remove it "
                                      "(the run's lock file is a plain file it creates)") from None
+            if e.errno == errno.EISDIR:
+                raise RunDirUnusable(f"run_dir {run_dir}: {self.path} is not a regular file; remove it") from None
             raise RunDirUnusable(f"run_dir {run_dir} cannot be written ({e.strerror}: {e.filename}): "
                                  "pick a writable run_dir") from None
         if not stat.S_ISREG(os.fstat(fd).st_mode):

@@ -105,7 +105,7 @@ def _manifest_files(path: Path) -> dict[str, dict]:
     except FileNotFoundError:
         raise CorruptCheckpoint(f"checkpoint {path} has no {MANIFEST_FILE} (an unfinished or pre-manifest save)") from None
     except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
-        raise CorruptCheckpoint(f"checkpoint {path}: unreadable {manifest_path} ({e})") from None
+        raise CorruptCheckpoint(f"checkpoint {path}: {manifest_path} is unreadable ({e})") from None
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict) or not files:
         raise CorruptCheckpoint(f"checkpoint {path}: {manifest_path} is not a manifest (expected an object whose "
