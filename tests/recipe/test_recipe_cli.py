@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -39,6 +40,22 @@ SHORT = ["recipe=smoke", "recipe.seq_len=32", "recipe.batch_size=2", "recipe.max
         ("recipe=smok", "recipe=smok: no such option in config group 'recipe'; options: default, h200, smoke "
                         "(did you mean smoke?)"),
         ("recipe.cp_size=2", "recipe.cp_size=2 needs a torchrun launch"),
+        ("seed=abc", "seed must be an int in [0, 2**63), got 'abc'"),
+        ("seed=1.5", "seed must be an int in [0, 2**63), got 1.5"),
+        ("seed=2**70", "seed must be an int in [0, 2**63), got '2**70'"),
+        (f"seed={2**70}", f"seed must be an int in [0, 2**63), got {2**70}"),
+        ("seed=-1", "seed must be an int in [0, 2**63), got -1"),
+        ("recipe.seq_len=1", "recipe.seq_len must be an int >= 2 (a token and the next one it predicts), got 1"),
+        ("recipe.seq_len=3", "recipe.min_piece must be an int in [2, recipe.seq_len=3]"),
+        ("recipe.seq_len=7", "recipe.min_piece must be an int in [2, recipe.seq_len=7] (the shortest document piece a "
+                             "row starts), got 8: lower recipe.min_piece or raise recipe.seq_len"),
+        ("recipe.val_percent=0", "recipe.val_percent=0 holds out no validation documents, but recipe.val_batches=1 "
+                                 "evaluates on them: set recipe.val_percent (e.g. 5) or recipe.val_batches=0"),
+        ("run_dir=", "run_dir must name a directory for the run, got ''"),
+        ("logger.log_dir=/tmp/elsewhere", "logger.log_dir must be a relative path inside run_dir (e.g. tensorboard), "
+                                          "got '/tmp/elsewhere'"),
+        ("logger.log_dir=../x", "logger.log_dir must be a relative path inside run_dir (e.g. tensorboard), got '../x'"),
+        ("logger.log_dir=a/../../x", "logger.log_dir must be a relative path inside run_dir"),
     ],
 )
 def test_a_user_error_is_one_line_and_exit_code_2(tmp_path, capsys, mistake, expected):
@@ -46,6 +63,27 @@ def test_a_user_error_is_one_line_and_exit_code_2(tmp_path, capsys, mistake, exp
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("nemo-dsa-train: error: ") and expected in err[0], err
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_nothing_is_written_outside_run_dir_or_into_the_working_directory(tmp_path, monkeypatch, capsys):
+    """``run_dir=`` (empty) and a ``logger.log_dir`` leaving run_dir are refused before anything is written."""
+    monkeypatch.chdir(tmp_path)
+    for mistake in ("run_dir=", "logger.log_dir=../outside", f"logger.log_dir={tmp_path / 'abs'}"):
+        assert main([*SHORT, f"run_dir={tmp_path / 'run'}", "logger=tensorboard", mistake]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], capsys.readouterr().err
+
+
+def test_a_yaml_syntax_error_names_the_file_line_and_column(tmp_path, monkeypatch, capsys):
+    from nemo_dsa.builder import config_dir
+
+    configs = tmp_path / "configs"
+    shutil.copytree(config_dir(), configs)
+    (configs / "recipe" / "broken.yaml").write_text("defaults:\n  - default\n  - _self_\nseq_len: [32, 64\n")
+    monkeypatch.setenv("NEMO_DSA_CONFIG_DIR", str(configs))
+    assert main(["recipe=broken", f"run_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"nemo-dsa-train: error: {configs / 'recipe' / 'broken.yaml'}, line 5, "
+                                               "column 1: not valid YAML (expected ',' or ']'"), err
 
 
 def test_the_traceback_is_shown_only_when_asked(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -91,6 +92,8 @@ def test_the_generate_command(run_dir, capsys):
     (["run_dir=.", "top_p=0"], "top_p must be in (0, 1], got 0.0"),
     (["run_dir=.", "temperature=-1"], "temperature must be >= 0"),
     (["run_dir=."], "run_dir=. has no config.yaml: not a directory written by nemo-dsa-train"),
+    (["run_dir=.", f"seed={2**70}"], f"seed must be an int in [0, 2**63 - num_samples), got {2**70}"),
+    (["run_dir=.", "seed=-3"], "seed must be an int in [0, 2**63 - num_samples), got -3"),
 ])
 def test_generate_mistakes_are_one_line(capsys, args, expected):
     assert generate_main(args) == 2
@@ -142,3 +145,17 @@ def test_the_commands_run_as_modules(run_dir):
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert proc.stdout.strip()
+
+
+def test_a_device_that_is_no_device_and_a_broken_config_yaml_are_one_line(run_dir, tmp_path, capsys):
+    for main in (generate_main, evaluate_main):
+        assert main([f"run_dir={run_dir}", "device=nonsense"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "device must name a device such as 'cpu', 'cuda' or 'cuda:0', got 'nonsense'" in err[0]
+    broken = tmp_path / "broken"
+    shutil.copytree(run_dir, broken)
+    (broken / "config.yaml").write_text("recipe:\n  seq_len: [32,\n")
+    for main in (generate_main, evaluate_main):
+        assert main([f"run_dir={broken}"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"{broken / 'config.yaml'}, line 3, column 1: not valid YAML" in err[0], err
