@@ -175,6 +175,16 @@ def gather_full_state(model, optimizer) -> tuple[dict[str, torch.Tensor], dict]:
     return weights, {"state": {index[n]: v for n, v in by_name["state"].items()}, "param_groups": groups}
 
 
+def write_state_file(path: Path, state: dict) -> None:
+    """``state`` in ``torch.save``'s format, serialised in memory and then written: a full disk is
+    then the OSError of the write (``torch.save``'s own file writer reports it as a RuntimeError
+    that does not name the cause)."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    with open(path, "wb") as f:
+        f.write(buffer.getbuffer())
+
+
 def save_checkpoint(run_dir: Path, step: int, model, optimizer, schedule, stream, state: dict, keep: int, *,
                     gathered: tuple[dict, dict] | None = None) -> Path:
     """Write ``checkpoints/step_<step>/`` atomically with its manifest and prune to the newest ``keep``.
@@ -198,14 +208,8 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, schedule, stream
     tmp.mkdir(parents=True)
     try:
         save_weights(model, tmp)  # model.safetensors with the DeepSeek-V4 key names
-        # Serialised in memory, then written: a full disk is then the OSError of the write
-        # (torch.save's own writer reports it as a RuntimeError without the cause).
-        buffer = io.BytesIO()
-        torch.save({"step": step, "optimizer": optimizer_state, "scheduler": schedule.state_dict(),
-                    "rng": rng_state(), "data": stream.state_dict(), **state}, buffer)
-        with open(tmp / STATE_FILE, "wb") as f:
-            f.write(buffer.getbuffer())
-        del buffer
+        write_state_file(tmp / STATE_FILE, {"step": step, "optimizer": optimizer_state, "scheduler": schedule.state_dict(),
+                                            "rng": rng_state(), "data": stream.state_dict(), **state})
         files = {}
         for file in sorted(tmp.iterdir()):
             fsync_file(file)

@@ -55,8 +55,8 @@ def _killed_run(run_dir, kill_when: str, *extra) -> subprocess.CompletedProcess:
             os.kill(os.getpid(), signal.SIGKILL)
 
         if {kill_when!r} == "mid-save":  # the weights are written, the state file and manifest are not
-            real = state.torch.save
-            state.torch.save = lambda obj, path: die() if "step_0000004" in str(path) else real(obj, path)
+            real = state.write_state_file
+            state.write_state_file = lambda path, obj: die() if "step_0000004" in str(path) else real(path, obj)
         elif {kill_when!r} == "mid-metrics-rewrite":  # the new metrics.jsonl is written, not yet renamed
             real = files.os.replace
             files.os.replace = lambda a, b: die() if str(b).endswith("metrics.jsonl") else real(a, b)
@@ -284,19 +284,19 @@ def test_a_failed_save_leaves_nothing_behind_and_the_rerun_continues(tmp_path, r
 
     import nemo_dsa.recipe.state as state
 
-    real = state.torch.save
+    real = state.write_state_file
 
-    def full_disk(obj, path):
+    def full_disk(path, obj):
         if "step_0000004" in str(path):
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(obj, path)
+        return real(path, obj)
 
-    monkeypatch.setattr(state.torch, "save", full_disk)
+    monkeypatch.setattr(state, "write_state_file", full_disk)
     with pytest.raises(RanksStopped, match="saving the checkpoint of step 4 failed .OSError: .Errno 28. No space left") as err:
         _run(tmp_path)
     assert isinstance(err.value.__cause__, OSError)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_0000002"]
-    monkeypatch.setattr(state.torch, "save", real)
+    monkeypatch.setattr(state, "write_state_file", real)
     assert _run(tmp_path).resumed_from == 2
     assert _losses(tmp_path) == reference
 
