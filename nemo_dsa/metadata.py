@@ -532,19 +532,19 @@ def _layout_from_lengths(name, lengths, spans, pos, G, checks: _Checks):
             )
     if spans.shape[1] == 0:
         raise ValueError(f"{span_name} has no entries; the documents must cover {G} (= seq_len * cp_size) tokens")
-    # An entry longer than the row is wrong on its own, and entries near 2**63 would wrap the
-    # int64 sum below to a plausible total (documents at negative positions).
-    if checks.failed(spans > G):
-        b, k = _first(spans > G)
-        raise ValueError(
-            f"{span_name}: entry {k} of row {b} is {int(spans[b, k])}, longer than the row's {G} tokens "
-            "(= seq_len * cp_size)"
-        )
     ends = spans.cumsum(dim=1)
     if checks.failed(ends[:, -1] != G):
         b = int((ends[:, -1] != G).nonzero()[0])
         raise ValueError(
             f"{span_name}: lengths of row {b} sum to {int(ends[b, -1])}, expected {G} (= seq_len * cp_size)"
+        )
+    # Entries near 2**63 can wrap the int64 sum to exactly G (documents at negative positions):
+    # no entry may be longer than the row.
+    if checks.failed(spans > G):
+        b, k = _first(spans > G)
+        raise ValueError(
+            f"{span_name}: entry {k} of row {b} is {int(spans[b, k])}, longer than the row's {G} tokens "
+            "(= seq_len * cp_size)"
         )
     # Document k spans [ends[k-1], ends[k]); zero-length entries are skipped by right-searchsorted.
     doc = torch.searchsorted(ends.contiguous(), pos.contiguous(), right=True)
