@@ -21,6 +21,18 @@ import torch
 FAMILIES = ("v4", "v41")
 DEFAULT_RATIOS = {"v4": [0, 4, 128], "v41": [0, 2, 2, 1, 1]}
 V41_RATIOS = (0, 1, 2)
+# The released structure at toy widths (attention: 4 heads of 32, top-6, window 8), for CPU runs of
+# both sides (the tests, ``benchmarks/step_profile.py --tiny``), fp32, with their lengths and vocabulary.
+TINY_OVERRIDES = {
+    "v4": dict(hidden_size=64, moe_intermediate_size=32, num_attention_heads=4, head_dim=32, qk_rope_head_dim=16,
+               q_lora_rank=32, o_lora_rank=16, o_groups=2, sliding_window=8, index_n_heads=16, index_head_dim=32,
+               index_topk=6),
+    "v41": dict(hidden_size=64, moe_intermediate_size=32, num_attention_heads=4, head_dim=32, qk_rope_head_dim=16,
+                q_lora_rank=32, o_lora_rank=16, o_groups=2, sliding_window=8, index_n_heads=8, index_head_dim=32,
+                index_topk=6, candidate_topk_blocks=3, candidate_block_size=4),
+}  # fmt: skip
+TINY_SEQ = {"v41": 64, "v4": 256}  # V4: two ratio-128 groups; V4.1: 16 candidate blocks of 4, 3 kept
+TINY_VOCAB = 64
 
 
 def model_config(family: str, ratios: list[int], vocab: int, experts: int, dtype: str = "bfloat16", **overrides):

@@ -5,16 +5,9 @@ from __future__ import annotations
 
 import torch
 
-VOCAB = 64
-SEQ = {"v41": 64, "v4": 256}  # V4: two ratio-128 groups; V4.1: 16 candidate blocks of 4, 3 kept
-TINY = {  # the released structure at toy widths (attention: 4 heads of 32, top-6, window 8)
-    "v4": dict(hidden_size=64, moe_intermediate_size=32, num_attention_heads=4, head_dim=32, qk_rope_head_dim=16,
-               q_lora_rank=32, o_lora_rank=16, o_groups=2, sliding_window=8, index_n_heads=16, index_head_dim=32,
-               index_topk=6),
-    "v41": dict(hidden_size=64, moe_intermediate_size=32, num_attention_heads=4, head_dim=32, qk_rope_head_dim=16,
-                q_lora_rank=32, o_lora_rank=16, o_groups=2, sliding_window=8, index_n_heads=8, index_head_dim=32,
-                index_topk=6, candidate_topk_blocks=3, candidate_block_size=4),
-}  # fmt: skip
+from nemo_dsa.integrations.side_by_side import TINY_OVERRIDES as TINY  # noqa: F401 (the tests' names)
+from nemo_dsa.integrations.side_by_side import TINY_SEQ as SEQ  # noqa: F401
+from nemo_dsa.integrations.side_by_side import TINY_VOCAB as VOCAB  # noqa: F401
 
 
 def redraw_attention_(model, family: str, seed: int) -> None:
