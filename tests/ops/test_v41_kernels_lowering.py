@@ -109,7 +109,7 @@ def test_mask_ranges_bracket_every_allowed_key():
     allowed[0, :4] = False  # rows that see nothing
     allowed[1, 7] = False
     allowed[1, 7, 36] = True  # a lone last key
-    ks, ke = mask_ranges(allowed, chunk=16)
+    ks, ke = mask_ranges(allowed)
     assert ks.dtype == ke.dtype == torch.int32
     for b in range(3):
         for s in range(50):

@@ -309,20 +309,48 @@ def v41_scores_tilelang(q, k, w, ks, ke, *, out: torch.Tensor | None = None) -> 
     return out
 
 
-def mask_ranges(allowed: torch.Tensor, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tightest ``[ks, ke)`` int32 [B, S] around each query's allowed keys (ks = ke = 0 if none)."""
+# Word widths (bytes) a bool mask row is read in, widest first, with the integer dtype of each.
+_WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+
+
+def _byte_of_bit(bit: torch.Tensor, width: int) -> torch.Tensor:
+    """Index of the byte holding the (single, or highest) set bit of ``bit`` (> 0, a bool byte's
+    bit 0 of each byte): the number of byte boundaries 2^(8j), j >= 1, at or below it."""
+    byte = torch.zeros_like(bit)
+    for j in range(1, width):
+        byte += bit >= (1 << (8 * j))
+    return byte
+
+
+def mask_ranges(allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tightest ``[ks, ke)`` int32 [B, S] around each query's allowed keys (ks = ke = 0 if none).
+
+    One read of the mask: each row is viewed as 8-byte words (4, 2 or 1 where K or the storage
+    offset is not a multiple), and ``words != 0`` is the only pass over the [B, S, K] bytes; the
+    first and last nonzero word of a row come from that 1/8-size map, and the byte inside each
+    from integer compares on [B, S]. No value is read on the host.
+    """
     batch, queries, num_keys = allowed.shape
     ks = torch.zeros((batch, queries), dtype=torch.int32, device=allowed.device)
     ke = torch.zeros_like(ks)
-    bytes_ = allowed.view(torch.uint8)
-    for start in range(0, queries, chunk):
-        part = bytes_[:, start : start + chunk]
-        # argmax returns the first maximum: the first allowed key, and from the right the last.
-        first = part.argmax(-1)
-        last = num_keys - 1 - part.flip(-1).argmax(-1)
-        seen = part.amax(-1).bool()
-        ks[:, start : start + chunk] = torch.where(seen, first, 0).to(torch.int32)
-        ke[:, start : start + chunk] = torch.where(seen, last + 1, 0).to(torch.int32)
+    if allowed.numel() == 0:
+        return ks, ke
+    allowed = allowed.contiguous()
+    width, dtype = next((w, d) for w, d in _WORDS if num_keys % w == 0 and allowed.storage_offset() % w == 0)
+    words = allowed.view(torch.uint8).view(dtype)  # [B, S, K / width]
+    nonzero = (words != 0).view(torch.uint8)
+    # argmax gives the first maximum: the first nonzero word, and from the right the last.
+    first_word = nonzero.argmax(-1, keepdim=True)
+    last_word = nonzero.shape[-1] - 1 - nonzero.flip(-1).argmax(-1, keepdim=True)
+    seen = nonzero.gather(-1, first_word).squeeze(-1).bool()
+    first, last = first_word.squeeze(-1) * width, last_word.squeeze(-1) * width
+    if width > 1:
+        # A bool byte is 0 or 1, so no word has its sign bit set: the signed values are the bits.
+        low, high = words.gather(-1, first_word).squeeze(-1).long(), words.gather(-1, last_word).squeeze(-1).long()
+        first = first + _byte_of_bit(low & -low, width)  # the lowest set byte (little-endian: lowest key)
+        last = last + _byte_of_bit(high, width)  # the highest set byte
+    ks.copy_(torch.where(seen, first, 0))
+    ke.copy_(torch.where(seen, last + 1, 0))
     return ks, ke
 
 
@@ -331,9 +359,10 @@ def v41_scores_masked_tilelang(q, k, w, allowed, *, out: torch.Tensor | None = N
     """V4.1 scores bf16 ``[B, S, K]`` on the GPU with a dense bool ``allowed [B, S, K]``.
 
     The mask is honoured elementwise (it need not be a range): the range kernel scores each
-    query's [first allowed, last allowed] span, then the keys the mask drops inside it become
-    -inf. At S = 32K, K = 8K the two mask passes cost 2.1 ms (ranges) + 0.5 ms (fill): 7.7 ms
-    in all, where reading the mask byte by byte in the kernel's store loop measured 10.4 ms.
+    query's [first allowed, last allowed] span (``mask_ranges``: one read of the mask), then the
+    keys the mask drops inside it become -inf (one more read of the mask beside the scores, in
+    place, no negated copy). Reading the mask byte by byte in the kernel's store loop measured
+    10.4 ms at S = 32K, K = 8K, where the range kernel alone takes 4 ms.
     """
     batch, queries, heads, dim, num_keys = _check_inputs(q, k, w)
     check_tensor("allowed", allowed, ndim=3, dtypes=(torch.bool,), shape=(batch, queries, num_keys), device=q.device)
@@ -342,7 +371,7 @@ def v41_scores_masked_tilelang(q, k, w, allowed, *, out: torch.Tensor | None = N
         return out
     ks, ke = mask_ranges(allowed)
     v41_scores_tilelang(q, k, w, ks, ke, out=out)
-    return out.masked_fill_(~allowed, float("-inf"))
+    return torch.where(allowed, out, out.new_full((), float("-inf")), out=out)
 
 
 def indexer_scores_tilelang(queries, keys, weights, allowed=None, ks=None, ke=None) -> torch.Tensor:
