@@ -333,6 +333,10 @@ def own_time_us(event, device: str) -> float:
     return float(event.self_cpu_time_total)
 
 
+def is_cpu_event(event) -> bool:
+    return str(getattr(event, "device_type", "CPU")).endswith("CPU")
+
+
 def ancestors(event):
     while event is not None:
         yield event
@@ -368,6 +372,8 @@ def parts_of(events, device: str) -> tuple[dict[str, float], float]:
     times = {part: 0.0 for part in PARTS}
     total = 0.0
     for e in events:
+        if not is_cpu_event(e):  # a kernel's own event: its time is in the op that launched it
+            continue
         us = own_time_us(e, device)
         if not us:
             continue
@@ -403,12 +409,10 @@ def profile_parts(model, seq: int, vocab: int, steps: int, device: str, top_k: i
     del optimizer
     events = list(prof.events())
     times, total = parts_of(events, device)
-    if device == "cuda":  # every kernel the profiler saw, whether or not an op launched it
-        kernel_total = sum(e.device_time_total for e in events if getattr(e, "device_type", None) is not None
-                           and str(e.device_type).endswith("CUDA"))  # fmt: skip
-        total_check = kernel_total or total
+    if device == "cuda":  # every kernel the profiler saw, whether or not an op launched it (a gap: unlinked kernels)
+        total_check = sum(e.time_range.end - e.time_range.start for e in events if not is_cpu_event(e))
     else:  # top-level events' inclusive time, per thread
-        total_check = sum(e.cpu_time_total for e in events if e.cpu_parent is None)
+        total_check = sum(e.cpu_time_total for e in events if e.cpu_parent is None and is_cpu_event(e))
     work = marks.work
     work.update(fixed_work(model, seq, vocab))
     return {
@@ -481,9 +485,14 @@ def table(family: str, seq: int, sides: dict, profile: dict, rows: list[dict], c
 
     lines = [f"### {family}, S = {seq:,}, {card}", ""]
     for side, r in sides.items():
-        lines.append(f"- {side}: {r['ms']:.1f} ms, {r['tokens_per_s']:,.0f} tokens/s, peak {num(r['peak_gib'], '.1f')} GiB")
-    if "plugin" in sides and "builtin" in sides:
+        if r.get("oom"):
+            lines.append(f"- {side}: out of memory")
+        else:
+            lines.append(f"- {side}: {r['ms']:.1f} ms, {r['tokens_per_s']:,.0f} tokens/s, peak {num(r['peak_gib'], '.1f')} GiB")
+    if all(s in sides and not sides[s].get("oom") for s in ("plugin", "builtin")):
         lines.append(f"- plugin / built-in tokens/s: {sides['plugin']['tokens_per_s'] / sides['builtin']['tokens_per_s']:.2f}x")
+    if profile is None:
+        return "\n".join(lines + ["", "Plugin profile: out of memory"])
     lines += ["", f"Plugin, per step ({profile['steps']} profiled): parts sum {profile['total_ms']:.1f} ms, "
               f"profiled total {profile['profiled_total_ms']:.1f} ms", "",
               "| part | ms | % | GFLOP | GB | TFLOP/s | TB/s | bound | bound ms | ms / bound ms |",
@@ -536,17 +545,21 @@ def main(argv=None) -> None:
             model = build(side, config, weights, **build_kwargs)
             if weights is None:
                 weights = copy_weights(model)
-            if side in args.sides:
-                sides[side] = time_steps(model, seq, vocab, args.steps, args.warmup, args.device)
-                print(f"{family} S={seq} {side}: {sides[side]}", flush=True)
-            if side == "plugin":
-                profile = profile_parts(model, seq, vocab, args.profile_steps, args.device, config.num_experts_per_tok
-                                        if hasattr(config, "num_experts_per_tok") else config.text_config.num_experts_per_tok)  # fmt: skip
+            top_k = getattr(config, "text_config", config).num_experts_per_tok
+            try:
+                if side in args.sides:
+                    sides[side] = time_steps(model, seq, vocab, args.steps, args.warmup, args.device)
+                    print(f"{family} S={seq} {side}: {sides[side]}", flush=True)
+                if side == "plugin":
+                    profile = profile_parts(model, seq, vocab, args.profile_steps, args.device, top_k)
+            except torch.OutOfMemoryError:  # the other side and family still run
+                sides.setdefault(side, {"oom": True})
+                print(f"{family} S={seq} {side}: out of memory", flush=True)
             del model
             gc.collect()
             if args.device == "cuda":
                 torch.cuda.empty_cache()
-        rows = rows_of(profile, tflops, tbs)
+        rows = rows_of(profile, tflops, tbs) if profile else []
         tables.append(table(family, seq, sides, profile, rows, card))
         print("\n" + tables[-1] + "\n", flush=True)
         results.append({"family": family, "S": seq, "card": card, "peak_tflops": tflops, "peak_tbs": tbs,
