@@ -37,6 +37,7 @@ from transformers import AutoConfig, PretrainedConfig
 from nemo_dsa.integrations.aux_loss import attach_indexer_loss
 from nemo_dsa.layers.fp32_parameters import fp32_parameter_names
 from nemo_dsa.models.dsa_lm.configuration import DSAModelConfig
+from nemo_dsa.models.dsa_lm.hf_format import HF_FIELD_NAMES
 from nemo_dsa.models.dsa_lm.modeling import DSAForCausalLM
 
 __all__ = [
@@ -54,7 +55,8 @@ _DSA_FIELDS = tuple(f for f in dataclasses.fields(DSAModelConfig) if f.name != "
 # ``backend`` kwarg (a BackendConfig) would land on it. ``config.backend`` stays readable.
 # DSAModelConfig.rope_scaling is stored as ``compress_rope_scaling``: transformers' PretrainedConfig
 # turns ``rope_scaling`` into a property over its own ``rope_parameters`` (rewriting the dict).
-_HF_NAMES = {"backend": "indexer_backend", "rope_scaling": "compress_rope_scaling"}
+# The same table writes the recipe's exported config.json (models.dsa_lm.hf_format).
+_HF_NAMES = HF_FIELD_NAMES
 # Tuple-typed fields (compress_ratios, layer-id lists): JSON round trips turn them into lists.
 _TUPLE_FIELDS = frozenset(f.name for f in _DSA_FIELDS if "tuple" in str(f.type))
 # nemo-automodel's BackendConfig.attn values that name nemo_dsa kernels (indexer and attention).
@@ -208,6 +210,23 @@ class _NemoDsaForCausalLMBase(DSAForCausalLM):
         from nemo_dsa.integrations.automodel_cp import prepare_model_inputs_for_cp
 
         return prepare_model_inputs_for_cp(self.dsa_config.compress_ratios, batch, num_chunks=num_chunks)
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, dtype: torch.dtype | None = None) -> "_NemoDsaForCausalLMBase":
+        """transformers-style loading of an HF-format folder (``config.json`` + ``model.safetensors``,
+        as ``nemo-dsa-export`` writes it): JSON and safetensors only, every key checked, eval mode.
+        ``dtype`` casts the floating-point parameters the layers do not keep in fp32."""
+        from nemo_dsa.models.dsa_lm.checkpoint import load_checkpoint
+
+        config = cls.config_class.from_pretrained(path)
+        model = cls(config)
+        load_checkpoint(model, path, strict=True)
+        if dtype is not None:
+            keep_fp32 = fp32_parameter_names(model)
+            for name, p in model.named_parameters():
+                if p.is_floating_point() and name not in keep_fp32:
+                    p.data = p.data.to(dtype)
+        return model.eval()
 
     @classmethod
     def supports_config(cls, config: Any) -> bool:

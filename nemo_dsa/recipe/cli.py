@@ -209,7 +209,7 @@ def _run_one(overrides: Sequence[str]) -> int:
 def _is_user_error(error: BaseException) -> bool:
     """Errors raised by the recipe's and the builder's checks name a config key or the run_dir."""
     text = str(error)
-    return bool(re.search(r"\b(recipe|model|scoring|resume|run_dir|device|seed|data|tokenizer|logger)\b", text))
+    return bool(re.search(r"\b(recipe|model|scoring|resume|init_from|run_dir|device|seed|data|tokenizer|logger)\b", text))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

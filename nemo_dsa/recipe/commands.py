@@ -48,7 +48,43 @@ class EvaluateArgs:
     device: str = "cpu"
 
 
+@dataclass
+class ExportArgs:
+    run_dir: str = MISSING
+    out: str = MISSING
+    checkpoint: Optional[str] = None  # noqa: UP045 - null: the newest intact checkpoint of run_dir
+
+
 SPLITS = ("validation", "train", "all")
+
+# What each key means, for --help (the defaults come from the dataclasses above).
+KEY_HELP = {
+    "run_dir": "a directory written by nemo-dsa-train",
+    "prompt": "the text to continue",
+    "max_new_tokens": "tokens to generate at most (stops earlier at EOS)",
+    "temperature": "0 = greedy; > 0 samples from softmax(logits / temperature)",
+    "top_k": "sample among the k most likely tokens (0 = all)",
+    "top_p": "sample within the smallest set of tokens whose probability reaches p (1.0 = all)",
+    "seed": "the sampling seed (sample i uses seed + i)",
+    "num_samples": "continuations to print",
+    "checkpoint": "a checkpoints/step_* directory (null = the newest intact one of run_dir)",
+    "device": "cpu or cuda",
+    "split": "validation (the run's validation documents) | train | all",
+    "batches": "batches to evaluate (null = recipe.val_batches for validation, else one pass)",
+    "batch_size": "rows per batch (null = the run's recipe.batch_size)",
+    "out": "the new (or empty) folder to write config.json and model.safetensors into",
+}
+COMMANDS = {
+    "nemo-dsa-generate": ("prints continuations of prompt from a run's checkpoint", GenerateArgs,
+                          'nemo-dsa-generate run_dir=runs/tiny-v4-default prompt="json.dumps(" max_new_tokens=80'),
+    "nemo-dsa-evaluate": ("loss and perplexity of a run's checkpoint (data=<option> and data.<key>=... pick "
+                          "other data)", EvaluateArgs,
+                          "nemo-dsa-evaluate run_dir=runs/tiny-v4-default split=all data=jsonl "
+                          "'data.paths=[eval.jsonl]'"),
+    "nemo-dsa-export": ("writes a run's checkpoint as an HF-format folder (config.json + model.safetensors) for "
+                        "init_from=, transformers and nemo-automodel", ExportArgs,
+                        "nemo-dsa-export run_dir=runs/tiny-v4-default out=exports/tiny-v4"),
+}
 
 
 def parse_args(schema, argv: Sequence[str], *, extra_prefixes: tuple[str, ...] = ()) -> tuple[object, list[str]]:
@@ -80,7 +116,8 @@ def parse_args(schema, argv: Sequence[str], *, extra_prefixes: tuple[str, ...] =
                              f"got {value!r}") from None
     missing = [k for k in known if OmegaConf.is_missing(node, k)]
     if missing:
-        raise UsageError(f"{missing[0]}=... is required (e.g. {missing[0]}=runs/tiny-v4-default)")
+        example = {"out": "exports/tiny-v4"}.get(missing[0], "runs/tiny-v4-default")
+        raise UsageError(f"{missing[0]}=... is required (e.g. {missing[0]}={example})")
     return node, extra
 
 
@@ -103,16 +140,31 @@ def _run_command(prog: str, body, argv: Sequence[str] | None) -> int:
     verbose = "--verbose" in args or os.environ.get("HYDRA_FULL_ERROR") == "1"
     args = [a for a in args if a != "--verbose"]
     if any(a in ("-h", "--help") for a in args):
-        print(sys.modules[__name__].__doc__)
+        print(usage(prog))
         return 0
     try:
         return body(args)
-    except (UsageError, ValueError, TypeError, FileNotFoundError, CorruptCheckpoint, yaml.YAMLError) as e:
+    except (UsageError, ValueError, TypeError, FileNotFoundError, FileExistsError, CorruptCheckpoint,
+            yaml.YAMLError) as e:
         if verbose:
             raise
         line = yaml_error_line(e) if isinstance(e, yaml.YAMLError) else _first_line(e)
         print(f"{prog}: error: {line}", file=sys.stderr)
         return EXIT_USAGE
+
+
+def usage(prog: str) -> str:
+    """``--help``: what the command does, every key with its default, an example."""
+    what, schema, example = COMMANDS[prog]
+    lines = [f"usage: {prog} run_dir=<dir> [key=value ...] [--verbose]", "", f"{prog} {what}.", "", "keys:"]
+    for f in fields(schema):
+        default = "required" if f.default is MISSING else f"default {f.default!r}".replace("None", "null")
+        lines.append(f"  {f.name:<15} {KEY_HELP[f.name]} ({default})")
+    if schema is EvaluateArgs:
+        lines.append(f"  {'data=, data.*':<15} the data config (default: the run's own; e.g. data=jsonl "
+                     "'data.paths=[eval.jsonl]')")
+    lines += ["", "example:", f"  {example}"]
+    return "\n".join(lines)
 
 
 def generate_main(argv: Sequence[str] | None = None) -> int:
@@ -205,3 +257,18 @@ def _data_config(run_cfg, data_args: list[str]):
         except Exception as e:  # noqa: BLE001 - a type mismatch
             raise UsageError(f"{key}: {_first_line(e)}") from None
     return node
+
+
+def export_main(argv: Sequence[str] | None = None) -> int:
+    """``nemo-dsa-export``: a run's checkpoint as an HF-format folder."""
+    return _run_command("nemo-dsa-export", _export, argv)
+
+
+def _export(argv: list[str]) -> int:
+    from nemo_dsa.recipe.weights import export_run
+
+    args, _ = parse_args(ExportArgs, argv)
+    _check_run_dir(args.run_dir)
+    source, out = export_run(args.run_dir, args.out, args.checkpoint)
+    print(f"run_dir={args.run_dir} checkpoint={source.name} out={out}")
+    return 0

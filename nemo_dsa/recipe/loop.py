@@ -49,6 +49,7 @@ from nemo_dsa.recipe.parallel import (
     stalled_collective,
 )
 from nemo_dsa.recipe.schema import check_recipe, recipe_changes
+from nemo_dsa.recipe.weights import load_initial_weights
 from nemo_dsa.recipe.state import (
     ABANDONED_PREFIX,
     STATE_FILE,
@@ -326,6 +327,9 @@ def _run_parallel(cfg, recipe, device: torch.device, run_dir: Path, par: Paralle
     resolve_vocab_size(cfg, tokenizer)
     documents = load_documents(cfg.data)
     model = _build_model(cfg, device)
+    # A new run's weights from a trained one (weights only: this run's data, optimizer and schedule);
+    # a resumed run's checkpoint replaces them below.
+    initial = load_initial_weights(model, cfg.init_from) if cfg.get("init_from") else None
     model_config = model.config.to_dict()
     n_params = sum(p.numel() for p in model.parameters())
     model = shard_model(model, par)  # FSDP2 over every rank when recipe.dp_size > 1
@@ -342,6 +346,13 @@ def _run_parallel(cfg, recipe, device: torch.device, run_dir: Path, par: Paralle
     apply_recipe(optimizer, schedule, recipe)  # this run's lr, betas, weight decay (a no-op when fresh)
     resumed_from = None if path is None else int(saved["step"])
     start = resumed_from or 0
+    _check_unfinished(run_dir, start, recipe, path)
+    init_from = saved.get("init_from") if path is not None else (None if initial is None else initial.record())
+    if path is not None and initial is not None and par.is_main:
+        note(f"init_from={cfg.init_from} is ignored: resuming from step {start} ({path}), "
+             "which holds this run's own weights")
+    elif initial is not None and par.is_main:
+        note(f"starting from the weights of {initial.source} (init_from; a new optimizer, schedule and data)")
     # Resuming from an older checkpoint replaces the run past it: its newer checkpoints are set
     # aside (never resumed by a later resume=auto, never pruned), and said so.
     abandoned = abandon_newer(run_dir, start) if par.is_main and path is not None else []
@@ -367,7 +378,7 @@ def _run_parallel(cfg, recipe, device: torch.device, run_dir: Path, par: Paralle
 
     metrics.log({"step": start, "event": "resume" if resumed_from is not None else "start", "model": cfg.model.name,
                  "scoring": cfg.scoring.name, "params": n_params, "device": str(device), "cp_size": par.cp_size,
-                 "dp_size": par.dp_size})
+                 "dp_size": par.dp_size, "init_from": init_from})
     for step in range(start + 1, stop + 1):
         tic = time.perf_counter()
         val_loss = None
@@ -400,7 +411,7 @@ def _run_parallel(cfg, recipe, device: torch.device, run_dir: Path, par: Paralle
         if step % recipe.ckpt_every == 0 or step == stop:
             def save() -> None:  # rank 0's part
                 state = {"model_config": model_config, "recipe": recipe_now, "skipped_steps": result.skipped_steps,
-                         "elapsed_s": metrics.elapsed(),
+                         "elapsed_s": metrics.elapsed(), "init_from": init_from,
                          "log_window": {"losses": window_losses, "tokens": window_tokens, "time": window_time}}
                 save_checkpoint(run_dir, step, model, optimizer, schedule, stream, state, recipe.keep_checkpoints,
                                 gathered=gathered)
@@ -416,12 +427,29 @@ def _run_parallel(cfg, recipe, device: torch.device, run_dir: Path, par: Paralle
     summing_up = f"writing the run's summary after step {result.step}"
     try:
         _on_main_shared(par, markers, result.step, summing_up,
-                        lambda: _finish(run_dir, metrics.path, result, recipe, n_params, title))
+                        lambda: _finish(run_dir, metrics.path, result, recipe, n_params, title, init_from))
     finally:
         metrics.close()
     with _stall_reported(par, markers, result.step, f"ending the run after step {result.step}"):
         finish_parallel(par)  # a barrier: no rank leaves before the others
     return result
+
+
+class RunFinished(ValueError):
+    """The run in ``run_dir`` already reached the step this invocation would train to."""
+
+
+def _check_unfinished(run_dir: Path, start: int, recipe, path: Path | None) -> None:
+    """Refuse to "resume" a run with nothing left to train (say, a later command whose default
+    run_dir names a finished run): it would train 0 steps and look like success."""
+    if path is None:
+        return
+    if start >= recipe.max_steps:
+        raise RunFinished(f"run_dir={run_dir} holds a finished run (step {start}, recipe.max_steps={recipe.max_steps}): "
+                          f"nothing to train. Raise recipe.max_steps to continue it, or pick another run_dir")
+    if recipe.stop_at_step is not None and start >= recipe.stop_at_step:
+        raise RunFinished(f"run_dir={run_dir} is at step {start}, past recipe.stop_at_step={recipe.stop_at_step}: "
+                          "nothing to train. Raise or drop recipe.stop_at_step")
 
 
 @contextmanager
@@ -547,7 +575,8 @@ def _report_timeout(markers: Path, par: Parallel) -> set[int]:
         time.sleep(0.1)
 
 
-def _finish(run_dir: Path, metrics_path: Path, result: TrainResult, recipe, n_params: int, title: str) -> None:
+def _finish(run_dir: Path, metrics_path: Path, result: TrainResult, recipe, n_params: int, title: str,
+            init_from: dict | None) -> None:
     records = read_metrics(metrics_path)
     train_losses = [r["loss"] for r in records if "loss" in r and "event" not in r]
     if result.val_loss is None:  # nothing evaluated in this process (e.g. a finished run resumed)
@@ -557,6 +586,7 @@ def _finish(run_dir: Path, metrics_path: Path, result: TrainResult, recipe, n_pa
         "first_loss": train_losses[0] if train_losses else None,
         "last_loss": train_losses[-1] if train_losses else None,
         "val_loss": result.val_loss, "resumed_from": result.resumed_from, "skipped_steps": result.skipped_steps,
+        "init_from": init_from,
     })
     if recipe.plot:
         plot_losses(metrics_path, run_dir / "loss.png", title)
