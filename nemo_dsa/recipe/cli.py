@@ -76,15 +76,17 @@ def _explain_composition(error: BaseException, overrides: Sequence[str]) -> str:
         full = key.group(1)
         parent, _, leaf = full.rpartition(".")
         try:
-            known = _keys_at(load_config([o for o in overrides if not o.lstrip("+~").startswith(full)]), parent)
+            base = load_config([o for o in overrides if not o.lstrip("+~").startswith(full)])
+            known = _keys_at(base, parent)
         except Exception:  # noqa: BLE001 - suggestions are best effort
-            known = []
+            base, known = None, []
         value = re.search(r"[Vv]alue '([^']*)' (?:of type '(\w+)' )?could not be converted to (\w+)", text)
         if value and leaf in known:
             return f"{full}: expected {_article(value.group(3))}, got {value.group(1)!r}"
         if leaf not in known:
             where = parent or "the top level"
-            return f"{full}: no such key in {where}{_closest(leaf, known)}; keys: {', '.join(known)}"
+            hint = _same_name_elsewhere(base, full, leaf) or _closest(leaf, known)
+            return f"{full}: no such key in {where}{hint}; keys: {', '.join(known)}"
     full_key = re.search(r"full_key: ([\w.]+)", text)
     value = re.search(r"[Vv]alue '([^']*)' (?:of type '\w+' )?could not be converted to (\w+)", text) \
         or re.search(r"[Vv]alue '([^']*)' is not a valid (\w+)", text)
@@ -93,11 +95,47 @@ def _explain_composition(error: BaseException, overrides: Sequence[str]) -> str:
     not_list = re.search(r"Invalid value assigned: (\w+) is not a ListConfig", text)
     if not_list and full_key:
         return f"{full_key.group(1)}: expected a list such as [0.9, 0.95], got {_article(not_list.group(1))}"
+    unquoted = _needs_quotes(overrides, text)
+    if unquoted:
+        return unquoted
     bad_override = re.search(r"Error parsing override '([^']*)'", text)
     if bad_override:
         return (f"{bad_override.group(1)}: an override is key=value (model=small, recipe.max_steps=20, "
                 "+group.new_key=value); see Hydra's override grammar")
     return _first_line(error)
+
+
+def _same_name_elsewhere(cfg, full: str, leaf: str) -> str:
+    """`` (did you mean recipe.lr?)`` for ``lr``: the config's keys of that name at other depths."""
+    from omegaconf import OmegaConf
+
+    if cfg is None:
+        return ""
+    found = []
+
+    def walk(node, prefix: str) -> None:
+        for key, value in node.items():
+            path = f"{prefix}{key}"
+            if key == leaf and path != full:
+                found.append(path)
+            if isinstance(value, dict):
+                walk(value, f"{path}.")
+
+    walk(OmegaConf.to_container(cfg, resolve=False), "")
+    return f" (did you mean {' or '.join(found[:3])}?)" if found else ""
+
+
+def _needs_quotes(overrides: Sequence[str], text: str) -> str | None:
+    """An override Hydra cannot parse because its value holds characters such as ``<``, ``>`` or
+    ``|`` unquoted (the shell ate the quotes): the quoting that reaches Hydra intact."""
+    if "LexerNoViableAltException" not in text and "Error parsing override" not in text:
+        return None
+    for override in overrides:
+        key, eq, value = override.partition("=")
+        if eq and value[:1] not in ("'", '"') and re.search(r"[<>|!#\s]", value) and override in text:
+            return (f"{override}: Hydra reads a value with such characters only quoted, and the shell removes "
+                    f"one pair of quotes: write \"{key}='{value}'\"")
+    return None
 
 
 def _article(type_name: str) -> str:

@@ -225,7 +225,7 @@ def _evaluate(argv: list[str]) -> int:
     data = _data_config(run.config, data_args)
     check_known_keys(data, "data")
     batches = evaluation_batches(run, data, split=args.split, batches=args.batches, batch_size=args.batch_size)
-    result = evaluate_run(run, batches)
+    result = evaluate_run(run, batches, progress=True)
     source = data.source if data.source == "stdlib" else f"{data.source}:{OmegaConf.to_container(data.paths) or data.dataset}"
     print(f"run_dir={run.run_dir} checkpoint={run.checkpoint.name} data={source} split={args.split} "
           f"batches={result.batches} tokens={result.tokens} loss={result.loss:.4f} perplexity={result.perplexity:.3f}")

@@ -221,7 +221,8 @@ class HFTokenizer:
         if token is None:
             if required:
                 raise ValueError(f"tokenizer.{key}: {self.path} names no {key} (no tokenizer_config.json beside it "
-                                 f"says one): set tokenizer.{key}=<the token>, e.g. '</s>'")
+                                 f"says one): set tokenizer.{key}=<the token>, quoted for the shell and Hydra: "
+                                 f"\"tokenizer.{key}='</s>'\"")
             return None
         token_id = self._tok.token_to_id(token)
         if token_id is None:

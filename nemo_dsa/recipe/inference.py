@@ -168,14 +168,19 @@ def evaluation_batches(run: LoadedRun, data, *, split: str = "validation", batch
     return out
 
 
-def evaluate_run(run: LoadedRun, batches: list[dict[str, torch.Tensor]]) -> Evaluation:
-    """Token-weighted mean loss (nats per token) and its perplexity over ``batches``, as the recipe evaluates."""
+def evaluate_run(run: LoadedRun, batches: list[dict[str, torch.Tensor]], *, progress: bool = False) -> Evaluation:
+    """Token-weighted mean loss (nats per token) and its perplexity over ``batches``, as the recipe
+    evaluates; ``progress``: a progress bar on stderr (a large evaluation takes minutes on a CPU)."""
+    from tqdm.auto import tqdm
+
     from nemo_dsa.labels import IGNORE_INDEX
     from nemo_dsa.recipe.loop import evaluate
 
     device = next(run.model.parameters()).device
-    loss = evaluate(run.model, batches, recipe=run.config.recipe, device=device, par=Parallel(),
+    shown = tqdm(batches, desc="evaluate", unit="batch", disable=not progress, dynamic_ncols=True)
+    loss = evaluate(run.model, shown, recipe=run.config.recipe, device=device, par=Parallel(),
                     pad_id=run.tokenizer.pad_id)
+    shown.close()
     tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
     return Evaluation(loss=loss, perplexity=math.exp(loss) if loss < 700 else float("inf"), tokens=tokens,
                       batches=len(batches))

@@ -282,12 +282,43 @@ def train(cfg) -> TrainResult:
     path_under(run_dir, cfg.logger.log_dir, "logger.log_dir")
     if cfg.logger.tensorboard:
         require_tensorboard()  # before any work: the missing package is named at once
+    created = _first_missing(run_dir)
     lock = RunDirLock(run_dir).acquire() if launch_rank() == 0 else None  # before anything is written
     try:
         return _run(cfg, recipe, device, run_dir)
+    except BaseException:
+        if lock is not None and created is not None:
+            _remove_if_only_lock(run_dir, lock, created)
+        raise
     finally:
         if lock is not None:
             lock.release()
+
+
+def _first_missing(path: Path) -> Path | None:
+    """The outermost of ``path`` and its parents that does not exist yet (None: ``path`` exists)."""
+    if path.exists():
+        return None
+    while not path.parent.exists() and path.parent != path:
+        path = path.parent
+    return path
+
+
+def _remove_if_only_lock(run_dir: Path, lock: RunDirLock, created: Path) -> None:
+    """A run that failed before writing anything leaves no ``run_dir`` holding only its ``.lock``:
+    the directories this run created are removed (while the lock is still held) if that is all."""
+    try:
+        if {p.name for p in run_dir.iterdir()} != {lock.path.name}:
+            return
+        lock.path.unlink()
+        path = run_dir
+        while True:
+            path.rmdir()  # OSError if another process put something there meanwhile
+            if path == created:
+                break
+            path = path.parent
+    except OSError:
+        pass
 
 
 def _run(cfg, recipe, device: torch.device, run_dir: Path) -> TrainResult:
@@ -341,6 +372,7 @@ def _run_parallel(cfg, recipe, device: torch.device, run_dir: Path, par: Paralle
     )
     # What the checkpoint must have been trained on: the recipe, the seed and the corpus itself.
     recipe_now["corpus_sha256"] = corpus_fingerprint(stream.documents)
+    data_sizes = split_sizes(documents, tokenizer, stream, val_batches, recipe.val_percent)
     path, saved, applied, fallbacks = resume(cfg, run_dir, (model, optimizer, schedule, stream), model_config,
                                              recipe_now, par)
     apply_recipe(optimizer, schedule, recipe)  # this run's lr, betas, weight decay (a no-op when fresh)
@@ -375,10 +407,14 @@ def _run_parallel(cfg, recipe, device: torch.device, run_dir: Path, par: Paralle
     window_losses: list[float] = list(window.get("losses", []))
     window_tokens, window_time = window.get("tokens", 0), window.get("time", 0.0)
     markers = run_dir / TIMEOUT_DIR
+    first_logged = start > 0  # a resumed run's first step was logged before
 
     metrics.log({"step": start, "event": "resume" if resumed_from is not None else "start", "model": cfg.model.name,
                  "scoring": cfg.scoring.name, "params": n_params, "device": str(device), "cp_size": par.cp_size,
                  "dp_size": par.dp_size, "init_from": init_from})
+    metrics.log({"step": start, "event": "data", **data_sizes})
+    if par.is_main:
+        note(describe_sizes(data_sizes))
     for step in range(start + 1, stop + 1):
         tic = time.perf_counter()
         val_loss = None
@@ -394,6 +430,9 @@ def _run_parallel(cfg, recipe, device: torch.device, run_dir: Path, par: Paralle
         if stats["skipped"]:
             _skip(step, stats, result, recipe, metrics, par)
         else:
+            if not first_logged:  # the summary's first_loss: one step's loss, not a log_every window's mean
+                metrics.log({"step": step, "event": "first_step", "step_loss": stats["loss"]})
+                first_logged = True
             window_losses.append(stats["loss"])
             window_tokens += stats["tokens"]
             bar.set_postfix(loss=f"{stats['loss']:.3f}", lr=f"{stats['lr']:.2e}")
@@ -427,12 +466,32 @@ def _run_parallel(cfg, recipe, device: torch.device, run_dir: Path, par: Paralle
     summing_up = f"writing the run's summary after step {result.step}"
     try:
         _on_main_shared(par, markers, result.step, summing_up,
-                        lambda: _finish(run_dir, metrics.path, result, recipe, n_params, title, init_from))
+                        lambda: _finish(run_dir, metrics.path, result, recipe, n_params, title, init_from,
+                                        data_sizes))
     finally:
         metrics.close()
     with _stall_reported(par, markers, result.step, f"ending the run after step {result.step}"):
         finish_parallel(par)  # a barrier: no rank leaves before the others
     return result
+
+
+def split_sizes(documents, tokenizer, stream, val_batches: list, val_percent: int) -> dict[str, int]:
+    """How many documents and tokens the training stream and the validation split hold (documents
+    of fewer than 2 tokens are dropped, as packing does), and how many tokens the fixed validation
+    batches evaluate."""
+    from nemo_dsa.data import split_documents
+
+    _, val_docs = split_documents(documents, val_percent)
+    val_lengths = [n for n in (len(tokenizer.encode(d.text)) for d in val_docs) if n >= 2]
+    return {"train_documents": len(stream.documents), "train_tokens": sum(map(len, stream.documents)),
+            "val_documents": len(val_lengths), "val_tokens": sum(val_lengths),
+            "val_tokens_evaluated": sum(int(b["attention_mask"].sum()) for b in val_batches)}
+
+
+def describe_sizes(sizes: dict[str, int]) -> str:
+    return (f"data: {sizes['train_documents']:,} training documents ({sizes['train_tokens']:,} tokens), "
+            f"{sizes['val_documents']:,} validation documents ({sizes['val_tokens']:,} tokens, "
+            f"{sizes['val_tokens_evaluated']:,} of them in the validation batches)")
 
 
 class RunFinished(ValueError):
@@ -576,17 +635,18 @@ def _report_timeout(markers: Path, par: Parallel) -> set[int]:
 
 
 def _finish(run_dir: Path, metrics_path: Path, result: TrainResult, recipe, n_params: int, title: str,
-            init_from: dict | None) -> None:
+            init_from: dict | None, data_sizes: dict) -> None:
     records = read_metrics(metrics_path)
     train_losses = [r["loss"] for r in records if "loss" in r and "event" not in r]
     if result.val_loss is None:  # nothing evaluated in this process (e.g. a finished run resumed)
         result.val_loss = next((r["val_loss"] for r in reversed(records) if "val_loss" in r), None)
     write_summary(run_dir / "summary.json", {
         "step": result.step, "max_steps": recipe.max_steps, "params": n_params,
-        "first_loss": train_losses[0] if train_losses else None,
+        "first_loss": next((r["step_loss"] for r in records if r.get("event") == "first_step"),
+                           train_losses[0] if train_losses else None),
         "last_loss": train_losses[-1] if train_losses else None,
         "val_loss": result.val_loss, "resumed_from": result.resumed_from, "skipped_steps": result.skipped_steps,
-        "init_from": init_from,
+        "init_from": init_from, "data": data_sizes,
     })
     if recipe.plot:
         plot_losses(metrics_path, run_dir / "loss.png", title)
