@@ -32,7 +32,8 @@ multiprocessing.get_context(_START_METHOD).set_forkserver_preload(_PRELOAD)
 
 def _worker(rank: int, fn, world_size: int, backend: str, store_file: str, out_dir: str, args: tuple) -> None:
     torch.set_num_threads(1)
-    os.environ.setdefault("TILELANG_CACHE_DIR", tempfile.mkdtemp(prefix="nemo-dsa-tilelang-"))
+    if "TILELANG_CACHE_DIR" not in os.environ:  # a test session's (tests/conftest.py) is inherited
+        os.environ["TILELANG_CACHE_DIR"] = os.path.join(out_dir, "tilelang")  # removed with out_dir
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(

@@ -1,11 +1,27 @@
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
 import torch
 
-# TileLang creates its cache under ~/.tilelang on import unless told otherwise.
-os.environ.setdefault("TILELANG_CACHE_DIR", tempfile.mkdtemp(prefix="nemo-dsa-tilelang-"))
+# Everything the suite itself writes goes under one temporary folder, removed when the session
+# ends: TileLang's kernel cache (it creates ~/.tilelang on import unless told otherwise; worker
+# processes inherit the variable) and Hypothesis's example database and caches (.hypothesis/ in the
+# working directory by default). Runs and exports go to pytest's tmp_path.
+if "TILELANG_CACHE_DIR" not in os.environ or "HYPOTHESIS_STORAGE_DIRECTORY" not in os.environ:
+    _SESSION_DIR = tempfile.mkdtemp(prefix="nemo-dsa-tests-")
+    atexit.register(shutil.rmtree, _SESSION_DIR, ignore_errors=True)
+    os.environ.setdefault("TILELANG_CACHE_DIR", os.path.join(_SESSION_DIR, "tilelang"))
+    os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", os.path.join(_SESSION_DIR, "hypothesis"))
+
+try:
+    from hypothesis.configuration import set_hypothesis_home_dir
+except ImportError:  # hypothesis is a dev dependency; the tests that use it import it themselves
+    pass
+else:
+    set_hypothesis_home_dir(os.environ["HYPOTHESIS_STORAGE_DIRECTORY"])
 
 
 def pytest_collection_modifyitems(config, items):

@@ -11,11 +11,19 @@ for those three (device 0 as a plain number, no statistics to reset, materialise
 selects the gloo backend (``--dist_env.backend gloo`` unless given); everything else is
 nemo-automodel's own ``train_ft.main``. With a GPU it changes nothing. Extra arguments are the
 recipe's own overrides, e.g. ``--step_scheduler.max_steps 4``.
+
+nemo-automodel appends every run's ``training.jsonl`` / ``validation.jsonl`` to its
+``checkpoint.checkpoint_dir``: unless ``--checkpoint.checkpoint_dir`` is given, each run here gets its
+own new folder under the config's (``<checkpoint_dir>/<UTC time>-<random>``, printed at the start), so
+records of unrelated runs never mix.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
+import time
 
 import torch
 
@@ -34,9 +42,27 @@ def patch_cuda_only_calls() -> None:
     auto_model.apply_model_infrastructure = on_cpu
 
 
+def own_checkpoint_dir(argv: list[str]) -> list[str]:
+    """``argv`` with ``--checkpoint.checkpoint_dir`` set to a new folder under the config's, unless given."""
+    import yaml
+
+    if any(arg.startswith("--checkpoint.checkpoint_dir") for arg in argv):
+        return argv
+    config = next((argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "--config"), None)
+    if config is None:
+        return argv  # train_ft names the missing --config itself
+    with open(config) as f:
+        base = ((yaml.safe_load(f) or {}).get("checkpoint") or {}).get("checkpoint_dir") or "checkpoints"
+    os.makedirs(base, exist_ok=True)
+    folder = tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-", time.gmtime()), dir=base)
+    print(f"train_ft_cpu: this run's checkpoints and training.jsonl: {folder}", file=sys.stderr, flush=True)
+    return [*argv, "--checkpoint.checkpoint_dir", folder]
+
+
 def main() -> None:
     from nemo_automodel.recipes.llm import train_ft
 
+    sys.argv[1:] = own_checkpoint_dir(sys.argv[1:])
     if not torch.cuda.is_available():
         patch_cuda_only_calls()
         if not any(arg.startswith("--dist_env.backend") for arg in sys.argv[1:]):

@@ -218,6 +218,10 @@ class _NemoDsaForCausalLMBase(DSAForCausalLM):
         ``dtype`` casts the floating-point parameters the layers do not keep in fp32."""
         from nemo_dsa.models.dsa_lm.checkpoint import load_checkpoint
 
+        config_dict, _ = cls.config_class.get_config_dict(path)
+        if config_dict.get("model_type") != cls.config_class.model_type:
+            raise ValueError(f"{path}: config.json's model_type is {config_dict.get('model_type')!r}, "
+                             f"{cls.__name__} reads {cls.config_class.model_type!r}")
         config = cls.config_class.from_pretrained(path)
         model = cls(config)
         load_checkpoint(model, path, strict=True)
