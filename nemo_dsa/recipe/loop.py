@@ -638,7 +638,7 @@ def _finish(run_dir: Path, metrics_path: Path, result: TrainResult, recipe, n_pa
             init_from: dict | None, data_sizes: dict) -> None:
     records = read_metrics(metrics_path)
     train_losses = [r["loss"] for r in records if "loss" in r and "event" not in r]
-    if result.val_loss is None:  # nothing evaluated in this process (e.g. a finished run resumed)
+    if result.val_loss is None:  # nothing evaluated in this process (no validation step since the resume)
         result.val_loss = next((r["val_loss"] for r in reversed(records) if "val_loss" in r), None)
     write_summary(run_dir / "summary.json", {
         "step": result.step, "max_steps": recipe.max_steps, "params": n_params,

@@ -98,7 +98,7 @@ def test_metrics_are_appended_and_a_torn_last_line_is_dropped_on_resume(tmp_path
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert _losses(tmp_path) == reference
     assert all("time" in r and r["elapsed_s"] >= 0 for r in records)
-    assert [r["event"] for r in records if "event" in r] == ["start", "resume"]
+    assert [r["event"] for r in records if "event" in r] == ["start", "data", "first_step", "resume", "data"]
 
 
 def test_a_second_run_on_a_locked_run_dir_stops_naming_the_holder(tmp_path):

@@ -141,9 +141,14 @@ def test_context_parallel_run_matches_single_process(tmp_path):
 
 
 def test_no_clipping_and_rerunning_a_finished_run(tmp_path):
-    """grad_clip=null trains without clipping; running a finished run again keeps its summary."""
+    """grad_clip=null trains without clipping; running a finished run again is refused (it would
+    train nothing) and leaves its files as they were."""
+    from nemo_dsa.recipe.loop import RunFinished
+
     first = _run(tmp_path, "recipe.grad_clip=null", "recipe.max_steps=2")
     assert first.step == 2 and first.val_loss is not None
-    again = _run(tmp_path, "recipe.grad_clip=null", "recipe.max_steps=2")
-    assert again.resumed_from == 2 and again.val_loss == first.val_loss
+    files = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file() and p.name != ".lock"}
+    with pytest.raises(RunFinished, match="finished run"):
+        _run(tmp_path, "recipe.grad_clip=null", "recipe.max_steps=2")
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file() and p.name != ".lock"} == files
     assert json.loads((tmp_path / "summary.json").read_text())["val_loss"] == first.val_loss
