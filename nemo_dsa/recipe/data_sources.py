@@ -65,6 +65,8 @@ def _files(paths: Sequence[str], suffixes: tuple[str, ...]) -> list[Path]:
 def text_documents(paths: Sequence[str], separator: str | None = None) -> list[Document]:
     """One document per file, or per ``separator``-delimited part of each file (empty parts dropped)."""
     docs = []
+    if separator:  # typed on a command line, where Hydra keeps "\n" as two characters
+        separator = separator.replace("\\n", "\n").replace("\\t", "\t")
     for path in _files(paths, (".txt", ".md")):
         raw = path.read_bytes()
         text = raw.decode("utf-8", errors="replace")

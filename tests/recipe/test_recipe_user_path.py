@@ -288,3 +288,12 @@ def test_each_train_ft_cpu_run_gets_its_own_folder(tmp_path):
     assert Path(first[3]).parent == tmp_path / "ft" and first[3] != second[3]
     given = ["--config", str(config), "--checkpoint.checkpoint_dir", "/elsewhere"]
     assert script.own_checkpoint_dir(given) == given
+
+
+def test_a_separator_typed_on_the_command_line_splits_paragraphs(tmp_path):
+    from nemo_dsa.recipe.data_sources import load_documents
+
+    (tmp_path / "a.md").write_text("first part\n\nsecond part\nstill second\n\n\nthird\tpart")
+    data = load_config(["data=text", f"data.paths=[{tmp_path}]", 'data.separator="\\n\\n"']).data
+    assert data.separator == "\\n\\n"  # Hydra keeps the two characters
+    assert [d.text for d in load_documents(data)] == ["first part", "second part\nstill second", "\nthird\tpart"]
