@@ -49,7 +49,6 @@ from nemo_dsa.recipe.parallel import (
     stalled_collective,
 )
 from nemo_dsa.recipe.schema import check_recipe, recipe_changes
-from nemo_dsa.recipe.weights import load_initial_weights
 from nemo_dsa.recipe.state import (
     ABANDONED_PREFIX,
     STATE_FILE,
@@ -63,6 +62,7 @@ from nemo_dsa.recipe.state import (
     save_checkpoint,
     set_aside,
 )
+from nemo_dsa.recipe.weights import load_initial_weights
 
 # The batch fields handed to the model: exactly what nemo-automodel's THD collater emits
 # (document-local positions, seq_lens / seq_lens_padded) plus the per-token document ids and mask.

@@ -41,24 +41,6 @@ def hf_config_dict(config: DSAModelConfig) -> dict[str, Any]:
     return {"architectures": [architecture], "model_type": model_type, "dtype": "float32", **values}
 
 
-def dsa_config_from_hf_dict(values: dict[str, Any]) -> DSAModelConfig:
-    """The ``DSAModelConfig`` of a ``config.json`` written by ``hf_config_dict`` (or by transformers
-    from the registered config classes); a model type that is not nemo_dsa's is a ValueError."""
-    by_type = {model_type: scoring for scoring, (model_type, _) in HF_ARCHITECTURES.items()}
-    model_type = values.get("model_type")
-    if model_type not in by_type:
-        raise ValueError(f"{CONFIG_FILE}: model_type {model_type!r} is not one of nemo_dsa's "
-                         f"({', '.join(sorted(by_type))})")
-    renamed = {dsa: hf for dsa, hf in HF_FIELD_NAMES.items()}
-    kwargs = {}
-    for f in dataclasses.fields(DSAModelConfig):
-        key = renamed.get(f.name, f.name)
-        if f.name != "scoring" and key in values:
-            value = values[key]
-            kwargs[f.name] = tuple(value) if isinstance(value, list) and "tuple" in str(f.type) else value
-    return DSAModelConfig(scoring=by_type[model_type], **kwargs)
-
-
 def write_hf_folder(tensors: dict, config: DSAModelConfig, out: str | os.PathLike) -> Path:
     """Write ``config.json`` and ``model.safetensors`` into the new or empty directory ``out``.
 
