@@ -30,7 +30,7 @@ from attention import median_ms, peak_mib
 def sides(hidden: int, vocab: int, logits: str):
     from nemo_automodel.components.models.common.utils import compute_lm_head_logits
 
-    from nemo_dsa.integrations.lm_head import Fp32HeadLinear, called_with_bf16
+    from nemo_dsa.integrations.common.lm_head import Fp32HeadLinear, called_with_bf16
 
     builtin = nn.Linear(hidden, vocab, bias=False, device="cuda", dtype=torch.float32)
     nn.init.normal_(builtin.weight, std=hidden**-0.5)

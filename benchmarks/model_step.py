@@ -37,7 +37,7 @@ TileLang and nemo-automodel. S: a multiple of 128 (V4's ratio 128 and the kernel
 sequences need it (tests/integrations/test_activation_checkpointing.py checks the plugins' gradients under it).
 ``--recompute hyper_connections,norms[,attention]`` turns on the plugin's own lighter recompute
 instead (or as well): those parts' activations are recomputed, not kept
-(``nemo_dsa.integrations.recompute``).
+(``nemo_dsa.integrations.common.recompute``).
 
 ``--profile`` runs torch.profiler over a few more steps of each side after the timed ones and
 writes the ops' self CUDA time (key_averages, grouped by op name) as a table to
@@ -179,7 +179,7 @@ def main() -> None:
                              "distributed.activation_checkpointing: true | selective does")  # fmt: skip
     parser.add_argument("--recompute", default=None,
                         help="the plugin's recompute parts, comma-separated (hyper_connections,norms,attention; "
-                             "nemo_dsa.integrations.recompute); the built-in side is unchanged")  # fmt: skip
+                             "nemo_dsa.integrations.common.recompute); the built-in side is unchanged")  # fmt: skip
     parser.add_argument("--fused-q-norm-rope", choices=["on", "off"], default=None,
                         help="the plugin's V4 q norm + RoPE as one kernel or eager ops "
                              "(layers.sparse_attention.FUSED_Q_NORM_ROPE; default: its value)")  # fmt: skip

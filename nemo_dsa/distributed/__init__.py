@@ -2,7 +2,7 @@
 
 The protocol the layers call (``SequenceContext``, ``LocalContext``) lives in
 ``nemo_dsa.layers.context``; it is re-exported here. nemo-automodel's CP hook is
-``nemo_dsa.integrations.automodel_cp``. Nothing here imports nemo-automodel or touches CUDA at
+``nemo_dsa.integrations.automodel.cp``. Nothing here imports nemo-automodel or touches CUDA at
 import time.
 """
 

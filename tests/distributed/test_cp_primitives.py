@@ -142,7 +142,7 @@ def check_shard_batch_with_group(ctx, rank, size):
     from nemo_automodel.components.distributed.context_parallel.sharder import ContextParallelSharder
     from torch.distributed.device_mesh import init_device_mesh
 
-    from nemo_dsa.integrations.automodel_cp import prepare_model_inputs_for_cp
+    from nemo_dsa.integrations.automodel.cp import prepare_model_inputs_for_cp
 
     ratios = (0, 4, 4)
     batch = _packed_batch(seq_len=21)

@@ -35,7 +35,7 @@ from transformers import AutoConfig
 from helpers import cpu_automodel  # noqa: F401 (a fixture)
 from nemo_dsa.data import BOS_ID, EOS_ID, ByteTokenizer, split_documents, stdlib_documents
 from nemo_dsa.integrations import automodel as integ
-from nemo_dsa.integrations.automodel_data import document_examples, stdlib_docstring_dataset
+from nemo_dsa.integrations.automodel.data import document_examples, stdlib_docstring_dataset
 from nemo_dsa.models.dsa_lm.configuration import DSAModelConfig
 from nemo_dsa.models.dsa_lm.modeling import DSAForCausalLM
 

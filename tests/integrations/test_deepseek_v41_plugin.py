@@ -63,7 +63,7 @@ from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCa
 from test_released_v41_attention import RATIOS, ROLES, hf_config, rel
 
 from nemo_dsa.integrations.deepseek_v41 import ARCHITECTURE, NemoDsaDeepseekV41ForCausalLM
-from nemo_dsa.integrations.deepseek_v41_attention import NemoDsaDeepseekV41Attention
+from nemo_dsa.integrations.deepseek_v41.attention import NemoDsaDeepseekV41Attention
 
 RTOL = 1e-5
 VOCAB = 64
@@ -354,7 +354,7 @@ def checkpoints(models, tmp_path_factory):
 
 @pytest.mark.parametrize("kind", ["bf16", "fp8"])
 def test_plugin_loads_checkpoint_files_like_the_builtin(kind, checkpoints):
-    from nemo_dsa.integrations.deepseek_v4_checkpoint import load_hf_checkpoint
+    from nemo_dsa.integrations.common.checkpoint import load_hf_checkpoint
 
     builtin = DeepseekV41ForCausalLM(config(), backend=backend())
     load_hf_checkpoint(builtin, checkpoints[kind])
@@ -394,7 +394,7 @@ def logit_floor(model, ids: torch.Tensor, ref: torch.Tensor) -> float:
 def test_broken_checkpoint_names_the_key(checkpoints, tmp_path):
     from safetensors.torch import save_file
 
-    from nemo_dsa.integrations.deepseek_v4_checkpoint import load_hf_checkpoint, read_hf_checkpoint
+    from nemo_dsa.integrations.common.checkpoint import load_hf_checkpoint, read_hf_checkpoint
 
     tensors = read_hf_checkpoint(checkpoints["bf16"])
     tensors.pop("layers.4.attn.indexer.wk.weight")

@@ -37,7 +37,7 @@ from nemo_automodel.components.models.deepseek_v4.config import DeepseekV4Config
 from nemo_automodel.components.models.deepseek_v4.model import DeepseekV4ForCausalLM
 
 from nemo_dsa.integrations.deepseek_v4 import ARCHITECTURE, NemoDsaDeepseekV4ForCausalLM
-from nemo_dsa.integrations.deepseek_v4_attention import NemoDsaDeepseekV4Attention
+from nemo_dsa.integrations.deepseek_v4.attention import NemoDsaDeepseekV4Attention
 
 VOCAB = 101
 SEQ = 288  # 72 ratio-4 groups, 2 ratio-128 groups

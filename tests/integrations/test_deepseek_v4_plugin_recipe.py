@@ -27,8 +27,8 @@ except ImportError as error:
 
 from helpers import cpu_automodel  # noqa: F401 (a fixture)
 from nemo_dsa.integrations.deepseek_v4 import NemoDsaDeepseekV4ForCausalLM
-from nemo_dsa.integrations.deepseek_v4_checkpoint import read_hf_checkpoint
-from nemo_dsa.integrations.recompute import is_recomputed
+from nemo_dsa.integrations.common.checkpoint import read_hf_checkpoint
+from nemo_dsa.integrations.common.recompute import is_recomputed
 from test_deepseek_v4_plugin import build_plugin
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""``integrations/lm_head.Fp32HeadLinear``: the built-in's fp32 LM head whose forward takes the
+"""``integrations/common/lm_head.Fp32HeadLinear``: the built-in's fp32 LM head whose forward takes the
 exact-product bf16 path (``ops/fp32_linear``) exactly when its input holds bf16 values on the GPU.
 
 On the CPU the split path is exercised by standing the GPU check and cuBLAS's fp32-output product
@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from helpers import stable_seed
-from nemo_dsa.integrations import lm_head
-from nemo_dsa.integrations.lm_head import Fp32HeadLinear, adopt_fp32_head, called_with_bf16
+from nemo_dsa.integrations.common import lm_head
+from nemo_dsa.integrations.common.lm_head import Fp32HeadLinear, adopt_fp32_head, called_with_bf16
 from nemo_dsa.ops.fp32_linear import fp32_linear_of_bf16
 from test_fp32_linear import EMULATED, operands, ulp_bf16
 

@@ -18,7 +18,7 @@ try:
 except ImportError as error:
     skip_without_automodel(error)
 
-from nemo_dsa.integrations.recompute import PARTS, is_recomputed, recompute_parts
+from nemo_dsa.integrations.common.recompute import PARTS, is_recomputed, recompute_parts
 from test_activation_checkpointing import step
 from nemo_dsa.integrations import side_by_side as sides
 from tiny_side_by_side import SEQ, TINY, VOCAB, redraw_attention_

@@ -76,7 +76,7 @@ def losses(model, family: str, steps: int = 2) -> list[torch.Tensor]:
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["v41", "v4"])
 def test_both_sides_take_the_same_step(family):
-    from nemo_dsa.integrations.deepseek_v4_attention import CoreAttention
+    from nemo_dsa.integrations.common.attention_layout import CoreAttention
 
     plugin, builtin = build_sides(family)
     theirs = builtin.state_dict()

@@ -6,7 +6,7 @@ forward (its THD packing, labels and loss) and the state-dict adapter (released 
 ``.scale`` tensors included) are the built-in's, untouched. DSpark (V4.1's MTP) is a separate model
 and is not affected. The fp32 ``lm_head`` becomes an ``Fp32HeadLinear`` (the same ``nn.Linear``
 and parameter; its fp32 logits of the bf16 hidden state in exact bf16 products on the GPU,
-``integrations/lm_head.py``), and each block's ``attn`` is replaced by
+``integrations/common/lm_head.py``), and each block's ``attn`` is replaced by
 ``NemoDsaDeepseekV41Attention``, which computes with nemo_dsa's ``DSASparseAttention`` (its metadata, compressors, indexer, selection and
 attention ops; none of the built-in's kernels, masks or indexer) under the built-in's parameter
 names, configured by ``DSAModelConfig.from_hf_config`` from the V4.1 text config.
@@ -16,9 +16,9 @@ Registered through the ``nemo_automodel.architectures`` entry point; a config se
 Options (constructor keywords or config attributes): ``indexer_backend`` and ``attention_backend``
 (``auto`` | ``tilelang`` | ``torch``; ``backend.attn`` of ``tilelang`` selects both unless they
 are given), ``fused_topk`` and ``recompute`` (parts recomputed in the backward instead of kept, as
-for V4: ``nemo_dsa.integrations.recompute``). Context
+for V4: ``nemo_dsa.integrations.common.recompute``). Context
 parallelism runs through the built-in's own CP sharder and forward (``cp_group`` reaches every
-attention; see ``deepseek_v41_attention``).
+attention; see ``deepseek_v41.attention``).
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ import torch
 from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
 from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
 
-from nemo_dsa.integrations.deepseek_v4_attention import adopt_builtin_layout
-from nemo_dsa.integrations.deepseek_v41_attention import NemoDsaDeepseekV41Attention
-from nemo_dsa.integrations.lm_head import Fp32HeadLinear, adopt_fp32_head, announce_bf16_hidden
-from nemo_dsa.integrations.recompute import apply_recompute, pop_recompute_option
+from nemo_dsa.integrations.common.attention_layout import adopt_builtin_layout
+from nemo_dsa.integrations.deepseek_v41.attention import NemoDsaDeepseekV41Attention
+from nemo_dsa.integrations.common.lm_head import Fp32HeadLinear, adopt_fp32_head, announce_bf16_hidden
+from nemo_dsa.integrations.common.recompute import apply_recompute, pop_recompute_option
 from nemo_dsa.models.dsa_lm.configuration import DSAModelConfig
 
 __all__ = ["ARCHITECTURE", "NemoDsaDeepseekV41ForCausalLM", "dsa_config_from_deepseek_v41"]
@@ -80,7 +80,7 @@ class NemoDsaDeepseekV41ForCausalLM(DeepseekV41ForCausalLM):
 
     def forward(self, *args: Any, **kwargs: Any):
         """The built-in's forward; its fp32 head takes the bf16 backbone output in exact bf16
-        products (``integrations/lm_head.py``), and no announcement outlives the forward."""
+        products (``integrations/common/lm_head.py``), and no announcement outlives the forward."""
         try:
             return super().forward(*args, **kwargs)
         finally:

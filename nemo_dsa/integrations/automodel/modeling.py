@@ -34,7 +34,7 @@ from typing import Any, ClassVar
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from nemo_dsa.integrations.aux_loss import attach_indexer_loss
+from nemo_dsa.integrations.common.aux_loss import attach_indexer_loss
 from nemo_dsa.layers.fp32_parameters import fp32_parameter_names
 from nemo_dsa.models.dsa_lm.configuration import DSAModelConfig
 from nemo_dsa.models.dsa_lm.hf_format import HF_FIELD_NAMES
@@ -191,7 +191,7 @@ class _NemoDsaForCausalLMBase(DSAForCausalLM):
         # Read by nemo_automodel._transformers.model_capabilities.query_capabilities.
         # THD: the forward consumes the THD collater's position_ids/seq_lens and builds its own
         # per-document visibility. CP: the model shards contiguously through its own
-        # prepare_model_inputs_for_cp hook (integrations.automodel_cp) and gathers keys itself from
+        # prepare_model_inputs_for_cp hook (integrations.automodel.cp) and gathers keys itself from
         # the cp_group it is given; no TP/PP plans; dense MLP, so no EP.
         supports_tp: bool = False
         supports_cp: bool = True
@@ -207,7 +207,7 @@ class _NemoDsaForCausalLMBase(DSAForCausalLM):
 
     def prepare_model_inputs_for_cp(self, batch: dict[str, Any], *, num_chunks: int = 1) -> dict:
         """nemo-automodel's CP hook: contiguous shards padded to whole compression groups."""
-        from nemo_dsa.integrations.automodel_cp import prepare_model_inputs_for_cp
+        from nemo_dsa.integrations.automodel.cp import prepare_model_inputs_for_cp
 
         return prepare_model_inputs_for_cp(self.dsa_config.compress_ratios, batch, num_chunks=num_chunks)
 
@@ -261,7 +261,7 @@ class _NemoDsaForCausalLMBase(DSAForCausalLM):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, **kwargs: Any):
         """``DSAForCausalLM.forward``. Without ``labels`` (nemo-automodel's trainer computes the loss
         from the logits) enabled indexer KL losses ride on the logits into the backward, at the
-        trainer's gradient for auxiliary losses (``nemo_dsa.integrations.aux_loss``); with labels
+        trainer's gradient for auxiliary losses (``nemo_dsa.integrations.common.aux_loss``); with labels
         they are part of ``loss``."""
         out = super().forward(input_ids, labels=labels, **kwargs)
         if labels is None:

@@ -6,9 +6,9 @@ parameter, the state-dict adapter (released HF checkpoints, FP8 ``.scale`` tenso
 FSDP2 / expert-parallel parallelizer and the contiguous CP sharder are the built-in's, untouched.
 Each block's ``self_attn`` (main layers and MTP layers) is replaced by
 ``NemoDsaDeepseekV4Attention``, which computes with nemo_dsa's ``DSASparseAttention`` under the
-built-in's parameter names (see ``deepseek_v4_attention``), and the fp32 ``lm_head`` becomes an
+built-in's parameter names (see ``deepseek_v4.attention``), and the fp32 ``lm_head`` becomes an
 ``Fp32HeadLinear``: the same ``nn.Linear`` and parameter, its fp32 projection of the bf16 hidden
-state computed in exact bf16 products on the GPU (``integrations/lm_head.py``).
+state computed in exact bf16 products on the GPU (``integrations/common/lm_head.py``).
 
 The forward is this module's own: it builds nemo_dsa's ``AttentionMetadata`` once per forward,
 per compression ratio (ratio 1 for window-only layers), from what the trainer passes
@@ -39,10 +39,10 @@ indexer's and the window + compressed attention's kernels: ``auto`` | ``tilelang
 of ``tilelang`` / ``torch`` selects both unless they are given; an unset ``attention_backend``
 follows the indexer's), ``fused_topk`` and ``recompute`` (parts recomputed in the backward instead
 of kept: ``hyper_connections``, ``norms``, ``attention``; a list or a comma-separated string,
-default none; see ``nemo_dsa.integrations.recompute``).
+default none; see ``nemo_dsa.integrations.common.recompute``).
 Enabled indexer KL losses reach the backward through the final hidden state (zero in the
 forward), with the gradient nemo-automodel's trainer gives auxiliary losses under gradient
-accumulation and CP (``nemo_dsa.integrations.aux_loss``), and are reported as ``indexer_aux_loss``.
+accumulation and CP (``nemo_dsa.integrations.common.aux_loss``), and are reported as ``indexer_aux_loss``.
 """
 
 from __future__ import annotations
@@ -56,14 +56,11 @@ from nemo_automodel.components.models.common.utils import compute_lm_head_logits
 from nemo_automodel.components.models.deepseek_v4.config import DeepseekV4Config
 from nemo_automodel.components.models.deepseek_v4.model import DeepseekV4CausalLMOutput, DeepseekV4ForCausalLM
 
-from nemo_dsa.integrations.aux_loss import attach_indexer_loss
-from nemo_dsa.integrations.deepseek_v4_attention import (
-    DsaForwardState,
-    NemoDsaDeepseekV4Attention,
-    adopt_builtin_layout,
-)
-from nemo_dsa.integrations.lm_head import Fp32HeadLinear, adopt_fp32_head, called_with_bf16
-from nemo_dsa.integrations.recompute import apply_recompute, pop_recompute_option
+from nemo_dsa.integrations.common.aux_loss import attach_indexer_loss
+from nemo_dsa.integrations.common.attention_layout import adopt_builtin_layout
+from nemo_dsa.integrations.deepseek_v4.attention import DsaForwardState, NemoDsaDeepseekV4Attention
+from nemo_dsa.integrations.common.lm_head import Fp32HeadLinear, adopt_fp32_head, called_with_bf16
+from nemo_dsa.integrations.common.recompute import apply_recompute, pop_recompute_option
 from nemo_dsa.layers.shared_state import SharedLayerState
 from nemo_dsa.metadata import build_attention_metadata_for_ratios
 from nemo_dsa.models.dsa_lm.configuration import DSAModelConfig
@@ -324,7 +321,7 @@ class NemoDsaDeepseekV4ForCausalLM(DeepseekV4ForCausalLM):
             hidden = attach_indexer_loss(hidden, aux)
         if isinstance(self.lm_head, Fp32HeadLinear) and isinstance(logits_to_keep, int) and logits_to_keep == 0:
             # The built-in's fp32 head, called with the bf16 hidden state itself (its products exact
-            # on bf16 tensor cores, integrations/lm_head.py); the logits in the hidden state's dtype.
+            # on bf16 tensor cores, integrations/common/lm_head.py); the logits in the hidden state's dtype.
             with called_with_bf16(self.lm_head, hidden):
                 logits = self.lm_head(hidden).to(hidden.dtype)
             if thd and logits.dim() == 2:

@@ -4,7 +4,7 @@
 ``DSASparseAttention`` configured as the release (``DSAModelConfig.from_hf_config`` of the V4.1
 text config: roles on ratios 1 and 2, latent index keys, fp8 window KV, NVFP4 compressed KV, the
 frozen MXFP4 indexer, candidate blocks), through the layout adapter the V4 plugin uses
-(``deepseek_v4_attention.CoreAttention``). The V4.1 attention names are the HF checkpoint's
+(``common.attention_layout.CoreAttention``). The V4.1 attention names are the HF checkpoint's
 (``compressor.{wkv,wgate,norm}``, ``indexer.{wq_b,weights_proj,wk,k_norm}``), which are also
 nemo_dsa's, except the sink: ``sinks_param.weight`` holds nemo_dsa's ``attn_sink``.
 
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nemo_dsa.integrations.deepseek_v4_attention import CoreAttention
+from nemo_dsa.integrations.common.attention_layout import CoreAttention
 from nemo_dsa.layers.context import LocalContext
 from nemo_dsa.layers.norm import RMSNorm
 from nemo_dsa.layers.shared_state import SharedLayerState

@@ -7,7 +7,8 @@ same length with the labels already shifted (``labels[t]`` is the token after ``
 writes ``position_ids`` / ``seq_lens`` / ``seq_lens_padded``; without packing the default
 collater pads each batch. This module yields exactly that from ``nemo_dsa.data``'s stdlib
 docstring corpus and byte tokenizer, so a recipe needs neither a download nor a tokenizer.
-Imports neither transformers nor nemo-automodel.
+The module itself imports neither transformers nor nemo-automodel (its package registers the small
+LM's config classes with transformers when imported).
 """
 
 from __future__ import annotations
