@@ -233,8 +233,11 @@ def test_from_hf_config_reads_the_release_fields():
     assert same.compress_ratios == (0, 4, 128, 0) and same.num_hidden_layers == 4  # MTP layer: window-only
     assert (same.qk_rope_head_dim, same.head_dim, same.o_groups) == (64, 512, 2)
     assert same.rope_scaling == YARN and same.compress_rope_theta == 160000.0
-    with pytest.raises(ValueError, match="num_key_value_heads"):
-        DSAModelConfig.from_hf_config({**hf_config().to_dict(), "num_key_value_heads": 2})
+    # One shared KV head whatever num_key_value_heads says (nemo-automodel's V4 attention ignores it).
+    as_dict = hf_config().to_dict()
+    assert DSAModelConfig.from_hf_config({**as_dict, "num_key_value_heads": 2}) == DSAModelConfig.from_hf_config(as_dict)
+    window_only = DSAModelConfig.from_hf_config({**hf_config().to_dict(), "compress_ratios": []})
+    assert window_only.compress_ratios == (0,) * window_only.num_hidden_layers
     with pytest.raises(ValueError, match="rope_scaling"):
         DSAModelConfig.from_hf_config({**hf_config().to_dict(), "rope_scaling": {"type": "linear", "factor": 2}})
 

@@ -93,13 +93,18 @@ class CoreAttention(nn.Module):
     def _register_at(self, dotted: str, module: nn.Module) -> None:
         parent = self
         parts = dotted.split(".")
-        for part in parts[:-1]:
+        for depth, part in enumerate(parts[:-1]):
             child = getattr(parent, part, None)
             if child is None:
-                child = nn.Module()
+                child = self._container(".".join(parts[: depth + 1]))
                 parent.add_module(part, child)
             parent = child
         parent.add_module(parts[-1], module)
+
+    def _container(self, dotted: str) -> nn.Module:
+        """The module that holds the built-in's submodules under ``dotted`` (e.g. ``compressor``); a
+        plain ``nn.Module`` unless a plugin's layout needs the built-in's hooks there."""
+        return nn.Module()
 
     def call_core(self, hidden_states: torch.Tensor, meta, ctx, shared):
         """``core(hidden_states, meta, ctx, shared)`` with the held tensors of this module."""

@@ -5,37 +5,45 @@
 but its parameters sit where nemo-automodel's ``DeepseekV4Attention`` keeps them
 (``sinks_param.weight``, ``compressor.ape_param.weight``, ``compressor.kv_norm``,
 ``compressor.indexer.*``), so the built-in's state-dict adapter, its FSDP2 wrapping (fp32 islands
-found by module name) and its ``_keep_in_fp32_modules_strict`` list apply unchanged.
+found by module name) and its ``_keep_in_fp32_modules_strict`` list apply unchanged
+(``common.attention_layout``).
 
-How: the nemo_dsa module (``core``) is built first and kept outside the module tree. Its
-submodules (``wq_a``, ``compressor.wkv``, ``indexer.wq_b`` ...) are registered again here under
-the built-in's names: the same module objects, so whatever FSDP2 or ``.to()`` does to them,
-``core`` sees it, and calling them from ``core`` runs their FSDP hooks. The few tensors ``core``
-holds directly (the sink logits, the compressors' position biases) live here in one-parameter
-holder modules, the layout the built-in uses for fp32 parameters, and are handed to ``core`` for
-each call through ``torch.func.functional_call``.
+It is built as the built-in is, ``(config, layer_idx, backend)``, and has its forward signature,
+its ``sinks``, ``setup_cp_attention`` and, on ratio-128 layers, the compressor's FSDP hooks
+(``_set_hca_param_sync_group``, ``_compute_fsdp_group_has_complete_hca_window``).
 
-The per-forward metadata (one ``AttentionMetadata`` per compression ratio, the sequence
-context and the layers' shared state) is built once by ``NemoDsaDeepseekV4ForCausalLM.forward``
-and reaches every layer as the ``nemo_dsa_forward`` keyword, which nemo-automodel's blocks pass
-through to their attention untouched.
+The per-forward metadata (one ``AttentionMetadata`` per compression ratio, the sequence context and
+the layers' shared state) is built once by ``NemoDsaDeepseekV4ForCausalLM.forward`` and reaches
+every layer as the ``nemo_dsa_forward`` keyword, which nemo-automodel's blocks pass through to
+their attention untouched. Called on its own, a layer builds it from what the built-in's attention
+receives (``position_ids``, ``packed_seq_ids``, the CP group, and the padding that the additive
+``attention_mask`` marks: a token whose own diagonal entry is masked is padding).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
-from nemo_dsa.integrations.common.attention_layout import CoreAttention
+from nemo_dsa.integrations.common.attention_layout import CoreAttention, adopt_builtin_layout
+from nemo_dsa.integrations.deepseek_v4.configuration import resolve_dsa_config
+from nemo_dsa.models.forward_context import ForwardState, build_forward_state
 
 __all__ = [
     "BUILTIN_TO_NEMO_MODULES",
     "BUILTIN_TO_NEMO_TENSORS",
+    "DeepseekV4Compressor",
     "DsaForwardState",
     "NemoDsaDeepseekV4Attention",
 ]
+
+# The state one model forward hands every attention layer (nemo_dsa.models.forward_context).
+DsaForwardState = ForwardState
+# nemo-automodel's compressors keep the HCA window alignment for ratio 128 only.
+_HCA_RATIO = 128
 
 # Built-in DeepseekV4Attention submodule name -> the nemo_dsa DSASparseAttention submodule it is.
 BUILTIN_TO_NEMO_MODULES = {
@@ -63,21 +71,104 @@ BUILTIN_TO_NEMO_TENSORS = {
 }
 
 
-@dataclass
-class DsaForwardState:
-    """What one model forward hands to every attention layer."""
 
-    metadata: dict  # compression ratio (1 for window-only layers) -> AttentionMetadata
-    ctx: Any  # nemo_dsa SequenceContext (LocalContext without context parallelism)
-    shared: Any  # the layers' shared state (ratio-4 sources publish to later layers)
-    aux_losses: list = field(default_factory=list)  # indexer KL losses, when enabled
+class DeepseekV4Compressor(nn.Module):
+    """The plugin layout's ``compressor`` (its projections, norm and position bias are registered
+    by ``CoreAttention``), with nemo-automodel's FSDP hooks for the ratio-128 (HCA) parameters.
+
+    Named as nemo-automodel's compressor because its FSDP2 wrapping finds the HCA compressors by
+    class name and hands each the 1-D FSDP group through ``_set_hca_param_sync_group``. The
+    semantics are the built-in's: in training, a rank whose shard holds no complete 128-token
+    window while a peer of that group holds one still sends its HCA parameters through the
+    backward, with zero gradients, so that every rank of the group reduces the same parameters.
+    """
+
+    def __init__(self, compress_ratio: int) -> None:
+        super().__init__()
+        self.compress_ratio = compress_ratio
+        self._hca_param_sync_group = None
+
+    def _set_hca_param_sync_group(self, process_group) -> None:
+        self._hca_param_sync_group = process_group
+
+    def _compute_fsdp_group_has_complete_hca_window(self, local_has_complete_hca_window: bool, device) -> bool:
+        """Whether any rank of the HCA sync group holds a complete window (this rank's answer
+        without a group of more than one rank)."""
+        group = self._hca_param_sync_group
+        if group is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
+            return local_has_complete_hca_window
+        flag = torch.tensor(int(local_has_complete_hca_window), device=device, dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return bool(flag.item())
+
+    def zero_through_parameters(self, like: torch.Tensor) -> torch.Tensor:
+        """A zero of ``like``'s dtype whose backward gives every parameter here a zero gradient."""
+        zero = like.new_zeros(())
+        for param in self.parameters():
+            zero = zero + (param.sum() * 0).to(like.dtype)
+        return zero
 
 
 class NemoDsaDeepseekV4Attention(CoreAttention):
-    """Drop-in ``self_attn`` of a DeepSeek-V4 block that computes with nemo_dsa (see module docstring)."""
+    """Drop-in ``self_attn`` of a DeepSeek-V4 block that computes with nemo_dsa (see module docstring).
 
-    def __init__(self, dsa_config, layer_idx: int) -> None:
+    ``config``: the built-in's ``DeepseekV4Config``; ``backend``: its ``BackendConfig`` (``attn``
+    ``tilelang`` / ``torch`` picks nemo_dsa's kernels). nemo_dsa options are config attributes
+    (``nemo_dsa.integrations.deepseek_v4.configuration``); ``dsa_config`` (the model passes its
+    own) replaces that resolution.
+    """
+
+    def __init__(self, config, layer_idx: int, backend: Any = None, *, dsa_config=None, **options: Any) -> None:
+        from nemo_automodel.components.models.common import BackendConfig
+
+        backend = backend or BackendConfig()
+        standalone = dsa_config is None
+        if standalone:
+            dsa_config = resolve_dsa_config(config, backend, options)
+        if options:
+            raise TypeError(f"NemoDsaDeepseekV4Attention got unexpected keyword arguments {sorted(options)}")
         super().__init__(dsa_config, layer_idx, BUILTIN_TO_NEMO_MODULES, BUILTIN_TO_NEMO_TENSORS, "DeepseekV4Attention")
+        self.config = config
+        self.backend = backend
+        self.num_heads = config.num_attention_heads
+        self.num_key_value_groups = config.num_attention_heads  # one KV head for every query head
+        self.head_dim = config.head_dim
+        self.rope_head_dim = config.qk_rope_head_dim
+        self.sliding_window = dsa_config.sliding_window
+        self.attention_dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
+        self.is_causal = True
+        self.scaling = self.head_dim**-0.5
+        if not hasattr(self, "compressor"):
+            self.compressor = None  # a window-only layer, as the built-in's
+        self._cp_group = None
+        if standalone:  # the built-in's dtypes (e.g. bf16 norms in a bf16 config), checked name by name
+            from nemo_automodel.components.models.deepseek_v4.layers import DeepseekV4Attention
+
+            with torch.device("meta"):
+                builtin = DeepseekV4Attention(config, layer_idx, backend)
+            adopt_builtin_layout(builtin, self, layer_idx)
+
+    @classmethod
+    def replacing(cls, builtin: nn.Module, config, layer_idx: int, backend: Any, dsa_config) -> "NemoDsaDeepseekV4Attention":
+        """The replacement of a built-in attention: same parameter names, shapes, dtypes and device."""
+        device = next(builtin.parameters()).device
+        with torch.device(device):
+            attention = cls(config, layer_idx, backend, dsa_config=dsa_config)
+        return adopt_builtin_layout(builtin, attention, layer_idx)
+
+    def _container(self, dotted: str) -> nn.Module:
+        if dotted == "compressor":
+            return DeepseekV4Compressor(self.compress_ratio)
+        return super()._container(dotted)
+
+    @property
+    def sinks(self) -> torch.Tensor:
+        """The per-head fp32 sink logits (the built-in's accessor)."""
+        return self.sinks_param()
+
+    def setup_cp_attention(self, cp_mesh) -> None:
+        """nemo-automodel's CP hook: the group that calls without one in their inputs use."""
+        self._cp_group = cp_mesh.get_group()
 
     def forward(
         self,
@@ -89,24 +180,67 @@ class NemoDsaDeepseekV4Attention(CoreAttention):
         start_pos: int = 0,
         position_ids: Any = None,
         *,
-        nemo_dsa_forward: DsaForwardState | None = None,
-        **unused: Any,
+        nemo_dsa_forward: ForwardState | None = None,
+        **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
-        """Attend over ``hidden_states [B, S, hidden]``.
+        """Attend over ``hidden_states [B, S, hidden]``; returns ``(output, None)`` (no dense weights).
 
-        The block's RoPE tables, additive mask and positions are not used: visibility, positions
-        and documents come from ``nemo_dsa_forward.metadata``, which the plugin's forward built
-        from the batch.
+        The block's RoPE tables are not used (nemo_dsa rotates with its own). Visibility, positions
+        and documents come from ``nemo_dsa_forward.metadata``; without it (a layer called on its
+        own) from ``position_ids``, ``packed_seq_ids``, the padding ``attention_mask`` marks and the
+        CP group (``_dsv4_cp_group`` or ``setup_cp_attention``'s).
         """
-        if nemo_dsa_forward is None:
-            raise ValueError(
-                f"layer {self.layer_idx}: nemo_dsa_forward is missing; NemoDsaDeepseekV4Attention runs inside "
-                "NemoDsaDeepseekV4ForCausalLM.forward, which builds the attention metadata once per forward"
-            )
         if start_pos:
             raise ValueError(f"start_pos must be 0 (training forward, no KV cache), got {start_pos}")
+        standalone = nemo_dsa_forward is None
+        if standalone:
+            nemo_dsa_forward = self._own_forward_state(hidden_states, attention_mask, position_ids, kwargs)
         meta = nemo_dsa_forward.metadata[max(self.compress_ratio, 1)]
         out, aux = self.call_core(hidden_states, meta, nemo_dsa_forward.ctx, nemo_dsa_forward.shared)
         if aux is not None:
             nemo_dsa_forward.aux_losses.append(aux)
+        # The built-in aligns in training whenever the model built the mask (always inside the model;
+        # a layer called on its own only with a mask, which can hide the synthetic window).
+        if self.training and self.compress_ratio == _HCA_RATIO and (not standalone or attention_mask is not None):
+            out = self._align_hca_parameters(out, hidden_states.shape[1] * nemo_dsa_forward.ctx.size)
         return out, None
+
+    def _align_hca_parameters(self, out: torch.Tensor, seq_len: int) -> torch.Tensor:
+        """The built-in's mixed-length FSDP alignment (``DeepseekV4Compressor``): a rank whose
+        sequence holds no complete HCA window sends zero gradients to its compressor when a peer
+        of the sync group holds one."""
+        local = seq_len >= self.compress_ratio
+        if local or not self.compressor._compute_fsdp_group_has_complete_hca_window(local, out.device):
+            return out
+        return out + self.compressor.zero_through_parameters(out)
+
+    def _own_forward_state(self, hidden_states, attention_mask, position_ids, kwargs) -> ForwardState:
+        batch, seq = hidden_states.shape[:2]
+        packed_seq_ids = kwargs.get("packed_seq_ids")
+        if packed_seq_ids is not None and packed_seq_ids.ndim == 1:
+            packed_seq_ids = packed_seq_ids.unsqueeze(0)
+        if position_ids is not None:
+            position_ids = position_ids.unsqueeze(0) if position_ids.ndim == 1 else position_ids
+            position_ids = position_ids.expand(batch, -1)
+        if packed_seq_ids is not None:
+            packed_seq_ids = packed_seq_ids.expand(batch, -1)
+        valid = None
+        if attention_mask is not None:
+            if attention_mask.ndim == 4:  # the built-in's additive [B, 1, S, S]: padding cannot see itself
+                diagonal = attention_mask[:, 0].diagonal(dim1=-2, dim2=-1)
+                valid = (diagonal == 0).long().expand(batch, -1)
+            elif attention_mask.ndim == 2:
+                valid = attention_mask.long()
+            else:
+                raise ValueError(
+                    f"attention_mask must be [B, 1, S, S] (additive) or [B, S] (1 = token), got shape "
+                    f"{tuple(attention_mask.shape)}"
+                )
+            if packed_seq_ids is not None:
+                packed_seq_ids = packed_seq_ids * valid.to(packed_seq_ids.dtype)
+                valid = None
+        cp_group = kwargs.get("_dsv4_cp_group") or self._cp_group
+        return build_forward_state(
+            self.core.config.compress_ratios, cp_group, batch_size=batch, seq_len=seq, device=hidden_states.device,
+            position_ids=position_ids, packed_seq_ids=packed_seq_ids, attention_mask=valid,
+        )  # fmt: skip

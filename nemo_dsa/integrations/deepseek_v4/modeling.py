@@ -57,43 +57,21 @@ from nemo_automodel.components.models.deepseek_v4.config import DeepseekV4Config
 from nemo_automodel.components.models.deepseek_v4.model import DeepseekV4CausalLMOutput, DeepseekV4ForCausalLM
 
 from nemo_dsa.integrations.common.aux_loss import attach_indexer_loss
-from nemo_dsa.integrations.common.attention_layout import adopt_builtin_layout
-from nemo_dsa.integrations.deepseek_v4.attention import DsaForwardState, NemoDsaDeepseekV4Attention
+from nemo_dsa.integrations.deepseek_v4.attention import NemoDsaDeepseekV4Attention
+from nemo_dsa.integrations.deepseek_v4.configuration import (
+    OPTION_DEFAULTS,
+    dsa_config_from_deepseek_v4,
+    resolve_dsa_config,
+)
 from nemo_dsa.integrations.common.lm_head import Fp32HeadLinear, adopt_fp32_head, called_with_bf16
 from nemo_dsa.integrations.common.recompute import apply_recompute, pop_recompute_option
 from nemo_dsa.layers.shared_state import SharedLayerState
-from nemo_dsa.metadata import build_attention_metadata_for_ratios
-from nemo_dsa.models.dsa_lm.configuration import DSAModelConfig
+from nemo_dsa.models.forward_context import ForwardState, forward_metadata, sequence_context
 
 __all__ = ["ARCHITECTURE", "NemoDsaDeepseekV4ForCausalLM", "NemoDsaDeepseekV4Output", "dsa_config_from_deepseek_v4"]
 
 ARCHITECTURE = "NemoDsaDeepseekV4ForCausalLM"
-# nemo_dsa options the plugin reads from its keywords or the config; None = DSAModelConfig's default,
-# except the straight-through term, off so that default gradients are the built-in's.
-_OPTION_DEFAULTS = {
-    "scoring": None,
-    "indexer_kl_coef": None,
-    "indexer_straight_through": False,
-    "indexer_backend": None,
-    "attention_backend": None,
-    "fused_topk": None,
-}
-# nemo-automodel's BackendConfig.attn values that name nemo_dsa kernels (both the attention's and,
-# unless indexer_backend says otherwise, the indexer's); others ("sdpa", ...) leave them on auto.
-_ATTN_TO_NEMO_DSA_BACKEND = {"tilelang": "tilelang", "torch": "torch"}
 _VISION_INPUTS = ("pixel_values", "image_grid_hws", "n_images_per_sample", "vision_token_types")
-
-
-def dsa_config_from_deepseek_v4(config: DeepseekV4Config, **options: Any) -> DSAModelConfig:
-    """nemo_dsa's module config for every attention layer of ``config``, MTP layers included.
-
-    The layers are numbered as the built-in numbers them (MTP depth d is layer
-    ``num_hidden_layers + d``, window-only unless ``compress_ratios`` lists it), so
-    ``num_hidden_layers`` here counts both. ``options`` are ``DSAModelConfig`` fields
-    (``scoring``, ``indexer_kl_coef`` ...); None leaves the default.
-    """
-    overrides = {k: v for k, v in options.items() if v is not None}
-    return DSAModelConfig.from_hf_config(config, include_mtp_layers=True, **overrides)
 
 
 @dataclass
@@ -101,12 +79,6 @@ class NemoDsaDeepseekV4Output(DeepseekV4CausalLMOutput):
     """The built-in's output plus the summed indexer KL loss (None when disabled)."""
 
     indexer_aux_loss: torch.Tensor | None = None
-
-
-def _cp_group_if_active(group):
-    if group is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
-        return None
-    return group if torch.distributed.get_world_size(group=group) > 1 else None
 
 
 def _lengths_from_offsets(offsets: torch.Tensor) -> torch.Tensor:
@@ -151,16 +123,10 @@ class NemoDsaDeepseekV4ForCausalLM(DeepseekV4ForCausalLM):
             raise TypeError(f"config must be a DeepseekV4Config, got {type(config).__name__}")
         if int(getattr(config, "vision_n_layers", 0) or 0):
             raise ValueError("vision_n_layers must be 0: the nemo_dsa plugin supports the DeepSeek-V4 text model")
-        options = {}
-        for name, default in _OPTION_DEFAULTS.items():
-            value = kwargs.pop(name, None)
-            options[name] = value if value is not None else getattr(config, name, default)
+        options = {name: kwargs.pop(name) for name in list(kwargs) if name in OPTION_DEFAULTS}
         recompute = pop_recompute_option(kwargs, config)
         super().__init__(config, moe_config, backend, **kwargs)
-        attn = _ATTN_TO_NEMO_DSA_BACKEND.get(getattr(self.backend, "attn", None))
-        indexer_backend = options.pop("indexer_backend") or attn
-        options["attention_backend"] = options["attention_backend"] or attn
-        self.dsa_config = dsa_config_from_deepseek_v4(config, backend=indexer_backend, **options)
+        self.dsa_config = resolve_dsa_config(config, self.backend, options)
         self.config.architectures = [ARCHITECTURE]
         for block in self.model.layers.values():
             block.self_attn = self._nemo_dsa_attention(block.self_attn, block.layer_idx)
@@ -172,10 +138,7 @@ class NemoDsaDeepseekV4ForCausalLM(DeepseekV4ForCausalLM):
 
     def _nemo_dsa_attention(self, builtin: torch.nn.Module, layer_idx: int) -> NemoDsaDeepseekV4Attention:
         """The replacement of ``builtin``: same parameter names, shapes, dtypes and device."""
-        device = next(builtin.parameters()).device
-        with torch.device(device):
-            attention = NemoDsaDeepseekV4Attention(self.dsa_config, layer_idx)
-        return adopt_builtin_layout(builtin, attention, layer_idx)
+        return NemoDsaDeepseekV4Attention.replacing(builtin, self.config, layer_idx, self.backend, self.dsa_config)
 
     # ------------------------------------------------------------------------------------------
     # forward
@@ -208,12 +171,10 @@ class NemoDsaDeepseekV4ForCausalLM(DeepseekV4ForCausalLM):
             seq_lens_padded = None
         layout = dict(position_ids=position_ids, seq_lens=seq_lens, seq_lens_padded=seq_lens_padded,
                       cu_seqlens=cu_seqlens, packed_seq_ids=packed_seq_ids, attention_mask=attention_mask)  # fmt: skip
-        layout = {k: v.to(input_ids.device) for k, v in layout.items() if v is not None}
         batch, seq = input_ids.shape[:2]
-        return build_attention_metadata_for_ratios(
-            compress_ratios={max(r, 1) for r in self.dsa_config.compress_ratios}, cp_rank=ctx.rank,
-            cp_size=ctx.size, batch_size=batch, seq_len=seq, device=input_ids.device, extra_checks=input_checks,
-            **layout,
+        return forward_metadata(
+            self.dsa_config.compress_ratios, ctx, batch_size=batch, seq_len=seq, device=input_ids.device,
+            extra_checks=input_checks, **layout,
         )  # fmt: skip
 
     def forward(
@@ -239,8 +200,6 @@ class NemoDsaDeepseekV4ForCausalLM(DeepseekV4ForCausalLM):
         Accepts the built-in's training inputs; ``labels`` and other recipe keys are ignored.
         Vision inputs and pipeline-parallel stage inputs are refused.
         """
-        from nemo_dsa.distributed.context import LocalContext, sequence_context_for
-
         given_vision = [name for name in _VISION_INPUTS if kwargs.get(name) is not None]
         if given_vision or mtp_embed_inputs:
             raise ValueError(
@@ -273,10 +232,13 @@ class NemoDsaDeepseekV4ForCausalLM(DeepseekV4ForCausalLM):
         if output_hidden_states is None:
             output_hidden_states = getattr(self.config, "output_hidden_states", False)
 
-        cp_group = _cp_group_if_active(kwargs.get("_dsv4_cp_group") or kwargs.get("cp_group"))
-        ctx = sequence_context_for(cp_group) if cp_group is not None else LocalContext()
+        # The sharder's group, else the one nemo-automodel's setup_cp_attention gave the layers.
+        cp_group = kwargs.get("_dsv4_cp_group") or kwargs.get("cp_group")
+        if cp_group is None:
+            cp_group = next((b.self_attn._cp_group for b in self.model.layers.values()), None)
+        ctx = sequence_context(cp_group)
         metadata = self._metadata(
-            shape_ref, ctx, cp_group is not None, position_ids=position_ids, attention_mask=attention_mask,
+            shape_ref, ctx, ctx.size > 1, position_ids=position_ids, attention_mask=attention_mask,
             padding_mask=padding_mask, seq_lens=seq_lens, seq_lens_padded=seq_lens_padded, cu_seqlens=cu_seqlens,
             cu_seqlens_padded=cu_seqlens_padded, packed_seq_ids=packed_seq_ids, input_checks=input_checks,
         )  # fmt: skip
@@ -287,7 +249,7 @@ class NemoDsaDeepseekV4ForCausalLM(DeepseekV4ForCausalLM):
         if moe_padding is None and attention_mask is not None:
             moe_padding = ~attention_mask.bool()
 
-        state = DsaForwardState(metadata, ctx, SharedLayerState())
+        state = ForwardState(metadata, ctx, SharedLayerState())
         streams = inputs_embeds.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
         for block in self.model.layers.values():
             streams = block(
@@ -300,7 +262,7 @@ class NemoDsaDeepseekV4ForCausalLM(DeepseekV4ForCausalLM):
         if self.mtp is not None and self.training:
             if input_ids is None:
                 raise ValueError("MTP training needs input_ids (the next tokens' embeddings)")
-            mtp_state = DsaForwardState(metadata, ctx, SharedLayerState(), state.aux_losses)
+            mtp_state = ForwardState(metadata, ctx, SharedLayerState(), state.aux_losses)
             mtp_hidden = self.mtp(
                 hidden_states=streams, input_ids=input_ids, embed_fn=self.model.embed_tokens,
                 position_ids=position_ids, attention_mask=None, padding_mask=moe_padding,

@@ -34,11 +34,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from nemo_dsa.integrations.common.attention_layout import CoreAttention
-from nemo_dsa.layers.context import LocalContext
+from nemo_dsa.integrations.common.attention_layout import CoreAttention, adopt_builtin_layout
+from nemo_dsa.integrations.deepseek_v41.configuration import resolve_dsa_config
 from nemo_dsa.layers.norm import RMSNorm
 from nemo_dsa.layers.shared_state import SharedLayerState
-from nemo_dsa.metadata import build_attention_metadata_for_ratios
+from nemo_dsa.models.forward_context import build_forward_state
 
 __all__ = ["V41_BUILTIN_TO_NEMO_MODULES", "V41_BUILTIN_TO_NEMO_TENSORS", "NemoDsaDeepseekV41Attention"]
 
@@ -70,44 +70,53 @@ class NemoDsaV41AttentionOutput:
     state: DsaV41ForwardState
 
 
-def forward_metadata(
-    ratios, *, position_ids, attention_mask=None, packed_seq_ids=None, cp_rank: int = 0, cp_size: int = 1
-) -> dict:
-    """``AttentionMetadata`` per distinct ratio of ``ratios`` (window-only layers use ratio 1).
-
-    Rows: ``position_ids`` (global, 0..S-1 over the whole row) and the right-padding
-    ``attention_mask``. Packs (the built-in's aligned THD layout): document-local ``position_ids``
-    and ``packed_seq_ids`` (0 = padding). Under CP all are the local shard's (``cp_rank`` of
-    ``cp_size`` contiguous shards)."""
-    if packed_seq_ids is not None:
-        if attention_mask is not None:
-            packed_seq_ids = packed_seq_ids * attention_mask.to(packed_seq_ids.dtype)
-        layout = {"position_ids": position_ids, "packed_seq_ids": packed_seq_ids}
-    else:
-        layout = {"position_ids": position_ids}
-        if attention_mask is not None:
-            layout["attention_mask"] = attention_mask.long()
-    # Every ratio from one layout check: one host read per forward.
-    return build_attention_metadata_for_ratios(
-        compress_ratios={max(int(r), 1) for r in ratios}, cp_rank=cp_rank, cp_size=cp_size, **layout
-    )
-
-
-def active_cp_group(cp_group):
-    """``cp_group`` when it spans more than one rank of an initialised process group, else None."""
-    if cp_group is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
-        return None
-    return cp_group if torch.distributed.get_world_size(group=cp_group) > 1 else None
-
-
 class NemoDsaDeepseekV41Attention(CoreAttention):
     """Drop-in ``attn`` of a DeepSeek-V4.1 block that computes with nemo_dsa (see module docstring)."""
 
-    def __init__(self, dsa_config, layer_idx: int) -> None:
+    def __init__(self, config, layer_idx: int, backend: Any = None, *, dsa_config=None, **options: Any) -> None:
+        from nemo_automodel.components.models.common import BackendConfig
+
+        backend = backend or BackendConfig()
+        standalone = dsa_config is None
+        if standalone:
+            dsa_config = resolve_dsa_config(config, backend, options)
+        if options:
+            raise TypeError(f"NemoDsaDeepseekV41Attention got unexpected keyword arguments {sorted(options)}")
         super().__init__(
             dsa_config, layer_idx, V41_BUILTIN_TO_NEMO_MODULES, V41_BUILTIN_TO_NEMO_TENSORS, "DeepseekV41Attention"
         )
+        text = getattr(config, "text_config", None) or config
         self.dsa_config = dsa_config
+        self.backend = backend
+        self.cp_group = None
+        self.num_heads = text.num_attention_heads
+        self.head_dim = text.head_dim
+        self.num_groups = text.o_groups
+        self.window_size = text.sliding_window
+        self.attention_dropout = float(getattr(text, "attention_dropout", 0.0) or 0.0)
+        self.is_kv_source = layer_idx in text.kv_source_layer_ids
+        self.is_index_source = layer_idx in text.index_source_layer_ids
+        for absent in ("compressor", "indexer"):
+            if not hasattr(self, absent):
+                setattr(self, absent, None)  # as the built-in's layers without them
+        if standalone:  # the built-in's dtypes (its config's torch_dtype), checked name by name
+            from nemo_automodel.components.models.deepseek_v41.attention import DeepseekV41Attention
+
+            with torch.device("meta"):
+                builtin = DeepseekV41Attention(text, layer_idx, backend)
+            adopt_builtin_layout(builtin, self, layer_idx)
+
+    @classmethod
+    def replacing(cls, builtin: nn.Module, config, layer_idx: int, backend: Any, dsa_config) -> "NemoDsaDeepseekV41Attention":
+        """The replacement of a built-in attention: same parameter names, shapes, dtypes and device."""
+        device = next(builtin.parameters()).device
+        with torch.device(device):
+            attention = cls(config, layer_idx, backend, dsa_config=dsa_config)
+        return adopt_builtin_layout(builtin, attention, layer_idx)
+
+    def setup_cp_attention(self, cp_mesh) -> None:
+        """nemo-automodel's CP hook: the group that calls without ``cp_group`` use."""
+        self.cp_group = cp_mesh.get_group()
 
     @property
     def attn_sink(self) -> nn.Parameter:
@@ -126,23 +135,31 @@ class NemoDsaDeepseekV41Attention(CoreAttention):
     ) -> NemoDsaV41AttentionOutput:
         """Attend over ``hidden_states [B, S, hidden]`` (the local shard under CP); ``state``: the
         previous attention's (module docstring)."""
-        if not isinstance(state, DsaV41ForwardState):  # the forward's first attention layer
-            from nemo_dsa.distributed.context import sequence_context_for
-
-            group = active_cp_group(cp_group)
-            ctx = sequence_context_for(group) if group is not None else LocalContext()
-            if position_ids.shape[0] != hidden_states.shape[0]:
-                position_ids = position_ids.expand(hidden_states.shape[0], -1)
-            metadata = forward_metadata(
-                self.dsa_config.compress_ratios, position_ids=position_ids, attention_mask=attention_mask,
-                packed_seq_ids=packed_seq_ids, cp_rank=ctx.rank, cp_size=ctx.size,
-            )  # fmt: skip
-            state = DsaV41ForwardState(metadata, ctx, SharedLayerState())
+        if not isinstance(state, DsaV41ForwardState):  # the forward's first attention layer, or a layer alone
+            state = self._own_forward_state(hidden_states, position_ids, attention_mask, packed_seq_ids, cp_group)
         shared = SharedLayerState(source=state.shared.source)
         out, aux = self.call_core(hidden_states, state.metadata[max(self.compress_ratio, 1)], state.ctx, shared)
         if aux is not None:
             raise ValueError("the V4.1 indexer is frozen: no indexer loss exists (indexer_kl_coef must be 0)")
         return NemoDsaV41AttentionOutput(out, replace(state, shared=shared))
+
+    def _own_forward_state(self, hidden_states, position_ids, attention_mask, packed_seq_ids, cp_group):
+        batch, seq = hidden_states.shape[:2]
+        if position_ids.shape[0] != batch:
+            position_ids = position_ids.expand(batch, -1)
+        if packed_seq_ids is not None:
+            # Rows: position_ids and the right-padding attention_mask. Packs (the built-in's aligned
+            # THD layout): document-local position_ids and packed_seq_ids, 0 = padding.
+            if attention_mask is not None:
+                packed_seq_ids = packed_seq_ids * attention_mask.to(packed_seq_ids.dtype)
+            layout = {"position_ids": position_ids, "packed_seq_ids": packed_seq_ids}
+        else:
+            layout = {"position_ids": position_ids, "attention_mask": None if attention_mask is None else attention_mask.long()}
+        forward = build_forward_state(
+            self.dsa_config.compress_ratios, self.cp_group if cp_group is None else cp_group, batch_size=batch,
+            seq_len=seq, device=hidden_states.device, **layout,
+        )  # fmt: skip
+        return DsaV41ForwardState(forward.metadata, forward.ctx, forward.shared)
 
     @torch.no_grad()
     def reset_parameters(self, init_std: float = 0.02) -> None:

@@ -30,25 +30,14 @@ import torch
 from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
 from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
 
-from nemo_dsa.integrations.common.attention_layout import adopt_builtin_layout
 from nemo_dsa.integrations.deepseek_v41.attention import NemoDsaDeepseekV41Attention
+from nemo_dsa.integrations.deepseek_v41.configuration import OPTIONS, dsa_config_from_deepseek_v41, resolve_dsa_config
 from nemo_dsa.integrations.common.lm_head import Fp32HeadLinear, adopt_fp32_head, announce_bf16_hidden
 from nemo_dsa.integrations.common.recompute import apply_recompute, pop_recompute_option
-from nemo_dsa.models.dsa_lm.configuration import DSAModelConfig
 
 __all__ = ["ARCHITECTURE", "NemoDsaDeepseekV41ForCausalLM", "dsa_config_from_deepseek_v41"]
 
 ARCHITECTURE = "NemoDsaDeepseekV41ForCausalLM"
-_OPTIONS = ("indexer_backend", "attention_backend", "fused_topk")
-_ATTN_TO_INDEXER_BACKEND = {"tilelang": "tilelang", "torch": "torch"}
-
-
-def dsa_config_from_deepseek_v41(config: DeepseekV41Config, **options: Any) -> DSAModelConfig:
-    """nemo_dsa's module config for every attention layer of ``config`` (its ``text_config``).
-
-    ``options`` are ``DSAModelConfig`` fields (``backend``, ``attention_backend``, ``fused_topk``); None leaves the default."""
-    overrides = {k: v for k, v in options.items() if v is not None}
-    return DSAModelConfig.from_hf_config(config, **overrides)
 
 
 class NemoDsaDeepseekV41ForCausalLM(DeepseekV41ForCausalLM):
@@ -62,15 +51,10 @@ class NemoDsaDeepseekV41ForCausalLM(DeepseekV41ForCausalLM):
     def __init__(self, config: DeepseekV41Config, moe_config: Any = None, backend: Any = None, **kwargs: Any) -> None:
         if not isinstance(config, DeepseekV41Config):
             raise TypeError(f"config must be a DeepseekV41Config, got {type(config).__name__}")
-        options = {name: kwargs.pop(name, None) for name in _OPTIONS}
-        options = {name: value if value is not None else getattr(config, name, None) for name, value in options.items()}
+        options = {name: kwargs.pop(name) for name in list(kwargs) if name in OPTIONS}
         recompute = pop_recompute_option(kwargs, config)
         super().__init__(config, moe_config, backend, **kwargs)
-        attn = getattr(self.backend, "attn", None)
-        # backend.attn tilelang selects both the indexer's and the attention's kernels unless given.
-        indexer_backend = options.pop("indexer_backend") or _ATTN_TO_INDEXER_BACKEND.get(attn)
-        options["attention_backend"] = options["attention_backend"] or _ATTN_TO_INDEXER_BACKEND.get(attn)
-        self.dsa_config = dsa_config_from_deepseek_v41(config, backend=indexer_backend, **options)
+        self.dsa_config = resolve_dsa_config(config, self.backend, options)
         self.config.architectures = [ARCHITECTURE]
         for name, block in self.model.layers.items():
             block.attn = self._nemo_dsa_attention(block.attn, int(name))
@@ -78,21 +62,48 @@ class NemoDsaDeepseekV41ForCausalLM(DeepseekV41ForCausalLM):
         announce_bf16_hidden(self.model, self.lm_head)
         apply_recompute(self.model, self.model.layers.values(), recompute, "v41")
 
-    def forward(self, *args: Any, **kwargs: Any):
-        """The built-in's forward; its fp32 head takes the bf16 backbone output in exact bf16
-        products (``integrations/common/lm_head.py``), and no announcement outlives the forward."""
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        *,
+        labels: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_hws: torch.Tensor | None = None,
+        vision_token_types: torch.Tensor | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        return_hidden_states: bool = False,
+        output_hidden_states: bool = False,
+        cp_group: Any = None,
+        packed_seq_ids: torch.Tensor | None = None,
+        seq_lens: torch.Tensor | None = None,
+        seq_lens_padded: torch.Tensor | None = None,
+        qkv_format: str | None = None,
+        use_cache: bool | None = None,
+    ):
+        """The built-in's forward, under its signature (so nemo-automodel's ``filter_forward_kwargs``
+        drops batch keys it does not name, e.g. ``padding_mask``, and sees ``logits_to_keep``).
+        ``use_cache`` is accepted as generation callers pass it; there is no KV cache (a training
+        forward), so only None / False are valid. The fp32 head takes the bf16 backbone output in
+        exact bf16 products (``integrations/common/lm_head.py``); no announcement outlives the forward."""
+        if use_cache:
+            raise ValueError("use_cache: NemoDsaDeepseekV41ForCausalLM has no KV cache (full-sequence forward); pass False")
         try:
-            return super().forward(*args, **kwargs)
+            return super().forward(
+                input_ids, attention_mask, position_ids, labels=labels, pixel_values=pixel_values,
+                image_grid_hws=image_grid_hws, vision_token_types=vision_token_types, logits_to_keep=logits_to_keep,
+                return_hidden_states=return_hidden_states, output_hidden_states=output_hidden_states,
+                cp_group=cp_group, packed_seq_ids=packed_seq_ids, seq_lens=seq_lens, seq_lens_padded=seq_lens_padded,
+                qkv_format=qkv_format,
+            )  # fmt: skip
         finally:
             if isinstance(self.lm_head, Fp32HeadLinear):
                 self.lm_head.bf16_valued_input = False
 
     def _nemo_dsa_attention(self, builtin: torch.nn.Module, layer_idx: int) -> NemoDsaDeepseekV41Attention:
         """The replacement of ``builtin``: same parameter names, shapes, dtypes and device."""
-        device = next(builtin.parameters()).device
-        with torch.device(device):
-            attention = NemoDsaDeepseekV41Attention(self.dsa_config, layer_idx)
-        return adopt_builtin_layout(builtin, attention, layer_idx)
+        return NemoDsaDeepseekV41Attention.replacing(builtin, self.config, layer_idx, self.backend, self.dsa_config)
 
 
 ModelClass = NemoDsaDeepseekV41ForCausalLM

@@ -32,8 +32,10 @@ intermediate_size             moe_intermediate_size (nemo_dsa's stand-in dense F
 scoring                       "v4"
 ============================  =====================================================================
 
-``num_key_value_heads`` must be 1 (one shared KV head); anything else is a ValueError. Fields the
-attention does not read (experts, hyper-connections, hash layers, Engram, DSpark, vision) are ignored.
+``num_key_value_heads`` is not read: the architecture has one shared KV head by construction, and
+nemo-automodel's DeepSeek-V4 attention broadcasts that one head to every query head whatever the
+field says (its V4.1 config refuses any value but 1 itself). An empty ``compress_ratios`` makes every
+layer window-only, as in nemo-automodel's model. Fields the attention does not read (experts, hyper-connections, hash layers, Engram, DSpark, vision) are ignored.
 
 DeepSeek-V4.1 (nemo-automodel's ``DeepseekV41TextConfig``, ``model_type`` "deepseek_v41_text", or
 the nested ``DeepseekV41Config`` whose ``text_config`` holds it; a mapping is V4.1 when it has
@@ -88,7 +90,7 @@ def _required(get, name: str):
 
 def _compress_ratios(get, layers: int) -> list[int]:
     ratios = get("compress_ratios", None)
-    if ratios:
+    if ratios is not None and (len(ratios) or get("layer_types", None) is None):
         return [int(r) for r in ratios]
     layer_types = get("layer_types", None)
     if not layer_types:
@@ -165,9 +167,6 @@ def dsa_fields_from_hf(hf_config, *, include_mtp_layers: bool = False) -> dict[s
     v41 = is_v41_config(hf_config)
     hf_config = _text_config(hf_config)
     get = _reader(hf_config)
-    kv_heads = get("num_key_value_heads", 1)
-    if kv_heads not in (None, 1):
-        raise ValueError(f"hf_config: num_key_value_heads must be 1 (one shared KV head), got {kv_heads}")
     fields: dict[str, Any] = {}
     for name in _SAME_NAME:
         value = get(name)

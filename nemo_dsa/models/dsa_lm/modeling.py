@@ -32,11 +32,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from nemo_dsa.labels import IGNORE_INDEX
-from nemo_dsa.layers.context import LocalContext, SequenceContext
 from nemo_dsa.layers.norm import RMSNorm
-from nemo_dsa.layers.shared_state import SharedLayerState
 from nemo_dsa.layers.sparse_attention import DSASparseAttention
 from nemo_dsa.models.dsa_lm.configuration import DSAModelConfig
+from nemo_dsa.models.forward_context import build_forward_state
 
 
 @dataclass
@@ -114,19 +113,6 @@ class DSAForCausalLM(nn.Module):
         """Number of (distinct) parameters, optionally only those with ``requires_grad``."""
         return sum(p.numel() for p in self.parameters() if p.requires_grad or not only_trainable)
 
-    def build_metadata(self, input_ids: torch.Tensor, ctx, **layout) -> dict[int, object]:
-        """``AttentionMetadata`` per distinct ratio (window-only layers use ratio 1), from one check
-        of the layout (one host read per forward)."""
-        from nemo_dsa.metadata import build_attention_metadata_for_ratios
-
-        batch, seq = input_ids.shape
-        # Layout tensors may come from a CPU-side collator: the metadata lives with the activations.
-        layout = {k: v.to(input_ids.device) if isinstance(v, torch.Tensor) else v for k, v in layout.items()}
-        return build_attention_metadata_for_ratios(
-            compress_ratios={max(r, 1) for r in self.config.compress_ratios}, cp_rank=ctx.rank, cp_size=ctx.size,
-            batch_size=batch, seq_len=seq, device=input_ids.device, **layout,
-        )  # fmt: skip
-
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -149,13 +135,13 @@ class DSAForCausalLM(nn.Module):
             raise ValueError(f"labels must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
         if attention_mask is None and padding_mask is not None:
             attention_mask = (~padding_mask.bool()).long()
-        ctx = _sequence_context(cp_group)
-        metas = self.build_metadata(
-            input_ids, ctx, position_ids=position_ids, seq_lens=seq_lens, seq_lens_padded=seq_lens_padded,
+        state = build_forward_state(
+            self.config.compress_ratios, cp_group, batch_size=input_ids.shape[0], seq_len=input_ids.shape[1],
+            device=input_ids.device, position_ids=position_ids, seq_lens=seq_lens, seq_lens_padded=seq_lens_padded,
             cu_seqlens=cu_seqlens, packed_seq_ids=packed_seq_ids, attention_mask=attention_mask,
-        )
+        )  # fmt: skip
+        metas, ctx, shared = state.metadata, state.ctx, state.shared
         h = self.embed(input_ids)
-        shared = SharedLayerState()
         aux_total = None
         for layer, ratio in zip(self.layers, self.config.compress_ratios):
             h, aux = layer(h, metas[max(ratio, 1)], ctx, shared)
@@ -168,15 +154,6 @@ class DSAForCausalLM(nn.Module):
             out.lm_loss = lm_loss
             out.loss = lm_loss if aux_total is None else lm_loss + aux_total
         return out
-
-
-def _sequence_context(cp_group) -> SequenceContext:
-    """``LocalContext`` without CP; a CP group is wrapped by nemo_dsa.distributed (imported only then)."""
-    if cp_group is None:
-        return LocalContext()
-    from nemo_dsa.distributed.context import sequence_context_for
-
-    return sequence_context_for(cp_group)
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
