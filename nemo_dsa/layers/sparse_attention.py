@@ -83,6 +83,9 @@ overlap read the previous rank's tail (``previous_tail``); metadata carries glob
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -102,6 +105,8 @@ from nemo_dsa.ops.quant import fp8_quant_dequant, nvfp4_quant_dequant
 from nemo_dsa.ops.sparse_attention import sparse_attention, sparse_window_attention
 from nemo_dsa.ops.sparse_attention.interface import _check_kernel_limits
 from nemo_dsa.ops.sparse_attention.naive import window_key_indices
+
+logger = logging.getLogger(__name__)
 
 
 FP8_BLOCK = 32  # V4.1 window KV: fp8 blocks of 32 channels
@@ -268,9 +273,13 @@ class DSASparseAttention(KeepsFP32Parameters):
             return self._attend_with_index_bias(q, raw_kv, window_start, compressed_kv, compressed_indices, selection)
         requested = self.config.backend if self.config.attention_backend is None else self.config.attention_backend
         backend = attention_backend_for(requested, q, kwargs.get("indices"), on_cuda=_on_cuda(q, raw_kv))
+        dropout_p = self.config.attention_dropout if self.training else 0.0
+        if dropout_p and backend != "torch":
+            _log_dropout_reference_once(backend)
+            backend = "torch"
         return sparse_window_attention(
-            q, raw_kv, window_start, self.window, compressed_kv,
-            sink=self.attn_sink, scale=self.scale, backend=backend, check_indices=False, **kwargs,
+            q, raw_kv, window_start, self.window, compressed_kv, sink=self.attn_sink, scale=self.scale,
+            backend=backend, check_indices=False, dropout_p=dropout_p, **kwargs,
         )  # fmt: skip
 
     def _attend_with_index_bias(self, q, raw_kv, window_start, compressed_kv, compressed_indices, selection):
@@ -284,7 +293,10 @@ class DSASparseAttention(KeepsFP32Parameters):
         )
         score = selection.index_score.masked_fill(compressed_indices < 0, 0.0)
         bias = F.pad(score - score.detach(), (window_indices.shape[-1], 0))
-        return sparse_attention(q, keys, indices, self.attn_sink, self.scale, bias=bias, check_indices=False)
+        dropout_p = self.config.attention_dropout if self.training else 0.0
+        return sparse_attention(
+            q, keys, indices, self.attn_sink, self.scale, bias=bias, check_indices=False, dropout_p=dropout_p
+        )
 
     def _compressed_kv(self, x, meta, ctx) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's compressor: ``(global rotated KV [B, K, D], local unrotated latent [B, S // R, D])``.
@@ -337,6 +349,16 @@ class DSASparseAttention(KeepsFP32Parameters):
 
     def _trains_with_kl(self, selection: Selection | None) -> bool:
         return selection is not None and selection.index_score is not None and self.config.indexer_kl_coef > 0
+
+
+@functools.lru_cache(maxsize=None)
+def _log_dropout_reference_once(backend: str) -> None:
+    """Said once per process: which path attention dropout takes instead of the kernels."""
+    logger.warning(
+        "attention_dropout > 0 in training: the %s attention kernels have no dropout, so the attention runs "
+        "nemo_dsa's reference (torch) path while training",
+        backend,
+    )
 
 
 def _on_cuda(*tensors: torch.Tensor) -> bool:

@@ -77,8 +77,9 @@ def apply_recompute(backbone: nn.Module, blocks: Iterable[nn.Module], parts: tup
             for name in names:
                 module = getattr(owner, name, None)
                 if isinstance(module, nn.Module) and not is_recomputed(module):
-                    # No RNG inside these parts: the recompute need not restore the RNG state.
-                    checkpoint(module, preserve_rng_state=False)
+                    # Only the attention draws random numbers (attention_dropout): its recompute
+                    # replays the forward's dropout mask; the other parts need no RNG state.
+                    checkpoint(module, preserve_rng_state=part == "attention")
 
 
 def is_recomputed(module: nn.Module) -> bool:

@@ -210,7 +210,9 @@ class NemoDsaDeepseekV4Attention(CoreAttention):
         sequence holds no complete HCA window sends zero gradients to its compressor when a peer
         of the sync group holds one."""
         local = seq_len >= self.compress_ratio
-        if local or not self.compressor._compute_fsdp_group_has_complete_hca_window(local, out.device):
+        # Every rank of the group takes part in the collective, the long ones included.
+        group_has_window = self.compressor._compute_fsdp_group_has_complete_hca_window(local, out.device)
+        if local or not group_has_window:
             return out
         return out + self.compressor.zero_through_parameters(out)
 

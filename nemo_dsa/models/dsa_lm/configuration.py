@@ -105,6 +105,10 @@ class DSAModelConfig:
     # Select top-k without the [B, S, K] score matrix (streamed query chunks): None = wherever the
     # TileLang kernels run; False materialises the scores (the checking path), True always streams.
     fused_topk: bool | None = None
+    # Dropout on the attention probabilities (sink included in the denominator), in training only,
+    # as nemo-automodel's DeepSeek attention applies ``attention_dropout``. The TileLang kernels
+    # have no dropout: a training forward with dropout > 0 runs the reference attention.
+    attention_dropout: float = 0.0
 
     def __post_init__(self) -> None:
         self.compress_ratios = tuple(int(r) for r in self.compress_ratios)
@@ -173,6 +177,10 @@ class DSAModelConfig:
             )
         if self.fused_topk is not None and not isinstance(self.fused_topk, bool):
             raise TypeError(f"fused_topk must be true, false or null (auto), got {self.fused_topk!r}")
+        if isinstance(self.attention_dropout, bool) or not isinstance(self.attention_dropout, (int, float)) or not (
+            0.0 <= self.attention_dropout < 1.0
+        ):
+            raise ValueError(f"attention_dropout must be a probability in [0, 1), got {self.attention_dropout!r}")
         if any(r < 1 for r in self.indexer_ratios):
             raise ValueError(f"indexer_ratios must be compression ratios >= 1, got {self.indexer_ratios}")
         for name in ("q_head_rms", "compressor_overlap", "compressor_ape"):

@@ -68,7 +68,7 @@ from nemo_dsa.layers.rope import yarn_parameters
 _SAME_NAME = (
     "vocab_size", "hidden_size", "num_attention_heads", "head_dim", "q_lora_rank", "o_lora_rank", "o_groups",
     "sliding_window", "index_n_heads", "index_head_dim", "index_topk", "rms_norm_eps",
-    "max_position_embeddings", "initializer_range", "tie_word_embeddings",
+    "max_position_embeddings", "initializer_range", "tie_word_embeddings", "attention_dropout",
 )
 _MISSING = object()
 # transformers' DeepseekV4Config layer type -> ratio when a config gives no compress_rates.

@@ -128,6 +128,7 @@ def sparse_window_attention(
     scale: float,
     backend: str = "auto",
     check_indices: bool = True,
+    dropout_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Multi-query attention over each query's sliding window plus its compressed keys.
 
@@ -147,6 +148,8 @@ def sparse_window_attention(
         check_indices: read ``indices``' range on the host (one device sync per call) and reject
             anything outside [-1, K); ``False`` for callers that selected the indices themselves
             (the attention layer passes its indexer's selection), keeping the step free of syncs.
+        dropout_p: dropout on the attention probabilities (the reference only: the kernels have
+            none, so ``dropout_p > 0`` with ``backend="tilelang"`` is a ValueError).
 
     Returns:
         out [B, S, H, D] in q's dtype and lse fp32 [B, S, H] (natural log, sink included; -inf
@@ -159,7 +162,10 @@ def sparse_window_attention(
         return window_compressed_attention_reference(
             q, raw_kv, window_start, window, compressed_kv, indices=indices, ks=ks, ke=ke, sink=sink, scale=float(scale),
             check_indices=False,  # checked in _validate (or skipped by the caller's choice)
+            dropout_p=dropout_p,
         )
+    if dropout_p:
+        raise ValueError(f"dropout_p={dropout_p}: the TileLang attention kernels have no dropout; use backend='torch'")
     _check_kernel_limits(q, indices)
     return SparseWindowAttentionFunction.apply(
         q, raw_kv, window_start, window, compressed_kv, indices, ks, ke, sink, float(scale)

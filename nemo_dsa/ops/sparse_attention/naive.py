@@ -9,6 +9,7 @@ denominator only (it has no value), so a query that sees nothing returns zeros, 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from nemo_dsa._checks import check_finite_float, check_has_data, check_index_range, check_positive_int, check_tensor
 from nemo_dsa.ops.chunking import DEFAULT_BUDGET_BYTES
@@ -37,6 +38,7 @@ def sparse_attention(
     chunk_size: int | None = None,
     recompute: bool = True,
     check_indices: bool = True,
+    dropout_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attend each query to the keys at its indices.
 
@@ -52,6 +54,8 @@ def sparse_attention(
             keeping them (activation checkpointing per chunk).
         check_indices: read the index range on the host (one device sync) and reject anything
             outside [-1, N); ``False`` for callers that built the indices themselves.
+        dropout_p: dropout on the probabilities (each key's, after the softmax whose denominator
+            holds the sink), scaled by ``1 / (1 - p)``; the recomputed backward replays the mask.
 
     Returns:
         ``out [B, S, H, D]`` in q's dtype and the fp32 log-sum-exp ``[B, S, H]`` of the softmax
@@ -73,6 +77,9 @@ def sparse_attention(
         check_tensor("bias", bias, dtypes=FLOAT_DTYPES, shape=(batch, seq, width), device=q.device)
     if chunk_size is not None:
         check_positive_int("chunk_size", chunk_size)
+    dropout_p = check_finite_float("dropout_p", dropout_p)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if num_keys == 0:
         # Every index is -1 here; one zero row gives the gathers something to read (masked out).
         kv = torch.cat((kv, kv.new_zeros(batch, 1, dim)), dim=1)
@@ -86,7 +93,7 @@ def sparse_attention(
     with torch.autocast(q.device.type, enabled=False):
         for start in range(0, seq, step):
             part = slice(start, min(seq, start + step))
-            args = (q[:, part], kv, indices[:, part], sink, None if bias is None else bias[:, part], scale)
+            args = (q[:, part], kv, indices[:, part], sink, None if bias is None else bias[:, part], scale, dropout_p)
             if recompute and needs_grad:
                 # Keep only the chunk's inputs for backward: the gathered keys are rebuilt there,
                 # so activation memory is O(S * H * D) instead of O(S * M * D).
@@ -102,7 +109,7 @@ def sparse_attention(
     return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
 
 
-def _attend_chunk(q, kv, indices, sink, bias, scale):
+def _attend_chunk(q, kv, indices, sink, bias, scale, dropout_p=0.0):
     """One query chunk: ``q [B, C, H, D]``, ``indices [B, C, M]`` -> (out, lse)."""
     batch, chunk, heads, dim = q.shape
     width = indices.shape[-1]
@@ -129,6 +136,8 @@ def _attend_chunk(q, kv, indices, sink, bias, scale):
     safe_lse = safe_lse.masked_fill(empty.squeeze(-1), 0.0)
     lse = safe_lse.masked_fill(empty.squeeze(-1), float("-inf"))
     probs = torch.exp(logits - safe_lse.unsqueeze(-1))
+    if dropout_p:
+        probs = F.dropout(probs, p=dropout_p, training=True)
     return torch.einsum("bchm,bcmd->bchd", probs, keys).to(q.dtype), lse
 
 
@@ -165,6 +174,7 @@ def window_compressed_attention_reference(
     sink: torch.Tensor | None = None,
     scale: float,
     check_indices: bool = True,
+    dropout_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The window + compressed attention contract, written as one index-list attention.
 
@@ -173,7 +183,8 @@ def window_compressed_attention_reference(
     index counts once per slot) or the range ``[ks, ke)``; one softmax over all of them with the
     sink in the denominator only. Returns (out [B, S, H, D] in q's dtype, lse fp32 [B, S, H]).
     Differentiable in q, raw_kv, compressed_kv and sink (autograd through the gather).
-    ``check_indices=False`` skips the host read of ``indices``' range (validated or built already).
+    ``check_indices=False`` skips the host read of ``indices``' range (validated or built already);
+    ``dropout_p``: dropout on the probabilities (``sparse_attention``).
     """
     batch, seq_len = q.shape[:2]
     num_raw = raw_kv.shape[1]
@@ -188,4 +199,4 @@ def window_compressed_attention_reference(
         kv = torch.cat((raw_kv, compressed_kv), dim=1)
     all_indices = torch.cat(lists, dim=-1)
     # The window lists are built here and the compressed ones were checked above.
-    return sparse_attention(q, kv, all_indices, sink, scale, check_indices=False)
+    return sparse_attention(q, kv, all_indices, sink, scale, check_indices=False, dropout_p=dropout_p)
