@@ -127,6 +127,42 @@ def test_v4_attention_alone_reads_padding_and_documents(models):
     assert rel(padded[:, :80], real) < RTOL
 
 
+def _cp_shard_rank(rank: int, world: int) -> dict:
+    """Each layer alone on this rank's contiguous shard (the built-in's CP inputs: the shard's
+    positions, the [B, 1, S / cp, S] mask, ``_dsv4_cp_group``) against the built-in's full forward."""
+    import torch.distributed as dist
+    from nemo_automodel.components.models.deepseek_v4.cp import build_dsv4_cp_causal_padding_mask
+
+    torch.manual_seed(0)
+    config = tiny_config(num_nextn_predict_layers=0)
+    builtin = DeepseekV4ForCausalLM(config, backend=backend())
+    builtin.initialize_weights(buffer_device=torch.device("cpu"), dtype=torch.float32)
+    randomize_(builtin, seed=1)
+    ids = torch.randint(0, config.vocab_size, (1, 256), generator=torch.Generator().manual_seed(5))
+    calls = block_attention_calls(builtin.eval(), ids)
+    local = 256 // world
+    positions = torch.arange(rank * local, (rank + 1) * local)[None]
+    mask = build_dsv4_cp_causal_padding_mask(
+        position_ids=positions, key_len=256, dtype=torch.float32, device=torch.device("cpu"),
+        cp_group=dist.group.WORLD, sliding_window=config.sliding_window,
+    )  # fmt: skip
+    errors = {}
+    for name in ("0", "2"):  # window-only, ratio 128 (no selection whose ties could decide)
+        _, kwargs, expected = calls[name]
+        alone = NemoDsaDeepseekV4Attention(config, int(name), builtin.backend).eval()
+        alone.load_state_dict(builtin.model.layers[name].self_attn.state_dict())
+        with torch.no_grad():
+            out, _ = alone(kwargs["hidden_states"][:, rank * local : (rank + 1) * local], attention_mask=mask, position_ids=positions,
+                           _dsv4_cp_group=dist.group.WORLD)  # fmt: skip
+        errors[name] = rel(out, expected[:, rank * local : (rank + 1) * local])
+    return errors
+
+
+def test_v4_attention_alone_on_cp_shards_matches_the_full_sequence():
+    for errors in run_on_ranks(_cp_shard_rank, 2):
+        assert max(errors.values()) < RTOL, errors
+
+
 def test_v4_attributes_of_the_builtin(models):
     builtin, plugin = models
     for name, block in plugin.model.layers.items():

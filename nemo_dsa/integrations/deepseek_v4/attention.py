@@ -30,7 +30,7 @@ from torch import nn
 
 from nemo_dsa.integrations.common.attention_layout import CoreAttention, adopt_builtin_layout
 from nemo_dsa.integrations.deepseek_v4.configuration import resolve_dsa_config
-from nemo_dsa.models.forward_context import ForwardState, build_forward_state
+from nemo_dsa.models.forward_context import ForwardState, build_forward_state, sequence_context
 
 __all__ = [
     "BUILTIN_TO_NEMO_MODULES",
@@ -218,6 +218,7 @@ class NemoDsaDeepseekV4Attention(CoreAttention):
 
     def _own_forward_state(self, hidden_states, attention_mask, position_ids, kwargs) -> ForwardState:
         batch, seq = hidden_states.shape[:2]
+        ctx = sequence_context(kwargs.get("_dsv4_cp_group") or self._cp_group)
         packed_seq_ids = kwargs.get("packed_seq_ids")
         if packed_seq_ids is not None and packed_seq_ids.ndim == 1:
             packed_seq_ids = packed_seq_ids.unsqueeze(0)
@@ -228,21 +229,25 @@ class NemoDsaDeepseekV4Attention(CoreAttention):
             packed_seq_ids = packed_seq_ids.expand(batch, -1)
         valid = None
         if attention_mask is not None:
-            if attention_mask.ndim == 4:  # the built-in's additive [B, 1, S, S]: padding cannot see itself
-                diagonal = attention_mask[:, 0].diagonal(dim1=-2, dim2=-1)
+            if attention_mask.ndim == 4 and attention_mask.shape[-1] in (seq, seq * ctx.size):
+                # The built-in's additive [B, 1, S, keys] (keys: the whole sequence under CP): a
+                # padding token cannot see itself; a query's own key sits at its global position.
+                own = torch.arange(seq, device=attention_mask.device)
+                if attention_mask.shape[-1] != seq:
+                    own = own + ctx.rank * seq
+                diagonal = attention_mask[:, 0, torch.arange(seq, device=attention_mask.device), own]
                 valid = (diagonal == 0).long().expand(batch, -1)
             elif attention_mask.ndim == 2:
                 valid = attention_mask.long()
             else:
                 raise ValueError(
-                    f"attention_mask must be [B, 1, S, S] (additive) or [B, S] (1 = token), got shape "
-                    f"{tuple(attention_mask.shape)}"
+                    f"attention_mask must be [B, 1, S, S or S * cp_size] (additive) or [B, S] (1 = token), got "
+                    f"shape {tuple(attention_mask.shape)} for S = {seq}"
                 )
             if packed_seq_ids is not None:
                 packed_seq_ids = packed_seq_ids * valid.to(packed_seq_ids.dtype)
                 valid = None
-        cp_group = kwargs.get("_dsv4_cp_group") or self._cp_group
         return build_forward_state(
-            self.core.config.compress_ratios, cp_group, batch_size=batch, seq_len=seq, device=hidden_states.device,
+            self.core.config.compress_ratios, ctx, batch_size=batch, seq_len=seq, device=hidden_states.device,
             position_ids=position_ids, packed_seq_ids=packed_seq_ids, attention_mask=valid,
         )  # fmt: skip
