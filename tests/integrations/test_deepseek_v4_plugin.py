@@ -267,7 +267,7 @@ def test_no_builtin_attention_code_on_the_compute_path(models, monkeypatch):
 
 def test_vision_inputs_are_an_error(models):
     _, plugin = models
-    with pytest.raises(ValueError, match="pipeline"):
+    with pytest.raises(ValueError, match="vision inputs"):
         plugin(torch.zeros(1, 8, dtype=torch.long), pixel_values=torch.zeros(1))
 
 

@@ -65,6 +65,7 @@ from nemo_dsa.integrations.deepseek_v4.configuration import (
 )
 from nemo_dsa.integrations.common.lm_head import Fp32HeadLinear, adopt_fp32_head, called_with_bf16
 from nemo_dsa.integrations.common.recompute import apply_recompute, pop_recompute_option
+from nemo_dsa.integrations.deepseek_v4.pipeline import mtp_embeds_to_send, stage_inputs
 from nemo_dsa.layers.shared_state import SharedLayerState
 from nemo_dsa.models.forward_context import ForwardState, forward_metadata, sequence_context
 
@@ -96,8 +97,8 @@ class NemoDsaDeepseekV4ForCausalLM(DeepseekV4ForCausalLM):
         supports_tp: bool = False
         # CP through the built-in's contiguous sharder; nemo_dsa gathers keys and window tails.
         supports_cp: bool = True
-        # The forward drives all layers itself (no PP stage contract).
-        supports_pp: bool = False
+        # nemo-automodel's pipeline stages run this model's forward (pipeline.py).
+        supports_pp: bool = True
         supports_ep: bool = True
         supports_thd: bool = True
 
@@ -198,35 +199,27 @@ class NemoDsaDeepseekV4ForCausalLM(DeepseekV4ForCausalLM):
         """Logits of the local shard ``[B, S, vocab]`` (and MTP hidden states when training).
 
         Accepts the built-in's training inputs; ``labels`` and other recipe keys are ignored.
-        Vision inputs and pipeline-parallel stage inputs are refused.
+        Vision inputs are refused. On a pipeline stage (some parts of the model cut away by
+        nemo-automodel) it takes and returns what the built-in's stages do
+        (``pipeline.py``): the previous stage's streams and the MTP embeddings in,
+        the stage's streams (or, on the last stage, logits) and the MTP tensors out.
         """
         given_vision = [name for name in _VISION_INPUTS if kwargs.get(name) is not None]
-        if given_vision or mtp_embed_inputs:
-            raise ValueError(
-                f"{given_vision or 'mtp_embed_inputs'}: the nemo_dsa plugin runs the DeepSeek-V4 text model "
-                "without pipeline parallelism"
-            )
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        if given_vision:
+            raise ValueError(f"{given_vision}: the nemo_dsa plugin runs the DeepSeek-V4 text model (no vision inputs)")
+        inputs = stage_inputs(self, input_ids, inputs_embeds, mtp_embed_inputs)
+        token_ids = inputs.token_ids
+        pipeline_stage = self._is_pipeline_parallel_stage()
         thd = qkv_format == "thd"
         input_checks = ()
-        if input_ids is not None:
-            if input_ids.ndim == 1:  # THD rows arrive flattened
-                input_ids = input_ids.unsqueeze(0)
-            if input_ids.ndim != 2:
-                raise ValueError(f"input_ids must be [B, S], got shape {tuple(input_ids.shape)}")
+        if token_ids is not None:
             vocab = self.config.vocab_size
 
             def bad_ids():
                 raise ValueError(f"input_ids must be in [0, vocab_size={vocab})")
 
             # Read on the host with the metadata's checks (one read per forward), before the embedding.
-            input_checks = (((input_ids < 0) | (input_ids >= vocab), bad_ids),)
-            shape_ref = input_ids
-        else:
-            if inputs_embeds.ndim == 2:
-                inputs_embeds = inputs_embeds.unsqueeze(0)
-            shape_ref = inputs_embeds[..., 0]
+            input_checks = (((token_ids < 0) | (token_ids >= vocab), bad_ids),)
         if position_ids is not None and position_ids.ndim == 1:
             position_ids = position_ids.unsqueeze(0)
         if output_hidden_states is None:
@@ -237,51 +230,75 @@ class NemoDsaDeepseekV4ForCausalLM(DeepseekV4ForCausalLM):
         if cp_group is None:
             cp_group = next((b.self_attn._cp_group for b in self.model.layers.values()), None)
         ctx = sequence_context(cp_group)
+        # Every stage builds its own metadata from the keyword inputs that reach it.
         metadata = self._metadata(
-            shape_ref, ctx, ctx.size > 1, position_ids=position_ids, attention_mask=attention_mask,
+            inputs.shape_ref, ctx, ctx.size > 1, position_ids=position_ids, attention_mask=attention_mask,
             padding_mask=padding_mask, seq_lens=seq_lens, seq_lens_padded=seq_lens_padded, cu_seqlens=cu_seqlens,
             cu_seqlens_padded=cu_seqlens_padded, packed_seq_ids=packed_seq_ids, input_checks=input_checks,
         )  # fmt: skip
-        if input_ids is not None:
-            inputs_embeds = self.model.embed_tokens(input_ids)
+        if inputs.streams is not None:
+            streams = inputs.streams
+        else:
+            embeds = self.model.embed_tokens(token_ids) if token_ids is not None else inputs.inputs_embeds
+            streams = embeds.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
         # The MoE drops padding tokens from routing statistics as the built-in does.
         moe_padding = padding_mask
         if moe_padding is None and attention_mask is not None:
             moe_padding = ~attention_mask.bool()
 
         state = ForwardState(metadata, ctx, SharedLayerState())
-        streams = inputs_embeds.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
         for block in self.model.layers.values():
+            # Hash-routed layers read the token ids, which only the first stage has (the built-in
+            # keeps its hash layers there too).
             streams = block(
-                streams, None, position_ids=position_ids, padding_mask=moe_padding, input_ids=input_ids,
+                streams, None, position_ids=position_ids, padding_mask=moe_padding, input_ids=token_ids,
                 nemo_dsa_forward=state,
             )  # fmt: skip
-        hidden = self.model.norm(self.model.hc_head(streams))
+        hidden = streams
+        if self.model.hc_head is not None:
+            hidden = self.model.hc_head(hidden)
+        if self.model.norm is not None:
+            hidden = self.model.norm(hidden)
 
         mtp_hidden = None
-        if self.mtp is not None and self.training:
-            if input_ids is None:
+        if self.mtp_config.enabled and pipeline_stage and self.lm_head is None:
+            # A stage before the last carries the MTP depths' embeddings on to the MTP.
+            mtp_hidden = list(mtp_embeds_to_send(self, inputs))
+        elif self.mtp is not None and self.training:
+            if pipeline_stage and not inputs.mtp_embeds:
+                raise ValueError("the last pipeline stage of a model with MTP needs the MTP embeddings (mtp_embed_inputs)")
+            if not pipeline_stage and token_ids is None:
                 raise ValueError("MTP training needs input_ids (the next tokens' embeddings)")
+            source = (
+                {"embed_inputs": inputs.mtp_embeds}
+                if inputs.mtp_embeds
+                else {"input_ids": token_ids, "embed_fn": self.model.embed_tokens}
+            )
             mtp_state = ForwardState(metadata, ctx, SharedLayerState(), state.aux_losses)
             mtp_hidden = self.mtp(
-                hidden_states=streams, input_ids=input_ids, embed_fn=self.model.embed_tokens,
-                position_ids=position_ids, attention_mask=None, padding_mask=moe_padding,
-                nemo_dsa_forward=mtp_state,
+                hidden_states=streams, position_ids=position_ids, attention_mask=None, padding_mask=moe_padding,
+                nemo_dsa_forward=mtp_state, **source,
             )  # fmt: skip
             # nemo-automodel keeps DeepSeek's LM head in fp32, and its MTP loss applies lm_head to
             # these states as they are: in a bf16 model they must arrive in the head's dtype
             # (0.7.0's built-in stops there: "expected mat1 and mat2 to have the same dtype").
             head_dtype = self.lm_head.weight.dtype
             mtp_hidden = [h.to(head_dtype) for h in mtp_hidden]
+        elif self.mtp_config.enabled and pipeline_stage:
+            # The last stage outside training: the stage's outputs keep their number of tensors.
+            mtp_hidden = [hidden.new_empty(hidden.shape) for _ in range(self.mtp_config.num_layers)]
 
         aux = None
         if state.aux_losses:
             aux = torch.stack([loss.reshape(()) for loss in state.aux_losses]).sum()
-            # On the final hidden state, so the KL term trains whether the trainer's loss reads
-            # the logits or (fused linear cross-entropy) the hidden states; at the trainer's
-            # gradient for auxiliary losses (micro-batches and CP ranks, see aux_loss).
+            # On the stage's output (the final hidden state on the last stage), so the KL term
+            # trains whether the trainer's loss reads the logits or (fused linear cross-entropy)
+            # the hidden states; at the trainer's gradient for auxiliary losses (micro-batches
+            # and CP ranks, see aux_loss).
             hidden = attach_indexer_loss(hidden, aux)
-        if isinstance(self.lm_head, Fp32HeadLinear) and isinstance(logits_to_keep, int) and logits_to_keep == 0:
+        if self.lm_head is None:  # a pipeline stage before the last: its streams go on
+            logits = hidden
+        elif isinstance(self.lm_head, Fp32HeadLinear) and isinstance(logits_to_keep, int) and logits_to_keep == 0:
             # The built-in's fp32 head, called with the bf16 hidden state itself (its products exact
             # on bf16 tensor cores, integrations/common/lm_head.py); the logits in the hidden state's dtype.
             with called_with_bf16(self.lm_head, hidden):
@@ -290,6 +307,9 @@ class NemoDsaDeepseekV4ForCausalLM(DeepseekV4ForCausalLM):
                 logits = logits.unsqueeze(0)
         else:
             logits = compute_lm_head_logits(self.lm_head, hidden, logits_to_keep, is_thd=thd, fp32_lm_head=True).logits
+        if pipeline_stage:
+            # torch.distributed.pipelining sends tensors: the built-in's stage outputs.
+            return logits if mtp_hidden is None else (logits, *mtp_hidden)
         return NemoDsaDeepseekV4Output(
             logits=logits,
             hidden_states=hidden if output_hidden_states else None,
