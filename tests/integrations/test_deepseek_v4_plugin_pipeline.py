@@ -139,12 +139,20 @@ def _pipelined(rank: int, world_size: int, runs: list[dict]) -> list[dict]:
         pipeline.update_seq_len(input_ids.shape[1])
         losses = [] if stage.is_last else None
         pipeline.step(input_ids, target=run["labels"] if stage.is_last else None, losses=losses, **batch)
+        eval_losses = None
+        if run.get("eval"):  # train_ft's validation: the schedule's forward-only pass, no MTP term
+            part.eval()
+            eval_losses = [] if stage.is_last else None
+            args = (input_ids,) if stage.is_first else ()
+            target = run["labels"] if stage.is_last else None
+            pipeline.info.schedule.eval(*args, target=target, losses=eval_losses, **batch)
+            eval_losses = None if eval_losses is None else torch.stack([l.detach() for l in eval_losses])
         results.append({
+            "eval_losses": eval_losses,
             "layers": sorted(part.model.layers.keys(), key=int),
             "has_mtp": part.mtp is not None,
             "losses": None if losses is None else torch.stack([l.detach() for l in losses]),
             "grads": {n: p.grad.detach().clone() for n, p in part.named_parameters() if p.grad is not None},
-            "trainable": [n for n, p in part.named_parameters() if p.requires_grad],
         })  # fmt: skip
     return results
 
@@ -159,7 +167,7 @@ def pipelined(runs: list[dict]) -> list[dict]:
         assert first["losses"] is None and last["losses"].shape == (STAGES,)
         assert not first["grads"].keys() & last["grads"].keys()
         grads = {**first["grads"], **last["grads"]}
-        merged.append({"losses": last["losses"], "grads": grads, "trainable": first["trainable"] + last["trainable"]})
+        merged.append({"losses": last["losses"], "eval_losses": last["eval_losses"], "grads": grads})
     return merged
 
 
@@ -196,6 +204,19 @@ def unpipelined(model, batch: dict, labels: torch.Tensor, attention_noise: float
         for h in hooks:
             h.remove()
         model.zero_grad(set_to_none=True)
+
+
+def unpipelined_eval(model, batch: dict, labels: torch.Tensor) -> torch.Tensor:
+    """train_ft's validation loss without stages (no MTP term outside training), per micro-batch."""
+    model.eval()
+    try:
+        with torch.no_grad():
+            return torch.stack([
+                calculate_loss(MaskedCrossEntropy(), logits=model(**mb).logits, labels=mb_labels, model=model)
+                for mb, mb_labels in micro_batches(batch, labels)
+            ])  # fmt: skip
+    finally:
+        model.train()
 
 
 def hc_floor(model, batch: dict, labels: torch.Tensor, clean: dict) -> float:
@@ -259,7 +280,8 @@ def test_stage_inputs_are_checked():
 def test_pipelined_rows_with_mtp_equal_unpipelined_and_builtin():
     state = source_state({}, seed=1)
     batch, labels = row_batch(seed=2)
-    runs = [{"kind": kind, "config": {}, "state": state, "batch": batch, "labels": labels} for kind in ("plugin", "builtin")]
+    runs = [{"kind": kind, "config": {}, "state": state, "batch": batch, "labels": labels, "eval": True}
+            for kind in ("plugin", "builtin")]  # fmt: skip
     plugin_pp, builtin_pp = pipelined(runs)
 
     plugin = build("plugin", {}, state)
@@ -276,6 +298,16 @@ def test_pipelined_rows_with_mtp_equal_unpipelined_and_builtin():
     worst = assert_gradients_match(builtin_pp["grads"], plugin_pp["grads"], floor)
     print("rows+mtp: builtin pp losses", builtin_pp["losses"].tolist(), "loss rel", loss_rel, "grads", worst)
     assert loss_rel <= 1e-5
+
+    # Validation through the schedule's forward-only pass (the last stage keeps its MTP outputs'
+    # count with placeholders; the loss reads the logits).
+    plugin_eval = unpipelined_eval(plugin, batch, labels)
+    print("rows eval: plugin pp", plugin_pp["eval_losses"].tolist(), "unpipelined", plugin_eval.tolist(),
+          "builtin pp", builtin_pp["eval_losses"].tolist())  # fmt: skip
+    assert rel(plugin_pp["eval_losses"], plugin_eval) <= SAME_RUN_RTOL
+    assert rel(plugin_pp["eval_losses"], builtin_pp["eval_losses"]) <= 1e-5
+    # Without the MTP term the validation loss is below the training loss of the same weights.
+    assert (plugin_eval < plugin_pp["losses"]).all()
 
 
 def test_pipelined_packs_equal_unpipelined_and_builtin():
