@@ -18,7 +18,9 @@ Precision, as the released DeepSeek-V4 runs it: ``wkv``, ``wgate`` and ``ape`` a
 (kept fp32 inside bf16 models), the projections and the pooling run in fp32 (also under autocast),
 and the pooled key is cast to the input's dtype before the norm. On the GPU the two projections of
 bf16 tokens are computed as exact bf16 products with fp32 accumulation (``ops/fp32_linear``), the
-fp32 GEMM's value up to the order of its additions.
+fp32 GEMM's value up to the order of its additions. A projection whose module computes more than
+its weight (a low-rank adapter added by nemo-automodel's PEFT) is always called as a module, so
+the adapter applies on every path.
 
 Position of a pooled key, compared with nemo-automodel 0.7.0's built-in DeepSeek-V4: the built-in
 rotates a packed document's key at ``(first-token local position // R) * R``, nemo_dsa at the
@@ -40,6 +42,11 @@ from nemo_dsa.layers.rope import apply_rope, rope_angles
 from nemo_dsa.ops.fp32_linear import fp32_linear_of_bf16, split_applies
 
 OVERLAP_RATIO = 4
+
+
+def _is_plain_linear(module: nn.Module) -> bool:
+    """Whether ``module`` computes ``x @ weight.T`` and nothing else (no adapter patched in)."""
+    return type(module).forward is nn.Linear.forward
 
 
 class Compressor(KeepsFP32Parameters):
@@ -104,7 +111,10 @@ class Compressor(KeepsFP32Parameters):
             return x.new_zeros(batch, 0, d)
         group_valid = meta.group_valid.bool()
         if not self.gated:  # ratio 1: the projection in the input's dtype (the release's rounding)
-            pooled = F.linear(x[:, :groups], self.wkv.weight.to(x.dtype))
+            if _is_plain_linear(self.wkv):
+                pooled = F.linear(x[:, :groups], self.wkv.weight.to(x.dtype))
+            else:
+                pooled = self.wkv(x[:, :groups].to(self.wkv.weight.dtype)).to(x.dtype)
             pooled = pooled.masked_fill(~group_valid.unsqueeze(-1), 0.0)
             return self.norm(pooled).masked_fill(~group_valid.unsqueeze(-1), 0.0)
         values, logits = self._gate_projections(x[:, : groups * r])
@@ -130,7 +140,8 @@ class Compressor(KeepsFP32Parameters):
         one exact-product GEMM chain on bf16 tensor cores (``fp32_linear_of_bf16``: the fp32
         GEMM's result up to the order of fp32 additions; the input gradient summed over both in
         fp32 and rounded once, as the ``.float()`` cast's backward does), not fp32 SIMT GEMMs."""
-        if split_applies(tokens, self.wkv.weight) and split_applies(tokens, self.wgate.weight):
+        plain = _is_plain_linear(self.wkv) and _is_plain_linear(self.wgate)
+        if plain and split_applies(tokens, self.wkv.weight) and split_applies(tokens, self.wgate.weight):
             weights = torch.cat((self.wkv.weight, self.wgate.weight))
             both = fp32_linear_of_bf16(tokens, weights, out_dtype=torch.float32)
             return both.split(self.wkv.out_features, dim=-1)

@@ -25,7 +25,24 @@ class GroupedLinear(nn.Linear):
     carry the input gradient back through it. Values and gradients are those of
     ``forward(transform(x))``; what is kept is ``x``, which the attention op keeps anyway (64 KiB
     a token a layer less at V4-Flash shapes).
+
+    Low-rank adapters: nemo-automodel's PEFT adds ``lora_A`` ``[rank, in_features_per_group]``
+    and ``lora_B`` ``[out_features, rank]`` to a matched ``nn.Linear`` and swaps its class for a
+    subclass whose first base is its LoRA linear, whose ``forward`` is a plain ``x @ weight.T``.
+    Such a subclass keeps this class's ``forward`` (``__init_subclass__``), which adds the adapter
+    group by group: the map of the effective weight ``weight + scale * lora_B.weight @
+    lora_A.weight`` in this block-diagonal layout (the adapter's own ``materialize_effective_weight``),
+    with its dropout before or after the adapter as configured. With one group that is the
+    plain LoRA linear's output.
     """
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        # A subclass that does not define a forward of its own maps groups, whatever forward
+        # another base puts first in its MRO (PEFT's class swap): a plain linear map of
+        # [..., groups * in] inputs through an [out, in] weight is a shape error or a wrong map.
+        if "forward" not in cls.__dict__:
+            cls.forward = GroupedLinear.forward
 
     def __init__(self, in_features_per_group: int, out_features: int, groups: int) -> None:
         if groups < 1 or out_features % groups:
@@ -37,8 +54,28 @@ class GroupedLinear(nn.Linear):
         """``x [..., groups * in_features_per_group]`` -> ``[..., out_features]`` (of ``transform(x)``)."""
         plain = all(type(t) in (torch.Tensor, nn.Parameter) for t in (x, self.weight))
         if plain and x.dtype == self.weight.dtype and not torch.is_autocast_enabled(x.device.type):
-            return _GroupedLinearFunction.apply(x, self.weight, self.groups, transform)
-        return self.reference(x if transform is None else transform(x))
+            out = _GroupedLinearFunction.apply(x, self.weight, self.groups, transform)
+        else:
+            out = self.reference(x if transform is None else transform(x))
+        if getattr(self, "lora_A", None) is None:
+            return out
+        return out + self._adapter_output(x if transform is None else transform(x))
+
+    def _adapter_output(self, x: torch.Tensor) -> torch.Tensor:
+        """The LoRA term of each group: ``scale * (x_g @ lora_A.T) @ lora_B_g.T``, ``[..., out_features]``."""
+        if getattr(self, "use_dora", False) or getattr(self, "super_fwd", None) is not None:
+            raise ValueError(
+                "a grouped linear (wo_a) takes plain LoRA adapters only: DoRA and quantized base weights are not "
+                "supported (peft.use_dora must be false)"
+            )
+        dropout = getattr(self, "dropout_p", 0.0)
+        before = getattr(self, "dropout_position", "post") == "pre"
+        if before:
+            x = nn.functional.dropout(x, p=dropout, training=self.training)
+        latent = self.lora_A(x.unflatten(-1, (self.groups, self.in_features))) * self.scale  # [..., groups, rank]
+        lora_b = self.lora_B.weight.view(self.groups, self.out_features // self.groups, -1)
+        out = torch.einsum("...gr,gor->...go", latent, lora_b).flatten(-2)
+        return out if before else nn.functional.dropout(out, p=dropout, training=self.training)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """The same map as one ``einsum`` (its autograd is the reference backward)."""
