@@ -2,8 +2,10 @@
 
 The files are read as written (``*.safetensors`` of a directory), converted by nemo-automodel's
 own ``DeepSeekV4StateDictAdapter.from_hf`` (dequantisation, expert stacking, renames) and
-checked against the model's state dict before anything is copied: a missing, unexpected or
-misshapen tensor is a ``ValueError`` naming the checkpoint key. Works for the built-in
+checked before anything is copied (``strict_loading``): a missing, unexpected, misshapen or
+wrongly typed (integer / bool for a float tensor, or the reverse) tensor, or a non-finite weight,
+is a ``ValueError`` naming the checkpoint key and its file; an unreadable or truncated file is one
+naming that file. Works for the built-in
 ``DeepseekV4ForCausalLM`` as well (same names), which is how the tests load both from one file set,
 and for DeepSeek-V4.1 models (built-in or ``NemoDsaDeepseekV41ForCausalLM``), through their own
 ``DeepseekV41StateDictAdapter`` (32x32 e8m0-scaled FP8).
@@ -18,6 +20,15 @@ from pathlib import Path
 
 import torch
 
+from nemo_dsa.integrations.common.strict_loading import (
+    StrictCheckpointLoading,
+    check_checkpoint_files,
+    check_finite,
+    checkpoint_files,
+    read_safetensors_header,
+    strict_names_for,
+)
+
 __all__ = ["load_hf_checkpoint", "read_hf_checkpoint"]
 
 
@@ -26,12 +37,15 @@ def read_hf_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     path = Path(path)
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-    if not files or not all(f.is_file() for f in files):
-        raise ValueError(f"path: no .safetensors files at {path}")
+    files = checkpoint_files(path)
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
-        for key, value in load_file(str(file)).items():
+        read_safetensors_header(file)  # a damaged file is an error naming it
+        try:
+            content = load_file(str(file))
+        except Exception as err:  # safetensors' own errors name no file
+            raise ValueError(f"checkpoint file {file} could not be read: {err}") from err
+        for key, value in content.items():
             if key in tensors:
                 raise ValueError(f"checkpoint key {key} appears in more than one file of {path}")
             tensors[key] = value
@@ -51,6 +65,10 @@ def _adapter(model):
 def load_hf_checkpoint(model: torch.nn.Module, path: str | Path) -> None:
     """Load the HF-format DeepSeek-V4 checkpoint at ``path`` into ``model`` (see the module docstring)."""
     adapter = _adapter(model)
+    if isinstance(model, StrictCheckpointLoading) and adapter is getattr(model, "state_dict_adapter", None):
+        where = model.check_checkpoint_source(path)  # its adapter names files in its own checks
+    else:
+        where = check_checkpoint_files(model, adapter, path)
     hf = read_hf_checkpoint(path)
     expected = model.state_dict()
     # Which checkpoint key each model tensor comes from, for messages in checkpoint terms.
@@ -62,6 +80,7 @@ def load_hf_checkpoint(model: torch.nn.Module, path: str | Path) -> None:
         native = adapter.from_hf(dict(hf))
     except (RuntimeError, AssertionError) as err:  # e.g. a weight and its .scale do not fit
         raise ValueError(f"checkpoint {path} could not be converted: {err}") from err
+    check_finite(native, strict_names_for(model, adapter, where))
     missing = sorted(expected.keys() - native.keys())
     if missing:
         raise ValueError(

@@ -65,6 +65,7 @@ from nemo_dsa.integrations.deepseek_v4.configuration import (
 )
 from nemo_dsa.integrations.common.lm_head import Fp32HeadLinear, adopt_fp32_head, called_with_bf16
 from nemo_dsa.integrations.common.recompute import apply_recompute, pop_recompute_option
+from nemo_dsa.integrations.common.strict_loading import IDENTITY_KEY_MAPPING, StrictCheckpointLoading
 from nemo_dsa.integrations.deepseek_v4.pipeline import mtp_embeds_to_send, stage_inputs
 from nemo_dsa.layers.shared_state import SharedLayerState
 from nemo_dsa.models.forward_context import ForwardState, forward_metadata, sequence_context
@@ -87,7 +88,7 @@ def _lengths_from_offsets(offsets: torch.Tensor) -> torch.Tensor:
     return lengths.unsqueeze(0) if lengths.ndim == 1 else lengths
 
 
-class NemoDsaDeepseekV4ForCausalLM(DeepseekV4ForCausalLM):
+class NemoDsaDeepseekV4ForCausalLM(StrictCheckpointLoading, DeepseekV4ForCausalLM):
     """nemo-automodel's DeepSeek-V4 whose attention layers run on nemo_dsa (see the module docstring)."""
 
     @dataclass(frozen=True)
@@ -105,12 +106,8 @@ class NemoDsaDeepseekV4ForCausalLM(DeepseekV4ForCausalLM):
     # Document boundaries and CP transport are handled inside the model (nemo_dsa's metadata).
     _owns_packed_attention = True
     _owns_cp_attention = True
-    # nemo-automodel 0.7.0's single-process checkpoint load renames the state-dict adapter's output
-    # once more with transformers' DeepSeek-V4 key mapping (".wq_a." -> ".q_a_proj.", ...) and
-    # installs it with strict=False, which silently leaves every attention projection at its
-    # initialisation (the built-in model too). A first-match identity rule for the model's own
-    # names stops that second renaming; the mapping is not used for anything else here.
-    _checkpoint_conversion_mapping = {r"^((?:model|mtp|lm_head)\..*)$": r"\1"}
+    # nemo-automodel reads it as _checkpoint_conversion_mapping (see strict_loading).
+    _checkpoint_key_mapping = IDENTITY_KEY_MAPPING
 
     @classmethod
     def supports_config(cls, config: Any) -> bool:
@@ -136,6 +133,7 @@ class NemoDsaDeepseekV4ForCausalLM(DeepseekV4ForCausalLM):
         adopt_fp32_head(self)
         mtp_blocks = list(self.mtp.layers) if self.mtp is not None else []
         apply_recompute(self.model, [*self.model.layers.values(), *mtp_blocks], recompute, "v4")
+        self._init_strict_loading()
 
     def _nemo_dsa_attention(self, builtin: torch.nn.Module, layer_idx: int) -> NemoDsaDeepseekV4Attention:
         """The replacement of ``builtin``: same parameter names, shapes, dtypes and device."""

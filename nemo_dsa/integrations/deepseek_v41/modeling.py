@@ -34,13 +34,14 @@ from nemo_dsa.integrations.deepseek_v41.attention import NemoDsaDeepseekV41Atten
 from nemo_dsa.integrations.deepseek_v41.configuration import OPTIONS, dsa_config_from_deepseek_v41, resolve_dsa_config
 from nemo_dsa.integrations.common.lm_head import Fp32HeadLinear, adopt_fp32_head, announce_bf16_hidden
 from nemo_dsa.integrations.common.recompute import apply_recompute, pop_recompute_option
+from nemo_dsa.integrations.common.strict_loading import StrictCheckpointLoading
 
 __all__ = ["ARCHITECTURE", "NemoDsaDeepseekV41ForCausalLM", "dsa_config_from_deepseek_v41"]
 
 ARCHITECTURE = "NemoDsaDeepseekV41ForCausalLM"
 
 
-class NemoDsaDeepseekV41ForCausalLM(DeepseekV41ForCausalLM):
+class NemoDsaDeepseekV41ForCausalLM(StrictCheckpointLoading, DeepseekV41ForCausalLM):
     """nemo-automodel's DeepSeek-V4.1 whose attention layers run on nemo_dsa (see the module docstring)."""
 
     @classmethod
@@ -61,6 +62,7 @@ class NemoDsaDeepseekV41ForCausalLM(DeepseekV41ForCausalLM):
         adopt_fp32_head(self)
         announce_bf16_hidden(self.model, self.lm_head)
         apply_recompute(self.model, self.model.layers.values(), recompute, "v41")
+        self._init_strict_loading()
 
     def forward(
         self,

@@ -1,0 +1,289 @@
+"""Strict loading of HF-format checkpoints into the DeepSeek plugins, every error naming key and file.
+
+nemo-automodel 0.7.0 installs a checkpoint with ``strict=False``: a tensor the files lack stays at
+its initialisation, a tensor the model lacks is dropped, an integer tensor is cast into a float
+parameter, NaN / inf weights load, and a truncated file is a ``SafetensorError`` naming no file.
+The plugins refuse all of these, on every path that loads their weights:
+
+- ``check_checkpoint_files(model, path)`` reads only the safetensors headers (no tensor data):
+  each file must be complete (its header and data cover the file exactly), and the tensors must be
+  exactly those the model's state-dict adapter writes (``convert_single_tensor_to_hf``), with
+  their shapes, and floating where the model's tensor is floating (integer / bool where it is
+  not). A tensor with a ``.scale`` beside it is quantised (FP8 / FP4, dequantised by the adapter),
+  so its own dtype and shape are the quantised layout's. Casts between float dtypes (bf16 <-> fp32)
+  are the adapter's and allowed.
+- ``check_finite(tensors, name_of)`` refuses NaN / inf in converted (dequantised) weights.
+
+``StrictCheckpointLoading`` gives a plugin class both on nemo-automodel's path
+(``NeMoAutoModelForCausalLM.from_pretrained``): nemo-automodel reads the model's
+``_checkpoint_conversion_mapping`` when it is about to load the base checkpoint, which is where the
+files at ``config._name_or_path`` are checked, and the model's state-dict adapter checks the
+tensors it converts. ``common.checkpoint.load_hf_checkpoint`` runs the same checks.
+Other models are untouched: nothing here changes nemo-automodel.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "StrictCheckpointLoading",
+    "check_checkpoint_files",
+    "check_finite",
+    "checkpoint_files",
+    "expected_hf_tensors",
+    "read_safetensors_header",
+]
+
+# nemo-automodel 0.7.0's single-process load renames the state-dict adapter's output once more with
+# transformers' DeepSeek-V4 key mapping (".wq_a." -> ".q_a_proj.", ...) and installs it with
+# strict=False, which leaves every attention projection at its initialisation (the built-in model
+# too). A first-match identity rule for the model's own names stops that second renaming.
+IDENTITY_KEY_MAPPING = {r"^((?:model|mtp|lm_head)\..*)$": r"\1"}
+_HEADER_LIMIT = 100 * 1024 * 1024  # the safetensors format's own bound on the JSON header
+
+
+def _is_float_dtype_name(dtype: str) -> bool:
+    # safetensors dtype names: F64 F32 F16 BF16 F8_E4M3 F8_E5M2 F8_E8M0 F4 ... (floating), I* U* BOOL.
+    return dtype.startswith(("F", "BF"))
+
+
+def read_safetensors_header(file: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """``{key: (dtype name, shape)}`` of one safetensors file, from its header only.
+
+    A file that cannot be read, whose header is not valid, or whose size is not exactly what the
+    header describes (a truncated or padded file) is a ValueError naming the file.
+    """
+    file = Path(file)
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise ValueError("shorter than the 8-byte header length")
+            (length,) = struct.unpack("<Q", prefix)
+            if length > min(_HEADER_LIMIT, size - 8):
+                raise ValueError(f"header length {length} exceeds the file")
+            header = json.loads(f.read(length))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError) as err:
+        raise ValueError(f"checkpoint file {file} is not a readable safetensors file: {err}") from err
+    if not isinstance(header, dict):
+        raise ValueError(f"checkpoint file {file} is not a readable safetensors file: its header is not a table")
+    tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+    end = 0
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            dtype, shape, (start, stop) = entry["dtype"], tuple(int(n) for n in entry["shape"]), entry["data_offsets"]
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"checkpoint file {file}: the header entry of {key} is malformed ({err})") from err
+        if not 0 <= start <= stop:
+            raise ValueError(f"checkpoint file {file}: {key} has data offsets {start}..{stop}")
+        tensors[key] = (str(dtype), shape)
+        end = max(end, int(stop))
+    if size != 8 + length + end:
+        raise ValueError(
+            f"checkpoint file {file} is {size} bytes where its header describes {8 + length + end} "
+            "(truncated or damaged)"
+        )
+    return tensors
+
+
+def checkpoint_files(path: str | Path) -> list[Path]:
+    """The ``*.safetensors`` files of a checkpoint (a directory or one file). Files named by a
+    ``model.safetensors.index.json`` must all exist."""
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise ValueError(f"checkpoint path {path} does not exist")
+    files = sorted(path.glob("*.safetensors"))
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            named = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"checkpoint index {index} is not readable: {err}") from err
+        absent = sorted(name for name in named if not (path / name).is_file())
+        if absent:
+            raise ValueError(f"checkpoint index {index} names {absent[0]}, which is not in {path}")
+    if not files:
+        raise ValueError(f"checkpoint path {path} holds no .safetensors files")
+    return files
+
+
+def expected_hf_tensors(model: torch.nn.Module, adapter) -> dict[str, tuple[str, tuple[int, ...], bool]]:
+    """``{checkpoint key: (model tensor, shape, floating)}`` that ``adapter`` writes for ``model``
+    (converted on the meta device: names, shapes and dtypes only)."""
+    expected: dict[str, tuple[str, tuple[int, ...], bool]] = {}
+    for name, value in model.state_dict().items():
+        if name.endswith("_extra_state"):
+            continue
+        for hf_key, hf_value in adapter.convert_single_tensor_to_hf(name, torch.empty_like(value, device="meta")):
+            expected[hf_key] = (name, tuple(hf_value.shape), hf_value.is_floating_point())
+    return expected
+
+
+def check_checkpoint_files(model: torch.nn.Module, adapter, path: str | Path) -> dict[str, Path]:
+    """Check the files at ``path`` against ``model`` (module docstring); ``{key: file}`` of every tensor."""
+    where: dict[str, Path] = {}
+    found: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for file in checkpoint_files(path):
+        for key, entry in read_safetensors_header(file).items():
+            if key in where:
+                raise ValueError(f"checkpoint key {key} is in both {where[key]} and {file}")
+            where[key], found[key] = file, entry
+    expected = expected_hf_tensors(model, adapter)
+    quantised = {key[: -len(".scale")] + ".weight" for key in found if key.endswith(".scale")}
+    scales = {key for key in found if key.endswith(".scale") and key[: -len(".scale")] + ".weight" in expected}
+    unexpected = sorted(k for k in found if k not in expected and k not in scales)
+    if unexpected:
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise ValueError(
+            f"checkpoint file {where[unexpected[0]]} has {unexpected[0]}, which the model "
+            f"({type(model).__name__}) does not have{more}"
+        )
+    missing = sorted(k for k in expected if k not in found)
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(
+            f"checkpoint {path} lacks {missing[0]} (model tensor {expected[missing[0]][0]}){more}; "
+            f"its files: {', '.join(f.name for f in sorted(set(where.values())))}"
+        )
+    for key, (native, shape, floating) in expected.items():
+        if key in quantised:  # dequantised by the adapter from its quantised layout
+            continue
+        dtype, got_shape = found[key]
+        if _is_float_dtype_name(dtype) != floating:
+            kind = "floating" if floating else "integer / bool"
+            raise ValueError(
+                f"checkpoint file {where[key]}: {key} is {dtype}, but the model's {native} is {kind}; "
+                "only floating tensors convert between float dtypes"
+            )
+        if got_shape != shape:
+            raise ValueError(f"checkpoint file {where[key]}: {key} has shape {got_shape}, the model needs {shape}")
+    return where
+
+
+def check_finite(tensors: dict[str, torch.Tensor], name_of: Callable[[str], str]) -> None:
+    """ValueError naming the first floating tensor of ``tensors`` holding NaN or inf, as ``name_of(key)``."""
+    for key, value in tensors.items():
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.device.type == "meta":
+            continue
+        local = value.to_local() if hasattr(value, "to_local") else value
+        if not bool(torch.isfinite(local).all()):
+            count = int((~torch.isfinite(local)).sum())
+            raise ValueError(f"{name_of(key)} holds {count} non-finite value(s) (NaN / inf)")
+
+
+def _local_checkpoint(name_or_path: str | os.PathLike | None) -> Path | None:
+    """The local files of ``config._name_or_path``: a path, or a hub id already in the local cache."""
+    if not name_or_path:
+        return None
+    path = Path(name_or_path)
+    if path.exists():
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(str(name_or_path), local_files_only=True))
+    except Exception:  # not a hub id, or not downloaded: nemo-automodel reports what it cannot read
+        return None
+
+
+class _StrictAdapter:
+    """Mixed into a model's state-dict adapter class: converted tensors must be finite."""
+
+    def from_hf(self, hf_state_dict, *args, **kwargs):
+        native = super().from_hf(hf_state_dict, *args, **kwargs)
+        check_finite(native, self._strict_names)
+        return native
+
+
+_STRICT_ADAPTER_CLASSES: dict[type, type] = {}
+
+
+def strict_adapter(adapter, name_of: Callable[[str], str]):
+    """A copy of ``adapter`` (same state) whose ``from_hf`` refuses non-finite weights, naming them
+    with ``name_of``."""
+    cls = type(adapter)
+    if isinstance(adapter, _StrictAdapter):
+        strict = adapter
+    else:
+        if cls not in _STRICT_ADAPTER_CLASSES:
+            _STRICT_ADAPTER_CLASSES[cls] = type(f"Strict{cls.__name__}", (_StrictAdapter, cls), {})
+        strict = object.__new__(_STRICT_ADAPTER_CLASSES[cls])
+        strict.__dict__.update(adapter.__dict__)
+    strict._strict_names = name_of
+    return strict
+
+
+class StrictCheckpointLoading:
+    """Mixed into a plugin model class: nemo-automodel's checkpoint loads of it are strict.
+
+    Call ``_init_strict_loading()`` at the end of ``__init__``. ``_checkpoint_key_mapping`` is
+    what nemo-automodel reads as the model's ``_checkpoint_conversion_mapping`` (None: none).
+    """
+
+    _checkpoint_key_mapping: dict[str, str] | None = None
+
+    def _init_strict_loading(self) -> None:
+        self._checked_checkpoint: tuple[Path, dict[str, Path]] | None = None
+        adapter = getattr(self, "state_dict_adapter", None)
+        if adapter is not None:
+            self.state_dict_adapter = strict_adapter(adapter, self._checkpoint_name_of)
+
+    @property
+    def _checkpoint_conversion_mapping(self) -> dict[str, str]:
+        # Read by nemo-automodel when it is about to load the base checkpoint from the model's
+        # source (``config._name_or_path`` under from_pretrained): the files are checked first.
+        self.check_checkpoint_source()
+        return self._checkpoint_key_mapping
+
+    def check_checkpoint_source(self, path: str | os.PathLike | None = None) -> dict[str, Path]:
+        """Check the checkpoint at ``path`` (default: the config's source) against this model."""
+        adapter = getattr(self, "state_dict_adapter", None)
+        if path is None:
+            path = _local_checkpoint(getattr(self.config, "_name_or_path", None))
+            # A source without safetensors files (a config-only directory, a DCP checkpoint) is
+            # not a base checkpoint nemo-automodel would read here.
+            if path is None or not (path.is_file() or any(path.glob("*.safetensors"))):
+                return {}
+        path = Path(path)
+        if adapter is None:
+            return {}
+        checked = getattr(self, "_checked_checkpoint", None)
+        if checked is None or checked[0] != path:
+            self._checked_checkpoint = (path, check_checkpoint_files(self, adapter, path))
+        return self._checked_checkpoint[1]
+
+    def _checkpoint_name_of(self, native: str) -> str:
+        """A model tensor's name in checkpoint terms, with its file when known."""
+        checked = getattr(self, "_checked_checkpoint", None)
+        where = checked[1] if checked is not None else {}
+        return strict_names_for(self, self.state_dict_adapter, where)(native)
+
+
+def strict_names_for(model: torch.nn.Module, adapter, where: dict[str, Path]) -> Callable[[str], str]:
+    """``name_of`` for ``check_finite`` on a model's converted tensors: checkpoint key and file."""
+    state = model.state_dict()
+
+    def name_of(native: str) -> str:
+        value = state.get(native)
+        keys = [] if value is None else [
+            k for k, _ in adapter.convert_single_tensor_to_hf(native, torch.empty_like(value, device="meta"))
+        ]  # fmt: skip
+        if not keys:
+            return f"checkpoint tensor for {native}"
+        files = sorted({str(where[k]) for k in keys if k in where})
+        key = keys[0] if len(keys) == 1 else f"{keys[0]} .. {keys[-1]}"
+        return f"checkpoint tensor {key} (model tensor {native}" + (f", file {files[0]})" if files else ")")
+
+    return name_of
