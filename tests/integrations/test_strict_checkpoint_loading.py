@@ -185,3 +185,24 @@ def test_the_builtin_keeps_nemo_automodels_own_loading(cpu_automodel, good, tmp_
     assert type(model).__name__ == "DeepseekV4ForCausalLM" and not isinstance(model, NemoDsaDeepseekV4ForCausalLM)
     assert torch.isnan(model.state_dict()["model.layers.1.mlp.shared_experts.gate_proj.weight"]).any()
     assert "layers.1.attn.wq_c.weight" in load_file(str(path / "model.safetensors"))  # and it was ignored
+
+
+def test_the_v41_plugin_loads_strictly(tmp_path):
+    from test_deepseek_v41_plugin import build_models
+
+    builtin, plugin = build_models()
+    tensors = {k: v.contiguous() for k, v in builtin.state_dict_adapter.to_hf(builtin.state_dict()).items()}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    load_hf_checkpoint(plugin, tmp_path)
+    for key, value in builtin.state_dict().items():
+        assert torch.equal(plugin.state_dict()[key], value), key
+    key = "layers.1.attn.indexer.weights_proj.weight"
+    for edit, message in [
+        (lambda t: t.update({key: torch.ones(t[key].shape, dtype=torch.int16)}), rf"model\.safetensors: {key} is I16"),
+        (nan_in(key), rf"checkpoint tensor {key} \(model tensor .*, file .*model\.safetensors\) holds 1 non-finite"),
+    ]:
+        broken = {k: v.clone() for k, v in tensors.items()}
+        edit(broken)
+        save_file(broken, str(tmp_path / "model.safetensors"))
+        with pytest.raises(ValueError, match=message):
+            load_hf_checkpoint(plugin, tmp_path)

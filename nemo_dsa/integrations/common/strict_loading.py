@@ -235,33 +235,35 @@ class StrictCheckpointLoading:
     _checkpoint_key_mapping: dict[str, str] | None = None
 
     def _init_strict_loading(self) -> None:
-        self._checked_checkpoint: tuple[Path, dict[str, Path]] | None = None
+        self._checked_checkpoint: tuple[tuple, dict[str, Path]] | None = None
         adapter = getattr(self, "state_dict_adapter", None)
         if adapter is not None:
             self.state_dict_adapter = strict_adapter(adapter, self._checkpoint_name_of)
 
     @property
-    def _checkpoint_conversion_mapping(self) -> dict[str, str]:
+    def _checkpoint_conversion_mapping(self) -> dict[str, str] | None:
         # Read by nemo-automodel when it is about to load the base checkpoint from the model's
         # source (``config._name_or_path`` under from_pretrained): the files are checked first.
-        self.check_checkpoint_source()
+        path = _local_checkpoint(getattr(self.config, "_name_or_path", None))
+        # A source without safetensors files (a config-only directory, a DCP checkpoint) is not
+        # a base checkpoint nemo-automodel reads here.
+        if path is not None and (path.is_file() or any(path.glob("*.safetensors"))):
+            self.check_checkpoint_source(path)
         return self._checkpoint_key_mapping
 
-    def check_checkpoint_source(self, path: str | os.PathLike | None = None) -> dict[str, Path]:
-        """Check the checkpoint at ``path`` (default: the config's source) against this model."""
+    def check_checkpoint_source(self, path: str | os.PathLike) -> dict[str, Path]:
+        """Check the checkpoint at ``path`` against this model (module docstring); ``{key: file}``.
+
+        Files unchanged since the last check (same paths, sizes and modification times) are not
+        read again: nemo-automodel reads the model's mapping more than once per load."""
         adapter = getattr(self, "state_dict_adapter", None)
-        if path is None:
-            path = _local_checkpoint(getattr(self.config, "_name_or_path", None))
-            # A source without safetensors files (a config-only directory, a DCP checkpoint) is
-            # not a base checkpoint nemo-automodel would read here.
-            if path is None or not (path.is_file() or any(path.glob("*.safetensors"))):
-                return {}
-        path = Path(path)
         if adapter is None:
             return {}
+        files = checkpoint_files(path)
+        signature = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
         checked = getattr(self, "_checked_checkpoint", None)
-        if checked is None or checked[0] != path:
-            self._checked_checkpoint = (path, check_checkpoint_files(self, adapter, path))
+        if checked is None or checked[0] != signature:
+            self._checked_checkpoint = (signature, check_checkpoint_files(self, adapter, path))
         return self._checked_checkpoint[1]
 
     def _checkpoint_name_of(self, native: str) -> str:
