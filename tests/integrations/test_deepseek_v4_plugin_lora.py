@@ -32,6 +32,8 @@ except ImportError as error:
 
 from safetensors import safe_open
 
+from helpers import cpu_automodel  # noqa: F401 (a fixture)
+
 from nemo_automodel.components._peft.lora import PeftConfig, apply_lora_to_linear_modules, patch_linear_module
 from nemo_automodel.components.checkpoint.checkpointing import Checkpointer
 from nemo_automodel.components.checkpoint.config import CheckpointingConfig
@@ -219,3 +221,48 @@ def test_only_adapters_train_and_the_run_saves_and_reloads_adapters_only(tmp_pat
     assert reloaded.keys() == after.keys()
     for key in after:
         assert torch.equal(reloaded[key], after[key]), key
+
+
+def test_train_ft_lora_example_trains_and_saves_adapters_only(cpu_automodel, tmp_path):
+    """examples/automodel/deepseek_v4_plugin_tiny_lora.yaml through nemo-automodel's train_ft
+    recipe on CPU: two steps from the tiny released-layout checkpoint, then its PEFT checkpoint."""
+    import json
+    import math
+
+    from nemo_automodel.components.config.loader import load_yaml_config
+    from nemo_automodel.recipes.llm.train_ft import TrainFinetuneRecipeForNextTokenPrediction
+
+    from nemo_dsa.integrations.deepseek_v4 import NemoDsaDeepseekV4ForCausalLM
+    from test_deepseek_v4_plugin_recipe import EXAMPLES, load_writer
+
+    checkpoint = load_writer().write_tiny_v4_checkpoint(tmp_path / "pretrained", seed=3)
+    cfg = load_yaml_config(str(EXAMPLES / "deepseek_v4_plugin_tiny_lora.yaml"))
+    for key, value in {
+        "model.pretrained_model_name_or_path": str(checkpoint), "step_scheduler.max_steps": 2,
+        "step_scheduler.val_every_steps": 2, "step_scheduler.ckpt_every_steps": 2,
+        "checkpoint.checkpoint_dir": str(tmp_path / "run"), "dist_env.backend": "gloo",
+        "dataset.max_examples": 32, "validation_dataset.max_examples": 4,
+    }.items():  # fmt: skip
+        cfg.set_by_dotted(key, value)
+    recipe = TrainFinetuneRecipeForNextTokenPrediction(cfg)
+    try:
+        recipe.setup()
+        model = recipe.model_parts[0]
+        assert isinstance(model, NemoDsaDeepseekV4ForCausalLM)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        recipe.run_train_validation_loop()
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    records = [json.loads(line) for line in (tmp_path / "run" / "training.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1] and all(math.isfinite(r["loss"]) for r in records)
+    moved = sorted(n for n, p in model.named_parameters() if not torch.equal(before[n], p.detach()))
+    assert moved and all("lora_" in n for n in moved), [n for n in moved if "lora_" not in n]
+    for target in ("self_attn.wq_a.lora_", "self_attn.wo_a.lora_", "mlp.experts.lora_"):
+        assert any(target in n for n in moved), target
+    (saved,) = (tmp_path / "run").glob("epoch_*_step_1/model/adapter_model.safetensors")
+    with safe_open(str(saved), framework="pt") as f:
+        keys = list(f.keys())
+    adapters = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert len(keys) == len(adapters) and all(".lora_" in k for k in keys)
+    assert not [f for f in saved.parent.rglob("*.safetensors") if f != saved]

@@ -119,12 +119,19 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     return files
 
 
+def _is_adapter_tensor(name: str) -> bool:
+    leaf = name.rsplit(".", 1)[-1]
+    return ".lora_" in name or leaf.startswith("lora_")
+
+
 def expected_hf_tensors(model: torch.nn.Module, adapter) -> dict[str, tuple[str, tuple[int, ...], bool]]:
     """``{checkpoint key: (model tensor, shape, floating)}`` that ``adapter`` writes for ``model``
-    (converted on the meta device: names, shapes and dtypes only)."""
+    (converted on the meta device: names, shapes and dtypes only). Low-rank adapters added by
+    PEFT are not part of a base checkpoint (nemo-automodel initialises them, or loads them from
+    the adapter checkpoint)."""
     expected: dict[str, tuple[str, tuple[int, ...], bool]] = {}
     for name, value in model.state_dict().items():
-        if name.endswith("_extra_state"):
+        if name.endswith("_extra_state") or _is_adapter_tensor(name):
             continue
         for hf_key, hf_value in adapter.convert_single_tensor_to_hf(name, torch.empty_like(value, device="meta")):
             expected[hf_key] = (name, tuple(hf_value.shape), hf_value.is_floating_point())
