@@ -225,7 +225,7 @@ def strict_adapter(adapter, name_of: Callable[[str], str]):
         strict = adapter
     else:
         if cls not in _STRICT_ADAPTER_CLASSES:
-            _STRICT_ADAPTER_CLASSES[cls] = type(f"Strict{cls.__name__}", (_StrictAdapter, cls), {})
+            _STRICT_ADAPTER_CLASSES[cls] = type(f"Strict{cls.__name__}", (_StrictAdapter, cls), {"__module__": __name__})
         strict = object.__new__(_STRICT_ADAPTER_CLASSES[cls])
         strict.__dict__.update(adapter.__dict__)
     strict._strict_names = name_of
