@@ -23,7 +23,7 @@ import torch
 from attention import median_ms
 from selection import TOPK, V41_BLOCK_SIZE, V41_TOPK_BLOCKS, _v41_inputs
 from nemo_dsa.ops._tilelang import compile_cached
-from nemo_dsa.ops.topk import candidate_blocks
+from nemo_dsa.ops.v41_indexer import candidate_blocks
 from nemo_dsa.ops.topk import kernels as topk_kernels
 from nemo_dsa.ops.topk.vector_kernels import vector_select_kernel
 from nemo_dsa.ops.v41_indexer.kernels import v41_scores_tilelang

@@ -76,7 +76,7 @@ def _v41_rows(chunk_bytes: int):
 
     from nemo_dsa.ops.fused_selection import interface as fused
     from nemo_dsa.ops.fused_selection import v41_select_topk
-    from nemo_dsa.ops.topk import candidates
+    from nemo_dsa.ops.v41_indexer import candidates
     from nemo_dsa.ops.topk import kernels as topk_kernels
     from nemo_dsa.ops.topk import select_topk
     from nemo_dsa.ops.v41_indexer.kernels import v41_scores_tilelang
@@ -200,7 +200,8 @@ def _run_v41(args, results: list) -> None:
 def _v41_check(rows, inputs, blocks, seq: int, ratio: int) -> dict:
     """Streamed == materialised == the torch reference selection on the kernel's scores; the
     generic passes, the torch block mask and the candidate-source layer's blocks agree too."""
-    from nemo_dsa.ops.topk import blocks_to_mask, candidate_blocks_reference, select_topk_reference
+    from nemo_dsa.ops.topk import candidate_blocks_reference, select_topk_reference
+    from nemo_dsa.ops.v41_indexer import blocks_to_mask
     from nemo_dsa.ops.v41_indexer.kernels import v41_scores_tilelang
 
     q, q2, k, w, w2, ks, ke = inputs

@@ -40,8 +40,9 @@ from nemo_dsa.layers.rope import apply_rope, rope_angles
 from nemo_dsa.ops.dispatch import resolve_backend, resolve_fused_topk
 from nemo_dsa.ops.fused_selection import interface as fused_selection
 from nemo_dsa.ops.quant import mxfp4_quant_dequant
-from nemo_dsa.ops.topk import blocks_to_mask, select_topk
-from nemo_dsa.ops.topk import candidate_blocks as find_candidate_blocks
+from nemo_dsa.ops.topk import select_topk
+from nemo_dsa.ops.v41_indexer import blocks_to_mask
+from nemo_dsa.ops.v41_indexer import candidate_blocks as find_candidate_blocks
 from nemo_dsa.ops.v41_indexer import indexer_scores
 from nemo_dsa.ops.v4_indexer import v4_indexer_bshd, v4_logits
 

@@ -348,7 +348,7 @@ def test_indexer_kl_loss_against_dense_formula():
 
 
 def test_v41_reindex_layer_keeps_to_candidate_blocks():
-    from nemo_dsa.ops.topk import blocks_to_mask
+    from nemo_dsa.ops.v41_indexer import blocks_to_mask
 
     cfg = tiny_config(scoring="v41", kv_source_layer_ids=(1,), index_source_layer_ids=(1, 3),
                       candidate_source_layer_id=1, candidate_block_size=2, candidate_topk_blocks=2, index_topk=4)

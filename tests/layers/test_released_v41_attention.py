@@ -229,7 +229,7 @@ def _ranked_scores(layer_idx, scores, states, metas):
     """The scores a layer's top-k ranked: after the candidate source, masked to its kept blocks."""
     if layer_idx <= CANDIDATE_SOURCE:
         return scores
-    from nemo_dsa.ops.topk import blocks_to_mask
+    from nemo_dsa.ops.v41_indexer import blocks_to_mask
 
     meta = metas[RATIOS[layer_idx]]
     keep = blocks_to_mask(states[layer_idx].candidate_blocks, meta.ks, meta.ke, 4, scores.shape[-1])
@@ -359,7 +359,7 @@ def test_bf16_model_matches_the_release_bitwise_up_to_ties(monkeypatch):
         usable = real.clone()
         if layer_idx == CANDIDATE_SOURCE:
             meta = metas[RATIOS[layer_idx]]
-            from nemo_dsa.ops.topk import blocks_to_mask
+            from nemo_dsa.ops.v41_indexer import blocks_to_mask
 
             keep = blocks_to_mask(states[layer_idx].candidate_blocks, meta.ks, meta.ke, 4, ranked.shape[-1])
             ties["candidate blocks"] = block_ties_only(keep & real.unsqueeze(-1), candidates[0] & real.unsqueeze(-1),

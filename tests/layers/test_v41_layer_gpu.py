@@ -116,7 +116,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def reference_scores(call) -> torch.Tensor:
     """The torch formula's scores [B, S, K] for one recorded selection call, masked to the kept
     candidate blocks on a reindex layer."""
-    from nemo_dsa.ops.topk import blocks_to_mask
+    from nemo_dsa.ops.v41_indexer import blocks_to_mask
     from nemo_dsa.ops.v41_indexer.naive import v41_scores
 
     q, k, w, ks, ke, kwargs = call

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from helpers import indexer_inputs, packed_ks_ke
-from nemo_dsa.ops.topk import candidate_blocks, select_topk_reference
+from nemo_dsa.ops.topk import select_topk_reference
+from nemo_dsa.ops.v41_indexer import candidate_blocks
 from nemo_dsa.ops.v4_indexer import v4_lighting_indexer, v4_logits
 from nemo_dsa.ops.v41_indexer import indexer_scores
 

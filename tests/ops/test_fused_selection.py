@@ -29,8 +29,6 @@ from nemo_dsa.ops.fused_selection import (
 from nemo_dsa.ops.fused_selection import interface as fused_interface
 from nemo_dsa.ops.fused_selection import plan as fused_plan
 from nemo_dsa.ops.topk import (
-    blocks_to_mask,
-    candidate_blocks,
     orderable_image,
     orderable_int32,
     pytorch_extract_topk_scores,
@@ -39,7 +37,7 @@ from nemo_dsa.ops.topk import (
 from nemo_dsa.ops.topk import naive as topk_naive
 from nemo_dsa.ops.topk.rows import MAX_INT32_KEY_WIDTH
 from nemo_dsa.ops.v4_indexer import v4_logits
-from nemo_dsa.ops.v41_indexer import v41_scores
+from nemo_dsa.ops.v41_indexer import blocks_to_mask, candidate_blocks, v41_scores
 from nemo_dsa.visibility import causal_ks_ke, visible_mask
 
 INF = float("inf")

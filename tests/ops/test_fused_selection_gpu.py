@@ -18,7 +18,8 @@ import torch
 from helpers import indexer_inputs, packed_ks_ke, random_ks_ke
 from nemo_dsa.ops.fused_selection import DEFAULT_CHUNK_BYTES, v4_select_topk, v41_select_topk
 from nemo_dsa.ops.fused_selection import interface as fused_interface
-from nemo_dsa.ops.topk import blocks_to_mask, candidate_blocks, pytorch_extract_topk_scores, select_topk_reference
+from nemo_dsa.ops.topk import pytorch_extract_topk_scores, select_topk_reference
+from nemo_dsa.ops.v41_indexer import blocks_to_mask, candidate_blocks
 from nemo_dsa.ops.v4_indexer import v4_logits
 from nemo_dsa.ops.v41_indexer import v41_scores
 from nemo_dsa.visibility import causal_ks_ke

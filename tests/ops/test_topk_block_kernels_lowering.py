@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nemo_dsa.ops._tilelang import dynamic_shared_memory_bytes, lower_to_cuda_source
-from nemo_dsa.ops.topk import candidates
+from nemo_dsa.ops.v41_indexer import candidates
 from nemo_dsa.ops.topk.block_kernels import BLOCK_SIZES, THREADS, block_maxima_kernel, block_maxima_tilelang
 
 CONFIGS = [(dtype, size) for dtype in ("float32", "bfloat16") for size in (*BLOCK_SIZES, 3)]

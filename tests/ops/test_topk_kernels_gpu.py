@@ -20,7 +20,8 @@ import zlib
 import pytest
 import torch
 
-from nemo_dsa.ops.topk import candidate_blocks, candidate_blocks_reference, candidates, select_topk_reference
+from nemo_dsa.ops.topk import candidate_blocks_reference, select_topk_reference
+from nemo_dsa.ops.v41_indexer import candidate_blocks, candidates
 from nemo_dsa.ops.topk.block_kernels import block_maxima_tilelang
 from nemo_dsa.ops.topk.interface import select_topk
 from nemo_dsa.ops.topk import kernels as topk_kernels
@@ -174,7 +175,7 @@ def _random_blocks(rows: int, width: int, block_size: int, seed: int) -> torch.T
 def test_block_masked_kernel_equals_reference(dtype, order, window, kind, count, width, block_size, monkeypatch):
     """Candidate-block masks applied inside the select equal masking the scores first."""
     use_bf16_window(monkeypatch, window)
-    from nemo_dsa.ops.topk import blocks_to_mask
+    from nemo_dsa.ops.v41_indexer import blocks_to_mask
 
     rows = 67
     seed = zlib.crc32(f"mask{dtype}{order}{kind}{count}".encode()) % 1000
@@ -326,7 +327,7 @@ def test_vector_select_reads_candidate_lists(kind, count, width, kept_width, dis
     map otherwise, the whole row when it keeps every block; all equal the reference on the scores
     masked to the kept blocks. Half the rows' ks at multiples of 8 (in matrices of even widths: 16-byte
     block loads), the others anywhere; partial last blocks; rows keeping fewer than T keys."""
-    from nemo_dsa.ops.topk import blocks_to_mask
+    from nemo_dsa.ops.v41_indexer import blocks_to_mask
 
     rows = 67
     seed = zlib.crc32(f"listed{kind}{count}{width}{kept_width}{disordered}".encode()) % 1000

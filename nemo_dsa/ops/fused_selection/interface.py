@@ -25,8 +25,8 @@ from nemo_dsa.memo import memo_on_tensors
 from nemo_dsa.ops.dispatch import resolve_backend
 from nemo_dsa.ops.fused_selection.plan import DEFAULT_CHUNK_BYTES, planned_chunks, v4_row_bytes, v41_row_bytes
 from nemo_dsa.ops.fused_selection.window import select_chunks
-from nemo_dsa.ops.topk.candidates import blocks_to_mask, candidate_blocks_validated as find_blocks
-from nemo_dsa.ops.topk.candidates import uses_maxima_kernel
+from nemo_dsa.ops.v41_indexer.candidates import blocks_to_mask, candidate_blocks_validated as find_blocks
+from nemo_dsa.ops.v41_indexer.candidates import uses_maxima_kernel
 from nemo_dsa.ops.topk.kernels import MAX_COUNT, fits_block_mask
 from nemo_dsa.ops.v4_indexer.kernels import v4_logits_tilelang
 from nemo_dsa.ops.v4_indexer.naive import v4_logits

@@ -34,7 +34,7 @@ KEY_ALIGN = 128
 # groups of at most a quarter of the chunk at the key path's ~16 bytes per score.
 V4_BYTES_PER_KEY = {"kernel": 4, "torch": 4 + 4}  # fp32 logits
 V41_BYTES_PER_KEY = {"kernel": 2, "torch": 2 + 4}  # bf16 scores
-# Candidate blocks (nemo_dsa.ops.topk.candidates.CANDIDATE_TRANSIENTS): per key the bf16 scores 2
+# Candidate blocks (nemo_dsa.ops.v41_indexer.candidates.CANDIDATE_TRANSIENTS): per key the bf16 scores 2
 # and the torch table's three copies (none with the TileLang block maxima); per block 40 / 12.
 V41_CANDIDATE_BYTES = {"kernel": (2, 12), "torch": (8, 40)}
 # Per selected slot: the kernel's indices and scores, and their padded copies; select_rows'

@@ -3,8 +3,9 @@
 Modules, imports one way: ``rows`` (row selection by unique keys) -> ``naive`` (the reference)
 -> ``vector_kernels`` (the bf16 index-order select) -> ``kernels`` (the TileLang radix select, and
 the launch of both) -> ``interface`` (validation and dispatch).
-``gather`` (scores at selected indices) and ``candidates`` (V4.1 candidate blocks, selected
-through ``interface``; its reference is in ``naive``) stand beside them. Public names load lazily (``nemo_dsa._lazy``).
+``gather`` (scores at selected indices) stands beside them; ``block_kernels`` (TileLang block maxima)
+and ``naive.candidate_blocks_reference`` serve the V4.1 candidate blocks, which live with the V4.1
+indexer (``nemo_dsa.ops.v41_indexer.candidates``). Public names load lazily (``nemo_dsa._lazy``).
 """
 
 from nemo_dsa._lazy import lazy_exports
@@ -16,10 +17,7 @@ _EXPORTS = {
     "select_rows_tilelang": "nemo_dsa.ops.topk.kernels",
     "pytorch_extract_topk_scores": "nemo_dsa.ops.topk.gather",
     "gather_at_indices": "nemo_dsa.ops.topk.gather",
-    "candidate_blocks": "nemo_dsa.ops.topk.candidates",
     "candidate_blocks_reference": "nemo_dsa.ops.topk.naive",
-    "candidate_block_mask": "nemo_dsa.ops.topk.candidates",
-    "blocks_to_mask": "nemo_dsa.ops.topk.candidates",
     "ORDERS": "nemo_dsa.ops.topk.rows",
     "SCORE_DTYPES": "nemo_dsa.ops.topk.rows",
     "TIE_MARGIN": "nemo_dsa.ops.topk.rows",

@@ -6,7 +6,7 @@ TIE_MARGIN candidates ordered by unique keys, undecided rows redone with a key p
 module only validates, chunks and reassembles. The TileLang radix select (``kernels``) must give
 the same indices bit for bit; :func:`nemo_dsa.ops.topk.select_topk` chooses between the two.
 :func:`candidate_blocks_reference` is the readable form of the V4.1 candidate blocks
-(``topk.candidates`` holds the fast path).
+(``nemo_dsa.ops.v41_indexer.candidates`` holds the fast path).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def candidate_blocks_reference(
 ) -> torch.Tensor:
     """Candidate blocks (docs/semantics.md, candidate blocks), the readable way: block maxima by
     a scatter-reduce over every key, then two exact row selections. Same contract and output as
-    :func:`nemo_dsa.ops.topk.candidate_blocks`, the fast path it is tested against."""
+    :func:`nemo_dsa.ops.v41_indexer.candidate_blocks`, the fast path it is tested against."""
     batch, queries, num_keys, num_blocks, count = check_candidate_arguments(scores, ks, ke, block_size, topk_blocks)
     out = torch.full((batch, queries, count), -1, dtype=torch.int32, device=scores.device)
     if count == 0 or queries == 0:

@@ -6,7 +6,7 @@ TileLang kernel on CUDA (one read of the scores) or a doubling table of running 
 (a few contiguous passes over the scores, no per-key index tensors), then the ordinary exact
 selection (:func:`nemo_dsa.ops.topk.select_topk`: the TileLang radix select on CUDA) over the
 blocks, so ties go to the smaller block.
-``naive.candidate_blocks_reference`` is the readable reference it is tested against.
+``nemo_dsa.ops.topk.naive.candidate_blocks_reference`` is the readable reference it is tested against.
 """
 
 from __future__ import annotations
