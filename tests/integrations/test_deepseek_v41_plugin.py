@@ -250,6 +250,7 @@ def test_plugin_matches_builtin_model(kind, models, monkeypatch, request):
     assert rel(out.loss, ref.loss) <= RTOL
     # Rounding flips (reconciled above) are values at a rounding mid-point to fp32 order: a few.
     print(kind, "cache rounding flips (format, built-in input, plugin input):", flips.flips)
+    print("short inputs: cache rounding flips", flips.flips)
     assert len(flips.flips) <= MAX_FLIPS, flips.flips
     real = torch.ones(ref.logits.shape[:2], dtype=torch.bool)
     if kind == "rows":
@@ -401,3 +402,20 @@ def test_broken_checkpoint_names_the_key(checkpoints, tmp_path):
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match="lacks layers.4.attn.indexer.wk.weight"):
         load_hf_checkpoint(NemoDsaDeepseekV41ForCausalLM(config(), backend=backend()), tmp_path)
+
+
+def test_short_inputs_match_builtin(models, monkeypatch, request):
+    """Every length from one token to a few candidate blocks (ratio 1: K = S keys, C = 4) runs and
+    agrees with the built-in: the candidate source then has fewer keys than one block. Cache
+    rounding flips are reconciled as in the main test."""
+    builtin, plugin = models
+    flips = CacheRoundingFlips(builtin, plugin, monkeypatch)
+    request.addfinalizer(flips.remove)
+    gen = torch.Generator().manual_seed(9)
+    for length in range(1, 3 * 4 + 3):
+        ids = torch.randint(0, VOCAB, (2, length), generator=gen)
+        with torch.no_grad():
+            ref, out = builtin(ids).logits, plugin(ids).logits
+        assert out.shape == ref.shape and rel(out, ref) <= RTOL, (length, rel(out, ref), flips.flips)
+    print("short inputs: cache rounding flips", flips.flips)
+    assert len(flips.flips) <= MAX_FLIPS, flips.flips

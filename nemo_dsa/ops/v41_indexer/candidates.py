@@ -49,6 +49,9 @@ def _block_maxima(scores: torch.Tensor, ks: torch.Tensor, block_size: int, num_b
     """
     rows, num_keys = scores.shape
     table = torch.nan_to_num(scores, nan=_NEG_INF, posinf=_NEG_INF, neginf=_NEG_INF).contiguous().view(-1)
+    # Each doubling drops `width` entries off the end, C - 1 at most in all: the -inf tail keeps
+    # all rows * K starts in the table however short the rows are (one key for a 1-token query).
+    table = torch.nn.functional.pad(table, (0, block_size - 1), value=_NEG_INF)
     # table[p] = max(scores[p : p + width]) over the flat rows; widths double up to the largest
     # power of two <= C.
     width = 1
