@@ -550,3 +550,34 @@ def test_tilelang_attention_in_a_fp32_model_is_one_clear_error(models):
     batch, _ = thd_batch([40, 24], [40, 24], seed=5)
     with pytest.raises(TypeError, match=r"layer 0: attention_backend 'tilelang'.*model\.dtype: bfloat16.*auto"):
         plugin.eval()(**batch)
+
+
+def test_yarn_spelled_rope_type_applies_in_the_plugin_only(models):
+    """``rope_scaling`` naming YaRN under transformers' key ``rope_type`` (not ``type``): the built-in
+    reads only ``type`` and silently rotates without YaRN (its logits are those of
+    ``rope_scaling=None``); the plugin applies YaRN (its logits are the built-in's with ``type``)."""
+    builtin, _ = models
+    yarn = {key: value for key, value in tiny_config().rope_scaling.items() if key != "type"}
+    spelled = tiny_config(rope_scaling={"rope_type": "yarn", **yarn})
+    weights = builtin.state_dict()
+
+    def built(config, make):
+        model = make(config)
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        assert not missing and not unexpected, (missing, unexpected)
+        return model.eval()
+
+    def builtin_model(config):
+        model = DeepseekV4ForCausalLM(config, backend=backend())
+        model.initialize_weights(buffer_device=torch.device("cpu"), dtype=torch.float32)
+        return model
+
+    ids = torch.randint(0, VOCAB, (2, 128), generator=torch.Generator().manual_seed(21))
+    with torch.no_grad():
+        with_yarn = builtin(ids).logits
+        builtin_spelled = built(spelled, builtin_model)(ids).logits
+        without_yarn = built(tiny_config(rope_scaling=None), builtin_model)(ids).logits
+        plugin_spelled = built(spelled, build_plugin)(ids).logits
+    assert rel(with_yarn, without_yarn) > 1e-3  # YaRN moves these logits
+    assert torch.equal(builtin_spelled, without_yarn)  # the built-in skipped it
+    assert rel(plugin_spelled, with_yarn) <= RTOL, rel(plugin_spelled, with_yarn)  # the plugin applied it
