@@ -44,6 +44,7 @@ from nemo_dsa.ops.topk import select_topk
 from nemo_dsa.ops.v41_indexer import blocks_to_mask
 from nemo_dsa.ops.v41_indexer import candidate_blocks as find_candidate_blocks
 from nemo_dsa.ops.v41_indexer import indexer_scores
+from nemo_dsa.ops.v41_indexer import kernel_refusal as v41_kernel_refusal
 from nemo_dsa.ops.v4_indexer import v4_indexer_bshd, v4_logits
 
 
@@ -189,7 +190,8 @@ class Indexer(nn.Module):
             scores = v41_scores_full_precision(_mxfp4(q), index_keys.to(q.dtype), weights, meta.ks, meta.ke)
             return self._select_from_v41_scores(scores, meta, index_keys, candidate_source, kept_blocks,
                                                 block_size, topk_blocks)  # fmt: skip
-        if resolve_fused_topk(self.fused_topk, resolve_backend(self.backend, q)):  # no [B, S, K] scores
+        backend = resolve_backend(self.backend, q, kernel_refusal=v41_kernel_refusal(self.n_heads, self.head_dim))
+        if resolve_fused_topk(self.fused_topk, backend):  # no [B, S, K] scores
             picked = fused_selection.v41_select_topk(
                 _mxfp4(q), index_keys, weights.to(torch.bfloat16), meta.ks, meta.ke, self.topk,
                 candidate_block_size=block_size if candidate_source or kept_blocks is not None else None,

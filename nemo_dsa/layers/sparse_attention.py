@@ -100,6 +100,7 @@ from nemo_dsa.layers.indexer_loss import indexer_kl_loss
 from nemo_dsa.layers.norm import RMSNorm, rms_normalize
 from nemo_dsa.layers.rope import apply_rope, rope_angles
 from nemo_dsa.layers.shared_state import SharedLayerState, SourceState
+from nemo_dsa.ops.dispatch import report_reference_fallback
 from nemo_dsa.ops.head_norm_rope import head_rms_rope, kernels_support
 from nemo_dsa.ops.quant import fp8_quant_dequant, nvfp4_quant_dequant
 from nemo_dsa.ops.sparse_attention import sparse_attention, sparse_window_attention
@@ -369,9 +370,9 @@ def attention_backend_for(requested: str, q: torch.Tensor, indices: torch.Tensor
     """The backend ``sparse_window_attention`` runs a layer's attention on.
 
     ``"auto"``: the TileLang kernels on CUDA when they take these shapes, else the reference
-    (fp32 models, more heads, a wider head or more selected groups than the kernels hold). The
-    kernels' own check (``_check_kernel_limits`` beside their ``KERNEL_MAX_*``) decides, so the
-    limits live in one place. ``"tilelang"`` and ``"torch"`` pass through: the op raises a
+    (fp32 models, more heads, a wider head or more selected groups than the kernels hold), said
+    once in the log. The kernels' own check (``_check_kernel_limits`` beside their
+    ``KERNEL_MAX_*``) decides, so the limits live in one place. ``"tilelang"`` and ``"torch"`` pass through: the op raises a
     ValueError/TypeError naming the limit when the kernels cannot take a shape, or CPU tensors.
     """
     if requested != "auto":
@@ -380,7 +381,8 @@ def attention_backend_for(requested: str, q: torch.Tensor, indices: torch.Tensor
         return "torch"
     try:
         _check_kernel_limits(q, indices)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError) as refusal:
+        report_reference_fallback(f"the sparse attention kernels do not take this layer: {refusal}")
         return "torch"
     return "tilelang"
 

@@ -581,3 +581,23 @@ def test_yarn_spelled_rope_type_applies_in_the_plugin_only(models):
     assert rel(with_yarn, without_yarn) > 1e-3  # YaRN moves these logits
     assert torch.equal(builtin_spelled, without_yarn)  # the built-in skipped it
     assert rel(plugin_spelled, with_yarn) <= RTOL, rel(plugin_spelled, with_yarn)  # the plugin applied it
+
+
+def test_configs_beyond_the_kernels_shapes_match_the_builtin():
+    """What the built-in accepts runs: an index head dim that is no multiple of 16 (the kernels'
+    step) and num_key_value_heads = 2 (the built-in never reads it: one shared KV head). Same
+    weights, same logits; the ignored field is said in the log."""
+    import logging
+
+    config = tiny_config(index_head_dim=24, index_n_heads=12, num_key_value_heads=2)
+    torch.manual_seed(0)
+    builtin = DeepseekV4ForCausalLM(config, backend=backend())
+    builtin.initialize_weights(buffer_device=torch.device("cpu"), dtype=torch.float32)
+    randomize_(builtin, seed=3)
+    plugin = build_plugin(config)
+    assert plugin.dsa_config.index_head_dim == 24 and plugin.dsa_config.index_n_heads == 12
+    plugin.load_state_dict(builtin.state_dict(), strict=True)
+    ids = torch.randint(0, VOCAB, (2, 160), generator=torch.Generator().manual_seed(4))
+    result = compare(builtin.eval(), plugin.eval(), {"input_ids": ids}, torch.ones(2, 160, dtype=torch.bool))
+    assert all(v for k, v in result.items() if k.startswith("topk_equal")), result
+    assert result["logits_rel"] <= RTOL, result

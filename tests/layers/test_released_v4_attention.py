@@ -14,6 +14,8 @@ input's gradient (rel 1e-5) with the indexer frozen as the built-in trains it (n
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -216,7 +218,7 @@ def test_matches_builtin_attention(layer_idx, kind, monkeypatch):
         assert rel(p.grad, other.grad) <= RTOL, (name, rel(p.grad, other.grad))
 
 
-def test_from_hf_config_reads_the_release_fields():
+def test_from_hf_config_reads_the_release_fields(caplog):
     cfg = DSAModelConfig.from_hf_config(hf_config())
     assert cfg.compress_ratios == tuple(RATIOS) and cfg.num_hidden_layers == 3
     assert (cfg.o_lora_rank, cfg.o_groups, cfg.sliding_window, cfg.index_topk) == (16, 2, 8, TOPK)
@@ -233,9 +235,12 @@ def test_from_hf_config_reads_the_release_fields():
     assert same.compress_ratios == (0, 4, 128, 0) and same.num_hidden_layers == 4  # MTP layer: window-only
     assert (same.qk_rope_head_dim, same.head_dim, same.o_groups) == (64, 512, 2)
     assert same.rope_scaling == YARN and same.compress_rope_theta == 160000.0
-    # One shared KV head whatever num_key_value_heads says (nemo-automodel's V4 attention ignores it).
-    as_dict = hf_config().to_dict()
-    assert DSAModelConfig.from_hf_config({**as_dict, "num_key_value_heads": 2}) == DSAModelConfig.from_hf_config(as_dict)
+    # One shared KV head whatever num_key_value_heads says (the built-in never reads it): the
+    # value is said once in the log, and the config is the same.
+    with caplog.at_level(logging.WARNING, logger="nemo_dsa"):
+        other = DSAModelConfig.from_hf_config({**hf_config().to_dict(), "num_key_value_heads": 3})
+    assert other == DSAModelConfig.from_hf_config(hf_config().to_dict())
+    assert "num_key_value_heads=3 is not read" in caplog.text
     window_only = DSAModelConfig.from_hf_config({**hf_config().to_dict(), "compress_ratios": []})
     assert window_only.compress_ratios == (0,) * window_only.num_hidden_layers
     with pytest.raises(ValueError, match="rope_scaling"):

@@ -75,7 +75,6 @@ def test_scoring_override_flips_every_indexer_layer_of_a_real_model():
         (["+model.config.index_topk_typo=3"], "index_topk_typo"),
         (["scoring.scoring=v5"], "scoring.scoring"),
         (["+scoring.bogus=1"], "bogus"),
-        (["scoring=v41", "model.config.index_head_dim=48"], "index_head_dim"),
         (["scoring=v41", "scoring.layer_roles.kv_source_every=0"], "scoring.layer_roles.kv_source_every"),
         (["scoring=v41", "scoring.layer_roles.candidate_source=last"], "candidate_source"),
         (["scoring=v41", "scoring.candidate_block_size=0"], "scoring.candidate_block_size"),

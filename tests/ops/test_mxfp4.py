@@ -74,8 +74,18 @@ def test_mxfp4_non_finite_block_becomes_nan(bad):
     assert torch.isfinite(y[0]).all() and torch.isfinite(y[1, :32]).all()
 
 
+@pytest.mark.parametrize("channels", [1, 20, 48, 80])
+def test_mxfp4_short_last_block_counts_as_zero_filled(channels):
+    """Channels not a multiple of 32 (the built-in accepts such index head dims): the last block is
+    scaled and rounded as if zeros filled it to 32, as the release pads it."""
+    x = torch.randn(3, channels, generator=generator(channels)) * 4
+    padded = torch.nn.functional.pad(x, (0, -channels % 32))
+    want = torch.tensor([_oracle_mxfp4_block(b) for b in padded.reshape(-1, 32).tolist()]).view(padded.shape)
+    assert torch.equal(mxfp4_quant_dequant(x), want[:, :channels])
+
+
 def test_mxfp4_arguments():
-    with pytest.raises(ValueError, match="x must have a last dimension"):
-        mxfp4_quant_dequant(torch.randn(4, 48))
+    with pytest.raises(ValueError, match="x must have at least 1 dimension"):
+        mxfp4_quant_dequant(torch.tensor(1.0))
     with pytest.raises(TypeError, match="x must"):
         mxfp4_quant_dequant(torch.ones(4, 32, dtype=torch.int32))

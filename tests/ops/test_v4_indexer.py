@@ -24,7 +24,6 @@ V4_CASES = [
     (TypeError, "index_q", dict(index_q=[1.0])),
     (ValueError, "index_q", dict(index_q=torch.randn(S, B, H * D).bfloat16())),
     (TypeError, "index_q", dict(index_q=torch.randn(S, B, H, D))),
-    (ValueError, "index_q", dict(index_q=torch.randn(S, B, H, 24).bfloat16(), index_k=torch.randn(K, B, 24).bfloat16())),
     (TypeError, "index_k", dict(index_k=torch.randn(K, B, D))),
     (ValueError, "index_k", dict(index_k=torch.randn(K, B + 1, D).bfloat16())),
     (ValueError, "index_k", dict(index_k=torch.randn(K, B, D + 16).bfloat16())),
@@ -34,7 +33,10 @@ V4_CASES = [
 ]
 
 
-@pytest.mark.parametrize("s,b,h,d,ratio,topk", [(37, 2, 4, 32, 4, 5), (20, 3, 2, 16, 1, 64), (9, 1, 3, 16, 4, 1)])
+# (11, 2, 3, 24, ...): a head dim that is no multiple of 16 (the kernels' step), run by the reference.
+@pytest.mark.parametrize(
+    "s,b,h,d,ratio,topk", [(37, 2, 4, 32, 4, 5), (20, 3, 2, 16, 1, 64), (9, 1, 3, 16, 4, 1), (11, 2, 3, 24, 1, 3)]
+)
 def test_v4_default_causal_rule_and_selection(s, b, h, d, ratio, topk):
     k = s // ratio + (1 if ratio == 1 else 0)  # K may exceed the causal need (unused keys)
     q, key, w = indexer_inputs(b, s, h, d, k, s, seq_first=True)

@@ -22,8 +22,8 @@ from nemo_dsa.models.dsa_lm.layer_roles import (
     latest_kv_source,
 )
 from nemo_dsa.ops.dispatch import BACKENDS
-from nemo_dsa.ops.v41_indexer.heads import MAX_HEADS as V41_MAX_HEADS
-from nemo_dsa.ops.v41_indexer.heads import is_supported_heads
+from nemo_dsa.ops.v4_indexer.kernels import kernel_refusal as v4_kernel_refusal
+from nemo_dsa.ops.v41_indexer.heads import kernel_refusal as v41_kernel_refusal
 
 SCORINGS = ("v4", "v41")
 INDEX_KEY_SOURCES = ("compressor", "latent")
@@ -141,18 +141,15 @@ class DSAModelConfig:
             raise ValueError(f"index_topk must be >= 1, got {self.index_topk}")
         if self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
-        if self.index_head_dim % 16:
-            raise ValueError(f"index_head_dim must be a multiple of 16, got {self.index_head_dim}")
         if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim > min(self.head_dim, self.index_head_dim):
             raise ValueError(
                 f"qk_rope_head_dim must be even and <= head_dim and index_head_dim, got {self.qk_rope_head_dim}"
             )
-        if self.scoring == "v41":
-            h = self.index_n_heads
-            if not is_supported_heads(h):
-                raise ValueError(f"index_n_heads must be a power of two <= {V41_MAX_HEADS} for scoring v41, got {h}")
-            if self.index_head_dim % 32:
-                raise ValueError(f"index_head_dim must be a multiple of 32 for MXFP4 (v41), got {self.index_head_dim}")
+        # Every index shape runs: the kernels take some, backend "auto" runs the torch reference
+        # for the others; asking for the kernels by name with a shape they refuse is an error here.
+        refusal = (v41_kernel_refusal if self.scoring == "v41" else v4_kernel_refusal)(self.index_n_heads, self.index_head_dim)
+        if self.backend == "tilelang" and refusal is not None:
+            raise ValueError(f"backend='tilelang': {refusal} (index_n_heads, index_head_dim); use backend 'auto'")
         for name in ("o_lora_rank", "o_groups"):
             value = getattr(self, name)
             if not is_positive_int(value, minimum=0 if name == "o_lora_rank" else 1):

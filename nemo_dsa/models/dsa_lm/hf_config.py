@@ -32,10 +32,11 @@ intermediate_size             moe_intermediate_size (nemo_dsa's stand-in dense F
 scoring                       "v4"
 ============================  =====================================================================
 
-``num_key_value_heads`` is not read: the architecture has one shared KV head by construction, and
-nemo-automodel's DeepSeek-V4 attention broadcasts that one head to every query head whatever the
-field says (its V4.1 config refuses any value but 1 itself). An empty ``compress_ratios`` makes every
-layer window-only, as in nemo-automodel's model. Fields the attention does not read (experts, hyper-connections, hash layers, Engram, DSpark, vision) are ignored.
+The attention has one shared KV head whatever ``num_key_value_heads`` says: nemo-automodel's V4
+built-in accepts any value and never reads it (its V4.1 config refuses values other than 1 itself),
+so another value is said once in the log and not read. An empty ``compress_ratios`` makes every
+layer window-only, as in nemo-automodel's model. Fields the attention does not read (experts,
+hyper-connections, hash layers, Engram, DSpark, vision) are ignored.
 
 DeepSeek-V4.1 (nemo-automodel's ``DeepseekV41TextConfig``, ``model_type`` "deepseek_v41_text", or
 the nested ``DeepseekV41Config`` whose ``text_config`` holds it; a mapping is V4.1 when it has
@@ -60,10 +61,14 @@ compressed_kv_quant           "nvfp4" (blocks of 16)
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
 from nemo_dsa.layers.rope import yarn_parameters
+
+_LOG = logging.getLogger("nemo_dsa")
+_REPORTED_KV_HEADS: set = set()
 
 _SAME_NAME = (
     "vocab_size", "hidden_size", "num_attention_heads", "head_dim", "q_lora_rank", "o_lora_rank", "o_groups",
@@ -167,6 +172,11 @@ def dsa_fields_from_hf(hf_config, *, include_mtp_layers: bool = False) -> dict[s
     v41 = is_v41_config(hf_config)
     hf_config = _text_config(hf_config)
     get = _reader(hf_config)
+    kv_heads = get("num_key_value_heads", 1)
+    if kv_heads not in (None, 1) and kv_heads not in _REPORTED_KV_HEADS:
+        _REPORTED_KV_HEADS.add(kv_heads)
+        _LOG.warning("nemo_dsa: num_key_value_heads=%s is not read: the attention has one shared KV head, "
+                     "as in nemo-automodel's DeepSeek-V4", kv_heads)  # fmt: skip
     fields: dict[str, Any] = {}
     for name in _SAME_NAME:
         value = get(name)

@@ -25,11 +25,13 @@ from nemo_dsa.memo import memo_on_tensors
 from nemo_dsa.ops.dispatch import resolve_backend
 from nemo_dsa.ops.fused_selection.plan import DEFAULT_CHUNK_BYTES, planned_chunks, v4_row_bytes, v41_row_bytes
 from nemo_dsa.ops.fused_selection.window import select_chunks
-from nemo_dsa.ops.v41_indexer.candidates import blocks_to_mask, candidate_blocks_validated as find_blocks
-from nemo_dsa.ops.v41_indexer.candidates import uses_maxima_kernel
 from nemo_dsa.ops.topk.kernels import MAX_COUNT, fits_block_mask
+from nemo_dsa.ops.v4_indexer.kernels import kernel_refusal as v4_kernel_refusal
 from nemo_dsa.ops.v4_indexer.kernels import v4_logits_tilelang
 from nemo_dsa.ops.v4_indexer.naive import v4_logits
+from nemo_dsa.ops.v41_indexer.candidates import blocks_to_mask, candidate_blocks_validated as find_blocks
+from nemo_dsa.ops.v41_indexer.candidates import uses_maxima_kernel
+from nemo_dsa.ops.v41_indexer.heads import kernel_refusal as v41_kernel_refusal
 from nemo_dsa.ops.v41_indexer.kernels import v41_scores_tilelang
 from nemo_dsa.ops.v41_indexer.naive import v41_scores
 from nemo_dsa.visibility import check_ks_ke
@@ -112,7 +114,8 @@ def v4_select_topk(
         graph: the backward needs only the indices (``v4_backward`` / the TileLang backward).
     """
     _check_common(q, k, w, torch.float32, ks, ke, topk, chunk_bytes)
-    return v4_select_topk_validated(q, k, w, ks, ke, topk, resolve_backend(backend, q, k, w, ks, ke), chunk_bytes)
+    backend = resolve_backend(backend, q, k, w, ks, ke, kernel_refusal=v4_kernel_refusal(*q.shape[2:]))
+    return v4_select_topk_validated(q, k, w, ks, ke, topk, backend, chunk_bytes)
 
 
 @torch.no_grad()
@@ -218,7 +221,7 @@ def v41_select_topk(
     """
     batch, queries, heads, dim, num_keys = _check_common(q, k, w, torch.bfloat16, ks, ke, topk, chunk_bytes)
     _check_candidates(candidate_block_size, candidate_topk_blocks, candidate_blocks, batch, queries, num_keys, q.device)
-    backend = resolve_backend(backend, q, k, w, ks, ke)
+    backend = resolve_backend(backend, q, k, w, ks, ke, kernel_refusal=v41_kernel_refusal(heads, dim))
     source = candidate_topk_blocks is not None
     reindex = candidate_blocks is not None
     count = min(topk, num_keys)

@@ -1,6 +1,7 @@
 """MXFP4 quantize-dequantize (E2M1 values, power-of-two block scale) with a straight-through gradient.
 
-docs/semantics.md "Index scoring", MXFP4: per block of 32 consecutive channels, scale = the smallest power of
+docs/semantics.md "Index scoring", MXFP4: per block of 32 consecutive channels (a shorter last block
+as if filled with zeros), scale = the smallest power of
 two >= max|x| / 6 (max clamped to at least 6 * 2^-126), taken from the fp32 bit pattern rather
 than a logarithm; x / scale is clamped to [-6, 6] and rounded to the nearest of
 +-{0, 0.5, 1, 1.5, 2, 3, 4, 6}, a tie going to the level whose E2M1 mantissa bit is 0; the result
@@ -35,7 +36,11 @@ def _round_to_e2m1(magnitude: torch.Tensor) -> torch.Tensor:
 
 
 def _quant_dequant(x: torch.Tensor) -> torch.Tensor:
-    blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+    channels = x.shape[-1]
+    # A last block shorter than 32 is filled with zeros, as the release does: they leave its
+    # maximum, and so its scale and every real channel's value, unchanged.
+    padded = torch.nn.functional.pad(x.float(), (0, -channels % BLOCK))
+    blocks = padded.reshape(*x.shape[:-1], padded.shape[-1] // BLOCK, BLOCK)
     amax = blocks.abs().amax(-1, keepdim=True).clamp_min(E2M1_MAX * 2.0**-126)
     # Correctly rounded fp32 division never lands on a power of two from above: the nearest fp32
     # above 6 * 2^k is 6 * 2^k + 2^(k-21), whose quotient exceeds 2^k by more than half an ulp.
@@ -47,7 +52,7 @@ def _quant_dequant(x: torch.Tensor) -> torch.Tensor:
     # A NaN or inf in a block has no scale: the whole block becomes NaN, so the bad input shows
     # downstream instead of quantizing to zeros (NaN) or to NaNs of another origin (inf).
     out = out.masked_fill(~torch.isfinite(amax), float("nan"))
-    return out.reshape(x.shape).to(x.dtype)
+    return out.reshape(padded.shape)[..., :channels].to(x.dtype)
 
 
 class _MXFP4QuantDequant(torch.autograd.Function):
@@ -61,8 +66,9 @@ class _MXFP4QuantDequant(torch.autograd.Function):
 
 
 def mxfp4_quant_dequant(x: torch.Tensor) -> torch.Tensor:
-    """MXFP4 quantize-dequantize ``x [..., C]`` (C a multiple of 32) in its own dtype; identity gradient."""
+    """MXFP4 quantize-dequantize ``x [..., C]`` in its own dtype, blocks of 32 channels (a shorter
+    last block as if zero-filled); identity gradient."""
     check_tensor("x", x, dtypes=FLOAT_DTYPES)
-    if x.ndim < 1 or x.shape[-1] % BLOCK:
-        raise ValueError(f"x must have a last dimension that is a multiple of {BLOCK}, got shape {tuple(x.shape)}")
+    if x.ndim < 1:
+        raise ValueError(f"x must have at least 1 dimension (the channels), got shape {tuple(x.shape)}")
     return _MXFP4QuantDequant.apply(x)

@@ -21,6 +21,7 @@ _EXPORTS = {
     "SUPPORTED_HEADS": "nemo_dsa.ops.v41_indexer.heads",
     "check_heads": "nemo_dsa.ops.v41_indexer.heads",
     "is_supported_heads": "nemo_dsa.ops.v41_indexer.heads",
+    "kernel_refusal": "nemo_dsa.ops.v41_indexer.heads",
     "largest_supported_heads": "nemo_dsa.ops.v41_indexer.heads",
 }
 

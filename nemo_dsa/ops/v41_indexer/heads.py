@@ -1,13 +1,16 @@
-"""The V4.1 head-count rule, defined once: a power of two no larger than 128.
+"""The shapes the V4.1 scoring kernels take, defined once: a power of two no larger than 128
+heads, an index dim that is a multiple of 16 up to 256.
 
 The fused scorer sums heads on the tensor cores in tiles of GEMM_COLUMNS = 256 (query, head)
 columns, and the released V4.1 indexer uses 64 heads; every power of two up to 128 has a kernel
-configuration. The interface, the kernels, the model configuration and the builder all ask here.
+configuration. The reference takes any shape: ``backend="auto"`` runs it for the others
+(:func:`kernel_refusal`), the kernels themselves refuse them.
 """
 
 from __future__ import annotations
 
 MAX_HEADS = 128
+MAX_INDEX_DIM = 256
 SUPPORTED_HEADS = tuple(1 << i for i in range(MAX_HEADS.bit_length()))  # 1, 2, 4, ..., 128
 
 
@@ -28,3 +31,12 @@ def check_heads(name: str, heads: int, *, of_tensor: bool = True) -> int:
 def largest_supported_heads(heads: int) -> int:
     """The largest V4.1 head count <= ``heads`` (>= 1): a power of two, at most MAX_HEADS."""
     return min(1 << (max(heads, 1).bit_length() - 1), MAX_HEADS)
+
+
+def kernel_refusal(heads: int, dim: int) -> str | None:
+    """Why the V4.1 scoring kernels cannot take ``heads`` x ``dim`` queries, or None when they can."""
+    if not is_supported_heads(heads):
+        return f"the V4.1 indexer kernels take a power of two <= {MAX_HEADS} index heads, got {heads}"
+    if dim % 16 or not 16 <= dim <= MAX_INDEX_DIM:
+        return f"the V4.1 indexer kernels take an index dim that is a multiple of 16 in [16, {MAX_INDEX_DIM}], got {dim}"
+    return None

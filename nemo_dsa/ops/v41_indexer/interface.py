@@ -11,7 +11,7 @@ import torch
 
 from nemo_dsa._checks import check_qkw, check_tensor
 from nemo_dsa.ops.dispatch import resolve_backend
-from nemo_dsa.ops.v41_indexer.heads import check_heads
+from nemo_dsa.ops.v41_indexer.heads import kernel_refusal
 from nemo_dsa.ops.v41_indexer.kernels import indexer_scores_tilelang
 from nemo_dsa.ops.v41_indexer.naive import v41_scores
 from nemo_dsa.visibility import check_ks_ke
@@ -40,9 +40,6 @@ def _validate(queries, keys, weights, allowed, ks, ke) -> None:
         queries, keys, weights, dtypes=((torch.bfloat16,),) * 3, names=("queries", "keys", "weights")
     )
     device = queries.device
-    check_heads("queries", heads)
-    if dim % 16:
-        raise ValueError(f"queries must have an index dim divisible by 16, got {dim}")
     if allowed is not None:
         if ks is not None or ke is not None:
             raise ValueError("give either allowed or (ks, ke), not both")
@@ -67,7 +64,8 @@ def indexer_scores(
     """Frozen V4.1 indexer scores, bf16 ``[B, S, K]``, -inf where a key is not visible; no autograd graph.
 
     Args:
-        queries: [B, S, H, D] bf16 (H a power of two <= 128, D divisible by 16), MXFP4 + RoPE applied.
+        queries: [B, S, H, D] bf16, MXFP4 + RoPE applied. The kernels take H a power of two
+            <= 128 and D a multiple of 16 up to 256; "auto" runs the reference for other shapes.
         keys: [B, K, D] bf16 compressed index keys (global compressed axis).
         weights: [B, S, H] bf16 per-head weights, released scaling folded in.
         allowed: dense bool [B, S, K] visibility, honoured elementwise; or instead
@@ -75,5 +73,6 @@ def indexer_scores(
         backend: "auto" | "tilelang" | "torch".
     """
     _validate(queries, keys, weights, allowed, ks, ke)
-    backend = resolve_backend(backend, *(t for t in (queries, keys, weights, allowed, ks, ke) if t is not None))
+    tensors = (t for t in (queries, keys, weights, allowed, ks, ke) if t is not None)
+    backend = resolve_backend(backend, *tensors, kernel_refusal=kernel_refusal(*queries.shape[2:]))
     return _scores(backend, queries, keys, weights, allowed, ks, ke)

@@ -53,7 +53,7 @@ from nemo_dsa.ops._pingpong import (
     pingpong_shared_memory_bytes,
 )
 from nemo_dsa.ops._tilelang import HOPPER_SMEM_LIMIT, compile_cached, tilelang
-from nemo_dsa.ops.v41_indexer.heads import SUPPORTED_HEADS, check_heads
+from nemo_dsa.ops.v41_indexer.heads import MAX_INDEX_DIM, SUPPORTED_HEADS, check_heads
 
 # ----------------------------------------------------------------------------------------------
 # Configurations: the one table the wrappers pick from (and the lowering tests enumerate).
@@ -62,7 +62,6 @@ from nemo_dsa.ops.v41_indexer.heads import SUPPORTED_HEADS, check_heads
 # Index dims the kernel is built for; other multiples of 16 up to 256 are zero-padded to the next
 # one (zeros add exact zeros to every fp32 dot product, so the scores are unchanged).
 KERNEL_DIMS = (64, 128, 256)
-MAX_INDEX_DIM = 256
 GEMM_COLUMNS = 256  # wgmma's largest N: block_q * heads
 
 

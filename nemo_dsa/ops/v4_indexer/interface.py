@@ -19,7 +19,7 @@ from nemo_dsa.ops.dispatch import resolve_backend, resolve_fused_topk
 from nemo_dsa.ops.fused_selection import interface as fused_selection
 from nemo_dsa.ops.topk.gather import gather_at_indices, pytorch_extract_topk_scores
 from nemo_dsa.ops.topk.interface import select_topk
-from nemo_dsa.ops.v4_indexer.kernels import v4_logits_tilelang, v4_topk_backward_tilelang
+from nemo_dsa.ops.v4_indexer.kernels import kernel_refusal, v4_logits_tilelang, v4_topk_backward_tilelang
 from nemo_dsa.ops.v4_indexer.naive import v4_backward, v4_logits
 from nemo_dsa.visibility import causal_ks_ke, check_ks_ke
 
@@ -66,8 +66,6 @@ def _check_layout(index_q, index_k, weights, *, seq_first: bool) -> tuple[int, i
         index_q, index_k, weights, dtypes=((torch.bfloat16,), (torch.bfloat16,), (torch.float32,)),
         names=names, seq_first=seq_first,
     )
-    if sizes[3] % 16:
-        raise ValueError(f"{names[0]} must have a head dim divisible by 16, got {sizes[3]}")
     return sizes
 
 
@@ -101,7 +99,7 @@ class V4IndexerBSHDFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, w, compress_ratio, topk, topk_indices=None, ks=None, ke=None, backend="auto", fused_topk=None):
         ks, ke = _validate(q, k, w, compress_ratio, topk, topk_indices, ks, ke)
-        backend = resolve_backend(backend, q, k, w)
+        backend = resolve_backend(backend, q, k, w, kernel_refusal=kernel_refusal(*q.shape[2:]))
         if resolve_fused_topk(fused_topk, backend) and topk_indices is None:
             # Selection streamed over query chunks: no [B, S, K] logits are ever held.
             index_score, topk_indices = fused_selection.v4_select_topk_validated(q, k, w, ks, ke, topk, backend)

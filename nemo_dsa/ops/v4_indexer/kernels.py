@@ -357,6 +357,16 @@ def _check_qkw(q, k, w):
     return batch, queries, heads, dim, num_keys
 
 
+def kernel_refusal(heads: int, dim: int) -> str | None:
+    """Why the V4 indexer kernels cannot take ``heads`` x ``dim`` queries (the limits
+    :func:`_check_qkw` enforces), or None when they can."""
+    if not 1 <= heads <= 128:
+        return f"the V4 indexer kernels take 1 to 128 index heads, got {heads}"
+    if dim % 16 or not 16 <= dim <= 256:
+        return f"the V4 indexer kernels take an index head dim that is a multiple of 16 in [16, 256], got {dim}"
+    return None
+
+
 def padded_shape(heads: int, dim: int) -> tuple[int, int]:
     """The smallest table entry holding ``heads`` x ``dim``: other shapes run zero-padded."""
     return (next(h for h in SUPPORTED_HEADS if h >= heads), next(d for d in SUPPORTED_DIMS if d >= dim))
