@@ -215,6 +215,16 @@ class CacheRoundingFlips:
         for hook in self.hooks:
             hook.remove()
 
+    def same_value(self, fmt: str, values: torch.Tensor, ref_in: torch.Tensor) -> torch.Tensor:
+        """Where the plugin's rounding input is the built-in's up to fp32 order: each element
+        within SAME_VALUE of itself."""
+        same_value = (values - ref_in).abs() <= SAME_VALUE * ref_in.abs()
+        if fmt == "mxfp4":  # an MXFP4 code also depends on its vector's block maximum: the whole
+            # vector must be the same (a padding query's differs: nemo_dsa rotates it at 0).
+            gap = (values - ref_in).abs().amax(-1, keepdim=True)
+            same_value &= gap <= SAME_VALUE * ref_in.abs().amax(-1, keepdim=True)
+        return same_value
+
     def _reconciling(self, fmt, quantize):
         def reconciled(values, *block):
             out = quantize(values, *block)
@@ -223,11 +233,7 @@ class CacheRoundingFlips:
             ref_in, ref_out = self.recorded[fmt][index]
             if ref_out.shape != out.shape:
                 raise AssertionError(f"{fmt} call {index}: the built-in rounded {tuple(ref_out.shape)}, the plugin {tuple(out.shape)}")
-            same_value = (values.detach() - ref_in).abs() <= SAME_VALUE * ref_in.abs()
-            if fmt == "mxfp4":  # an MXFP4 code also depends on its vector's block maximum: the whole
-                # vector must be the same (a padding query's differs: nemo_dsa rotates it at 0).
-                gap = (values.detach() - ref_in).abs().amax(-1, keepdim=True)
-                same_value &= gap <= SAME_VALUE * ref_in.abs().amax(-1, keepdim=True)
+            same_value = self.same_value(fmt, values.detach(), ref_in)
             flipped = (out.detach() != ref_out) & same_value
             self.flips += [(fmt, float(a), float(b)) for a, b in zip(ref_in[flipped], values.detach()[flipped])]
             return out + torch.where(flipped, ref_out - out.detach(), 0.0)
