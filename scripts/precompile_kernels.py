@@ -32,7 +32,7 @@ def _jobs(heads: list[int], dims: list[int], counts: list[int]) -> list[tuple]:
     # (the radix select's masked build serves the tests' and benchmarks' radix rows).
     masked = {select_config(torch.bfloat16, count, "index", block_size=8) for count in counts}
     selectors = [("select", c) for c in sorted(configs | masked, key=str)] + [("vector", 0), ("vector", 8)]
-    # The sparse-attention kernels (forwards, backward, window dkv, delta) of every head dim/mode.
+    # The sparse-attention kernels (forward, backward, delta) of every head dim/mode.
     from nemo_dsa.ops.sparse_attention.kernels import KERNEL_DIMS, dispatched_configs
 
     attention = [("attention", config) for config in dispatched_configs() + list(KERNEL_DIMS)]

@@ -1,6 +1,7 @@
 """Sparse window attention kernels on the CPU: every dispatched configuration lowers for sm_90a
 with wgmma and fits Hopper's shared memory; the forward keeps its warp-specialised schedule and
-zero-filling gathers; two configurations compile to cubins with nvcc; the wrappers' limits."""
+zero-filling gathers; representative configurations compile to cubins with nvcc; the wrappers'
+limits."""
 
 import re
 import shutil
@@ -14,7 +15,6 @@ from nemo_dsa.ops.sparse_attention.kernels import (
     HOPPER_SMEM_LIMIT,
     BackwardConfig,
     ForwardConfig,
-    WindowDkvConfig,
     backward_config,
     dispatched_configs,
     forward_config,
@@ -27,8 +27,6 @@ def _factory(config):
         return kernels.sparse_window_fwd_kernel
     if isinstance(config, BackwardConfig):
         return kernels.sparse_window_bwd_kernel
-    if isinstance(config, WindowDkvConfig):
-        return kernels.window_dkv_kernel
     return kernels.attention_delta_kernel
 
 
@@ -55,27 +53,24 @@ def _forward_problems(config: ForwardConfig, source: str) -> list[str]:
     """What the forward's CUDA lacks of its schedule: S = Q K^T as m64n64 wgmmas, one m64 x D/2
     P V wgmma per consumer, the setmaxnreg split, and zero-filling cp.async gathers."""
     problems = []
-    keys = 32 if config.schedule.startswith("balanced") else 64  # balanced: each consumer scores half the keys
-    if len(re.findall(rf"wgmma_ss<[^>]*\b64, {keys}, 16\b", source)) < 4:
-        problems.append(f"S = Q K^T as m64n{keys}k16 wgmma (in each consumer)")
-    if config.schedule.startswith("alternating") and len(re.findall(rf"wgmma_rs<[^>]*\b64, {config.dim // 2}, 16\b", source)) < 2:
+    if len(re.findall(r"wgmma_ss<[^>]*\b64, 64, 16\b", source)) < 4:
+        problems.append("S = Q K^T as m64n64k16 wgmma (in each consumer)")
+    if len(re.findall(rf"wgmma_rs<[^>]*\b64, {config.dim // 2}, 16\b", source)) < 2:
         problems.append("each consumer's own tile's P V with P in registers (wgmma_rs)")
     if len(re.findall(rf"wgmma_ss<[^>]*\b64, {config.dim // 2}, 16\b", source)) < 2:
         problems.append(f"one m64n{config.dim // 2} P V wgmma per consumer")
-    if f"warpgroup_reg_dealloc<{config.producer_registers}>" not in source:
+    if f"warpgroup_reg_dealloc<{kernels.PRODUCER_REGISTERS}>" not in source:
         problems.append("producer setmaxnreg.dec")
-    for registers in {config.consumer0_registers, config.consumer1_registers}:
-        if f"warpgroup_reg_alloc<{registers}>" not in source:
-            problems.append(f"consumer setmaxnreg.inc {registers}")
+    if source.count(f"warpgroup_reg_alloc<{kernels.CONSUMER_REGISTERS}>") != 2:
+        problems.append(f"consumers' setmaxnreg.inc {kernels.CONSUMER_REGISTERS}")
     if "cp_async_gs_conditional<16>" not in source:
         problems.append("16-byte zero-filling cp.async gathers")
-    if config.schedule.startswith("alternating"):
-        # Q by TMA before the index row is read (the block's first loads), O stored by TMA.
-        q_load, index_row = source.find("tl::tma_load"), source.find("Indices[")
-        if q_load < 0 or (config.mode == "indices" and not q_load < index_row):
-            problems.append("Q loaded by TMA ahead of the index row")
-        if source.count("tl::tma_store(") != 2 or source.count("tma_store_wait<0, true>") != 2:
-            problems.append("O stored by TMA from each consumer's staging tile")
+    # Q by TMA before the index row is read (the block's first loads), O stored by TMA.
+    q_load, index_row = source.find("tl::tma_load"), source.find("Indices[")
+    if q_load < 0 or (config.mode == "indices" and not q_load < index_row):
+        problems.append("Q loaded by TMA ahead of the index row")
+    if source.count("tl::tma_store(") != 2 or source.count("tma_store_wait<0, true>") != 2:
+        problems.append("O stored by TMA from each consumer's staging tile")
     # The producer never waits for its own copies: they arrive on the stage's mbarrier themselves.
     producer = re.search(r"warpgroup_reg_dealloc<\d+>(.*?)warpgroup_reg_alloc<", source, re.S)
     if "mbarrier_cp_async_arrive_noinc" not in source or producer is None or "cp_async_wait" in producer.group(1):
@@ -87,15 +82,6 @@ def _forward_problems(config: ForwardConfig, source: str) -> list[str]:
     if len(role_ids) != 3 or any(len(ids) > 1 for ids in role_ids) or len(set().union(*role_ids)) != sum(map(len, role_ids)):
         problems.append(f"one named barrier per role, distinct across roles (got {role_ids})")
     return problems
-
-
-def _check_window_dkv(config: WindowDkvConfig, source: str) -> None:
-    """The key-major window dkv: S and dP as m64n32 wgmmas, dkv accumulated as m64 x D/2 wgmmas
-    (one half of D per warpgroup), and its only atomics after the query loop (one add per row)."""
-    assert re.search(r"wgmma_ss<[^>]*\b64, 32, 16\b", source), f"{config}: S = Q K^T wgmma"
-    assert len(re.findall(rf"wgmma_ss<[^>]*\b64, {config.dim // 2}, 16, true, true\b", source)) == 2, f"{config}: dkv wgmmas"
-    last_gemm, first_atomic = source.rfind("wgmma_ss<"), source.find("AtomicAdd")
-    assert 0 < last_gemm < first_atomic, f"{config}: an atomic inside the query loop"
 
 
 def _pipelined_backward_problems(config: BackwardConfig, source: str) -> list[str]:
@@ -121,8 +107,8 @@ def _pipelined_backward_problems(config: BackwardConfig, source: str) -> list[st
 
 def test_every_dispatched_config_lowers_with_wgmma_and_fits_shared_memory():
     configs = dispatched_configs()
-    forwards_and_backwards = len(kernels.FWD_SCHEDULES) + len(kernels.BWD_SCHEDULES)
-    assert len(configs) == len(set(configs)) == (forwards_and_backwards * len(kernels.MODES) + 1) * len(kernels.KERNEL_DIMS)
+    # One forward and one backward per head dim and mode.
+    assert len(configs) == len(set(configs)) == 2 * len(kernels.MODES) * len(kernels.KERNEL_DIMS)
     results = map_in_workers(_lower, configs + list(kernels.KERNEL_DIMS))
     for config, source, smem in results:
         # Dynamic and static (mbarriers, the forward's index row; 1 KiB aligned) together.
@@ -139,69 +125,69 @@ def test_every_dispatched_config_lowers_with_wgmma_and_fits_shared_memory():
                 assert static >= 4 * kernels.MAX_SELECTED, config
         elif isinstance(config, BackwardConfig):
             assert "wgmma_ss<" in source, f"{config}: no wgmma"
-            if config.schedule == "staged":
-                # Each chunk staged in shared memory, then added by 16-byte atomics, each warp's
-                # covering whole 128-byte lines of two key rows.
-                assert "AtomicAddx4(" in source and "AtomicAddx2(" not in source, f"{config}: not 16-byte atomics"
-            else:
-                # Straight from the two accumulators to 16-byte atomics (after the lane exchanges
-                # of the helper): no staging tile, so no barrier inside the chunk loop.
-                helper = "dkv_add_transposed"
-                for acc in ("acc_kv", "acc_kv1"):
-                    assert f"{helper}({acc}, " in source, f"{config}: {acc} not added by {helper}"
-                assert "atomicAdd(reinterpret_cast<float4*>" in source and "AtomicAdd" not in source, config
-                chunk_loop = source[source.index(f"{helper}(acc_kv, "):source.rindex(f"{helper}(acc_kv1, ")]
-                assert "__syncthreads()" not in chunk_loop, f"{config}: a barrier between the chunks' adds"
+            # Straight from the two accumulators to 16-byte atomics (after the lane exchanges of
+            # the helper): no staging tile, so no barrier inside the chunk loop.
+            helper = "dkv_add_transposed"
+            for acc in ("acc_kv", "acc_kv1"):
+                assert f"{helper}({acc}, " in source, f"{config}: {acc} not added by {helper}"
+            assert "atomicAdd(reinterpret_cast<float4*>" in source and "AtomicAdd" not in source, config
+            chunk_loop = source[source.index(f"{helper}(acc_kv, "):source.rindex(f"{helper}(acc_kv1, ")]
+            assert "__syncthreads()" not in chunk_loop, f"{config}: a barrier between the chunks' adds"
             # The key rows come by zero-filling cp.async, not through registers (LDG, then STS).
             assert "cp_async_gs_conditional<16>" in source, f"{config}: key rows not gathered by cp.async"
             # One wait, at the top of each tile: the next tile's rows are copied during this
             # tile's dkv GEMMs (a commit before the loop and one inside it), not waited for at once.
             tile_loop = source[source.index("for (int t = 0; t < tiles; ++t)"):]
             assert source.count("cp_async_wait<0>") == 1 and tile_loop.count("cp_async_wait<0>") == 1, config
-            # (Every schedule prefetches in each of its two dkv branches.)
+            # (It prefetches in each of its two dkv branches.)
             assert source.count("cp_async_commit") == 3 and tile_loop.count("cp_async_commit") == 2, config
             assert not _pipelined_backward_problems(config, source), f"{config}: {_pipelined_backward_problems(config, source)}"
-            # A tile starts with its key wait: AHEAD_SCHEDULES read its dKV rows a tile earlier
-            # (the others read the index row and meet at a barrier first), and Q and dO come by TMA.
+            # A tile starts with its key wait: its dKV rows were read a tile earlier (no index-row
+            # read, no barrier first), and Q and dO come by TMA.
             tile_start = tile_loop[: tile_loop.index("cp_async_wait<0>")]
-            ahead = config.schedule in kernels.AHEAD_SCHEDULES
-            assert ("__syncthreads()" in tile_start) != ahead, config
-            assert ("Indices[" in tile_start) == (config.mode == "indices" and not ahead), config
-            assert source.count("tl::tma_load") == (2 if ahead else 0), config
+            assert "__syncthreads()" not in tile_start and "Indices[" not in tile_start, config
+            assert source.count("tl::tma_load") == 2, config
             assert smem > 0
-        elif isinstance(config, WindowDkvConfig):
-            _check_window_dkv(config, source)
-    for config in configs:
+        else:
+            assert isinstance(config, int), config  # the delta kernel, by head dim
+            assert "__launch_bounds__(128" in source, config
+    # setmaxnreg moves registers within the launch allocation: asking for more hangs.
+    budget = 2 * kernels.CONSUMER_REGISTERS + kernels.PRODUCER_REGISTERS
+    assert budget <= 3 * kernels.LAUNCH_REGISTERS, f"setmaxnreg budgets ask for {budget} > 504"
+    assert kernels.LAUNCH_REGISTERS * kernels.FWD_THREADS <= 65536
+    for config, source, _ in results:
         if isinstance(config, ForwardConfig):
-            # setmaxnreg moves registers within the launch allocation: asking for more hangs.
-            budget = config.consumer0_registers + config.consumer1_registers + config.producer_registers
-            assert budget <= 3 * kernels.LAUNCH_REGISTERS, f"{config}: setmaxnreg budgets ask for {budget} > 504"
-            assert kernels.LAUNCH_REGISTERS * kernels.FWD_THREADS <= 65536
-            # The consumers meet at their own 256-thread barriers (alternating: only to share Q
-            # and the row sums; within a round they hand over through mbarriers).
-            balanced = (kernels.EXCHANGE_BARRIER, kernels.P_READY_BARRIER)
-            barriers = {"balanced": balanced, "balanced-lean": balanced,
-                        "alternating": (kernels.EXCHANGE_BARRIER,),
-                        "alternating-lean": (kernels.EXCHANGE_BARRIER,)}.get(config.schedule, ())
-            source = next(src for c, src, _ in results if c == config)
-            for barrier in barriers:
-                assert f"__sync_thread_partial({barrier}, 256)" in source, f"{config}: barrier {barrier}"
+            # The consumers meet at their own 256-thread barrier only to share Q and the row
+            # sums; within a round they hand over through mbarriers.
+            assert f"__sync_thread_partial({kernels.EXCHANGE_BARRIER}, 256)" in source, config
 
 
 def test_role_barrier_renumbering_separates_shared_ids():
-    """TileLang gave the producer's copy barrier consumer 0's id in this shape of code; after the
-    renumbering each role has its own id, and other kernels' code is left alone."""
+    """Roles that share barrier ids in the generated code each get their own after the
+    renumbering, and other kernels' code is left alone."""
     code = (
-        "void sparse_window_fwd() { warpgroup_reg_dealloc<96>(); __sync_thread_partial(3, 128);"
+        "void sparse_window_fwd_alternating_kernel() { warpgroup_reg_dealloc<96>(); __sync_thread_partial(3, 128);"
         " warpgroup_reg_alloc<240>(); __sync_thread_partial(3, 128); __sync_thread_partial(3, 128);"
         " warpgroup_reg_alloc<168>(); __sync_thread_partial(4, 128); }"
     )
     fixed = kernels.separate_role_barriers(code)
     ids = [int(i) for i in re.findall(r"__sync_thread_partial\((\d+), 128\)", fixed)]
     assert ids == [kernels.ROLE_BARRIER_IDS[0]] + [kernels.ROLE_BARRIER_IDS[1]] * 2 + [kernels.ROLE_BARRIER_IDS[2]]
-    assert kernels.separate_role_barriers(code.replace("sparse_window_fwd", "other")) == code.replace("sparse_window_fwd", "other")
+    other = code.replace("sparse_window_fwd_alternating", "other")
+    assert kernels.separate_role_barriers(other) == other
     with pytest.raises(RuntimeError, match="3 warpgroup roles"):
-        kernels.separate_role_barriers("sparse_window_fwd warpgroup_reg_alloc<240>")
+        kernels.separate_role_barriers("sparse_window_fwd_alternating_kernel warpgroup_reg_alloc<240>")
+
+
+def test_the_forward_needs_its_role_barriers_separated():
+    """Both consumers name FLAGS_BARRIER in the generated CUDA (one 128-thread barrier for two
+    roles); only the renumbered code gives each role its own ids."""
+    _, source, _ = _lower(forward_config(128, "indices"))
+    marks = [m.start() for m in re.finditer(r"warpgroup_reg_(?:alloc|dealloc)<", source)] + [len(source)]
+    consumers = [source[a:b] for a, b in zip(marks[1:], marks[2:])]
+    flags = f"__sync_thread_partial({kernels.FLAGS_BARRIER}, 128)"
+    assert all(flags in consumer for consumer in consumers)
+    assert flags not in kernels.separate_role_barriers(source)
 
 
 def test_schedule_check_can_fail():
@@ -226,20 +212,14 @@ def test_schedule_check_can_fail():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found: cannot build cubins")
 def test_representative_configs_compile_to_cubin():
-    fwd, bwd = forward_config(512, "indices"), backward_config(128, "range")  # the default forward
-    balanced, window_dkv = forward_config(512, "range", "balanced"), WindowDkvConfig(512)
-    alternating = forward_config(512, "indices", "alternating")
-    fwd_source, bwd_source, balanced_source, window_source, alternating_source = map_in_workers(
-        _compile, [fwd, bwd, balanced, window_dkv, alternating]
-    )
-    for config, source in ((fwd, fwd_source), (balanced, balanced_source), (alternating, alternating_source)):
-        assert not _forward_problems(config, source)
-        # The post-processing hook ran before nvcc: the consumers' barriers carry their role ids
-        # (the producer has none left: it never waits for its own copies).
-        for role_id in kernels.ROLE_BARRIER_IDS[1:]:
-            assert f"__sync_thread_partial({role_id}, 128)" in source
+    fwd, bwd = forward_config(512, "indices"), backward_config(128, "range")
+    fwd_source, bwd_source = map_in_workers(_compile, [fwd, bwd])
+    assert not _forward_problems(fwd, fwd_source)
+    # The post-processing hook ran before nvcc: the consumers' barriers carry their role ids
+    # (the producer has none left: it never waits for its own copies).
+    for role_id in kernels.ROLE_BARRIER_IDS[1:]:
+        assert f"__sync_thread_partial({role_id}, 128)" in fwd_source
     assert "dkv_add_transposed(acc_kv, " in bwd_source and "atomicAdd(reinterpret_cast<float4*>" in bwd_source
-    _check_window_dkv(window_dkv, window_source)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found: cannot run ptxas")
@@ -250,7 +230,7 @@ def test_backwards_keep_their_wgmmas_asynchronous():
     from _lowering import ptxas_report
 
     shapes = ((512, "indices"), (512, "range"), (128, "range"))
-    configs = [backward_config(d, m, schedule) for schedule in kernels.BWD_SCHEDULES for d, m in shapes]
+    configs = [backward_config(d, m) for d, m in shapes]
     for config, source, _ in map_in_workers(_lower, configs):
         report = ptxas_report(source)
         assert "C7514" not in report and "C7517" not in report, f"{config}: {report[-2000:]}"
@@ -259,18 +239,15 @@ def test_backwards_keep_their_wgmmas_asynchronous():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found: cannot run ptxas")
 def test_forwards_keep_their_wgmmas_asynchronous():
-    """The same ptxas check for every forward schedule at D = 512: no wgmma serialised (C7514 /
-    C7517) in either mode, and no spill, except in the `balanced` control's range mode (32 bytes,
-    docs/performance.md v19, left alone; the alternating forwards' range-mode spill of v19 went
-    with the TMA load of Q, v27)."""
+    """The same ptxas check for the forward at D = 512: no wgmma serialised (C7514 / C7517) and
+    no spill, in either mode."""
     from _lowering import ptxas_report
 
-    configs = [forward_config(512, mode, schedule) for schedule in kernels.FWD_SCHEDULES for mode in ("indices", "range")]
+    configs = [forward_config(512, mode) for mode in ("indices", "range")]
     for config, source, _ in map_in_workers(_lower, configs):
         report = ptxas_report(source)
         assert "C7514" not in report and "C7517" not in report, f"{config}: {report[-2000:]}"
-        if config.mode == "indices" or config.schedule != "balanced":
-            assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", report), f"{config}: {report[-2000:]}"
+        assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", report), f"{config}: {report[-2000:]}"
 
 
 def test_dims_and_modes_map_to_kernels():
@@ -281,17 +258,6 @@ def test_dims_and_modes_map_to_kernels():
         forward_config(192, "indices")
     with pytest.raises(ValueError, match="mode must be one of"):
         backward_config(512, "dense")
-
-
-@pytest.mark.parametrize("variable, reader", [
-    ("NEMO_DSA_ATTN_FWD", lambda: forward_config(512, "indices")),
-    ("NEMO_DSA_ATTN_BWD", lambda: backward_config(512, "indices")),
-    ("NEMO_DSA_WINDOW_DKV", kernels.window_dkv_mode),
-])  # fmt: skip
-def test_schedule_variables_reject_unknown_values(variable, reader, monkeypatch):
-    monkeypatch.setenv(variable, "fastest")
-    with pytest.raises(ValueError, match=f"{variable} must be one of .* got 'fastest'"):
-        reader()
 
 
 def _cuda_like_args(**change):

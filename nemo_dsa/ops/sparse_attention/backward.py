@@ -1,5 +1,5 @@
-"""The backward kernels: the query-major backward (dq, dkv and delta), the key-major window dkv,
-and the delta kernel for when no other gradient is wanted.
+"""The backward kernels: the query-major backward (dq, dkv and delta), and the delta kernel for
+when no other gradient is wanted.
 
 One block per (query, 64 heads) first computes ``delta = rowsum(dO * O)`` (written out for the
 sink's gradient), then recomputes P from the saved lse, accumulates dq in registers and adds
@@ -9,32 +9,24 @@ after.
 """
 
 from nemo_dsa.ops._tilelang import tilelang
-from nemo_dsa.ops.sparse_attention.configs import (
-    AHEAD_SCHEDULES,
-    BLOCK_HEADS,
-    BLOCK_KEYS,
-    BWD_THREADS,
-    LOG2E,
-    STAGE_ROW_PAD,
-)
+from nemo_dsa.ops.sparse_attention.configs import BLOCK_HEADS, BLOCK_KEYS, BWD_THREADS, LOG2E
 from nemo_dsa.ops.sparse_attention.tiles import compressed_span, tile_plan
 
 DELTA_ROWS = 32
 DELTA_CHUNK = 128
 
-# "transposed": a [64, chunk] fp32 dkv chunk goes from the wgmma accumulator straight to 16-byte
-# atomics, without a pass through shared memory. The accumulator of 256 threads (as TileLang
+# A [64, chunk] fp32 dkv chunk goes from the wgmma accumulator straight to 16-byte atomics,
+# without a pass through shared memory (no staging tile, no barrier per chunk). The accumulator of 256 threads (as TileLang
 # lays out an m64 fp32 wgmma result over two warpgroups): warpgroup wg holds columns
 # [wg chunk / 2, (wg + 1) chunk / 2), warp w rows 16 w + (lane >> 2) and that + 8, and float2
 # number 2 j + h (h: the row + 8) columns 8 j + 2 (lane & 3) and + 1 of its half. Two exchanges
 # turn that into whole 128-byte lines a request:
 # - the two lanes of a pair swap halves of their float2s: the even lane gets 4 consecutive
 #   columns of group 2 jp, the odd lane of group 2 jp + 1 (a quad then holds 64 contiguous bytes
-#   of its row, which as atomics reach the L2 as 8 half lines a warp: v28's "shuffled");
+#   of its row, which as atomics would reach the L2 as 8 half lines a warp);
 # - the quads of rows 2 k and 2 k + 1 (lanes 8 k .. 8 k + 7) swap a float4: of each 32 columns the
 #   even quad takes both rows' first 16, the odd quad both rows' last 16, so that 8 lanes add 128
-#   contiguous bytes of one row and a warp's request covers 4 whole lines (-6 to -7 % of the
-#   backward against the pair exchange alone, v29).
+#   contiguous bytes of one row and a warp's request covers 4 whole lines.
 TRANSPOSED_ADD_SOURCE = r"""
 __device__ __forceinline__ void dkv_add_transposed(const float* acc, float* dkv, const int* rows, int row_stride, int chunk) {
   const int lane = threadIdx.x & 31, quad_lane = lane & 3;
@@ -105,7 +97,7 @@ def attention_delta_kernel(dim: int):
     return attention_delta
 
 
-def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str):
+def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int):
     """PrimFunc of the backward for one configuration. Grid: (S, H / 64, B), 256 threads; H a
     multiple of 64 (zero q and dO rows in padded heads contribute exact zeros).
 
@@ -116,15 +108,12 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
     which must hold zeros on entry in the wanted rows (the tiles' contributions are added
     atomically; unwanted rows are never touched).
 
-    ``schedule`` (BWD_SCHEDULES): every schedule issues S and dP together, and each dkv chunk's
-    GEMMs before the previous chunk's atomics (two accumulators), so that the atomics overlap the
-    tensor cores. "staged" writes each chunk to shared memory first, so that its atomics are 16
-    bytes wide and each warp's cover two whole key rows of the chunk (the fragment layout gives
-    8-byte atomics spread over 8 rows); "transposed" adds each chunk from the accumulator by
-    16-byte atomics over whole lines after two lane exchanges (TRANSPOSED_ADD_SOURCE): no
-    staging, no barrier per chunk; "transposed-ahead" is transposed with Q and dO loaded by TMA
-    while delta is computed, and each tile's dKV rows read one tile ahead into a second row
-    buffer, so that no tile starts with a global read and a barrier.
+    The schedule: S and dP are issued together, and each dkv chunk's GEMMs before the previous
+    chunk's atomics (two accumulators), so that the atomics overlap the tensor cores. Each chunk
+    is added from the accumulator by 16-byte atomics over whole lines after two lane exchanges
+    (TRANSPOSED_ADD_SOURCE). Q and dO are loaded by TMA while delta is computed, and each tile's
+    dKV rows are read one tile ahead into a second row buffer, so that no tile starts with a
+    global read and a barrier.
     """
     T = tilelang().language
     bf16, f32, i32 = T.bfloat16, T.float32, T.int32
@@ -136,8 +125,8 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
 
     # The key rows of tile ``tt`` into k_s by zero-filling cp.async, one source per tile (a
     # uniform branch), rows computed, not read from rows_s: a select between the two sources went
-    # through registers (LDG, then an STS waiting on it: 18 % of the stall samples), and a read
-    # of rows_s put a barrier before every row (docs/performance.md v14). No wait here: the copy
+    # through registers (LDG, then an STS waiting on it), and a read of rows_s put a barrier
+    # before every row. No wait here: the copy
     # overlaps the previous tile's dkv GEMMs and atomics, which do not read k_s.
     no_wait = {"parallel_async_without_async_commit_wait": True}
 
@@ -163,9 +152,7 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
                 )
         T.ptx_commit_group()
 
-    staged = schedule == "staged"
-    ahead = schedule in AHEAD_SCHEDULES
-    if not staged and (BK, BWD_THREADS, dkv_chunk % 64) != (64, 256, 0):
+    if (BK, BWD_THREADS, dkv_chunk % 64) != (64, 256, 0):
         raise ValueError("the transposed dkv add needs 64-key tiles, 256 threads and chunks of a multiple of 64 columns")
     n_chunks = D // dkv_chunk
     if n_chunks % 2:
@@ -185,33 +172,12 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
         T.wgmma_gemm(ds_s, q_s[:, c * dkv_chunk : (c + 1) * dkv_chunk], acc, transpose_A=True, clear_accum=True)
         T.wgmma_gemm(p_s, do_s[:, c * dkv_chunk : (c + 1) * dkv_chunk], acc, transpose_A=True)
 
-    def grad_out(dO, do_s, b, s, h0, h, col):
-        """dO[h, col] of the block's query for delta: AHEAD_SCHEDULES read it from L2 (its TMA
-        copy in do_s may still be landing), the others from shared memory."""
-        return dO[b, s, h0 + h, col] if ahead else do_s[h, col]
-
-    def tile_row(rows_s, slot, r):
-        """The dKV row of key ``r`` of the current tile (``slot``: its buffer, AHEAD_SCHEDULES)."""
-        return rows_s[slot, r] if ahead else rows_s[r]
-
     @T.macro
-    def add_dkv_staged(dKV, acc, rows_s, slot, stage_s, b, c):
-        T.sync_threads()  # every thread has read the previous chunk's staging tile
-        for r, d in T.Parallel(BK, dkv_chunk):
-            stage_s[r, d] = acc[r, d]
-        T.sync_threads()
-        for r, d in T.Parallel(BK, dkv_chunk):
-            if tile_row(rows_s, slot, r) >= 0:
-                T.atomic_add(dKV[b, tile_row(rows_s, slot, r), c * dkv_chunk + d], stage_s[r, d])
-
-    @T.macro
-    def add_dkv_transposed(dKV, acc, rows_s, slot, stage_s, b, c):
+    def add_dkv(dKV, acc, rows_s, slot, b, c):
         # acc.data: the accumulator's registers as the local array TileLang declares (an element
         # access here would make layout inference replicate the fragment).
         T.call_extern("handle", "dkv_add_transposed", acc.data, T.address_of(dKV[b, 0, c * dkv_chunk]),
-                      T.address_of(rows_s[slot, 0] if ahead else rows_s[0]), D, dkv_chunk)
-
-    add_dkv = add_dkv_staged if staged else add_dkv_transposed
+                      T.address_of(rows_s[slot, 0]), D, dkv_chunk)
 
     @T.macro
     def row_of(key, tt, r, lo, own, window_tiles, n_sel, ks, n_raw, n_comp):
@@ -254,16 +220,13 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
         dKV: T.Tensor([batch, n_raw + n_comp, D], f32),
     ):
         with T.Kernel(seq_len, heads // HB, batch, threads=BWD_THREADS) as (s, g, b):
-            if not staged:
-                T.import_source(TRANSPOSED_ADD_SOURCE)
+            T.import_source(TRANSPOSED_ADD_SOURCE)
             q_s = T.alloc_shared([HB, D], bf16)
             do_s = T.alloc_shared([HB, D], bf16)
             k_s = T.alloc_shared([BK, D], bf16)
             p_s = T.alloc_shared([HB, BK], bf16)
             ds_s = T.alloc_shared([HB, BK], bf16)
-            # dKV row of each key of the tile, -1 = unseen (AHEAD_SCHEDULES: tile t's in [t % 2])
-            rows_s = T.alloc_shared([2, BK] if ahead else [BK], i32)
-            stage_s = T.alloc_shared([BK, dkv_chunk + STAGE_ROW_PAD] if staged else [1, 8], f32)
+            rows_s = T.alloc_shared([2, BK], i32)  # dKV row of each key of tile t in [t % 2], -1 = unseen
             acc_s = T.alloc_fragment([HB, BK], f32)
             acc_dp = T.alloc_fragment([HB, BK], f32)
             acc_dq = T.alloc_fragment([HB, D], f32)
@@ -274,10 +237,9 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
             o_do = T.alloc_fragment([HB, DELTA_CHUNK], f32)
             o_do_sum = T.alloc_fragment([HB], f32)
             delta_s = T.alloc_shared([HB], f32)
-            if ahead:
-                q_do_bar = T.alloc_barrier([BWD_THREADS])  # Q and dO landed (every thread arrives)
-                tx = T.get_thread_binding()
-                next_key = T.alloc_var(i32)  # threads < 64: an entry of the next tile's index row
+            q_do_bar = T.alloc_barrier([BWD_THREADS])  # Q and dO landed (every thread arrives)
+            tx = T.get_thread_binding()
+            next_key = T.alloc_var(i32)  # threads < 64: an entry of the next tile's index row
 
             h0 = g * HB
             own = s + n_raw - seq_len
@@ -289,24 +251,19 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
             lo, window_tiles, tiles = tile_plan(T, own, WindowStart[b, s], window, n_sel)
 
             # The first key tile's cp.async go out before Q, dO and O are loaded, so that the
-            # loads overlap (AHEAD_SCHEDULES: Q and dO by TMA, landing while delta is computed).
+            # loads overlap (Q and dO by TMA, landing while delta is computed).
             if tiles > 0:
                 load_keys(k_s, Raw, Comp, Indices, b, s, 0, lo, own, window_tiles, n_sel, ks, n_raw, n_comp, n_slots)
-            if ahead:
-                T.tma_copy(Q[b, s, h0 : h0 + HB, :], q_s, barrier=q_do_bar[0])
-                T.tma_copy(dO[b, s, h0 : h0 + HB, :], do_s, barrier=q_do_bar[0])
-                T.mbarrier_arrive(q_do_bar[0])
-            else:
-                T.copy(Q[b, s, h0 : h0 + HB, :], q_s, disable_tma=True)
-                T.copy(dO[b, s, h0 : h0 + HB, :], do_s, disable_tma=True)
-            # delta = rowsum(dO * O) here, from dO already in shared memory (the separate delta
-            # kernel read dO a second time; AHEAD_SCHEDULES read it from L2 again, so as not to
-            # wait for the TMA); written out for the sink's gradient.
+            T.tma_copy(Q[b, s, h0 : h0 + HB, :], q_s, barrier=q_do_bar[0])
+            T.tma_copy(dO[b, s, h0 : h0 + HB, :], do_s, barrier=q_do_bar[0])
+            T.mbarrier_arrive(q_do_bar[0])
+            # delta = rowsum(dO * O) here, with dO read from global memory (L2) rather than from
+            # its TMA copy, so as not to wait for the TMA; written out for the sink's gradient.
             T.clear(delta_s)
             for c in T.unroll(D // DELTA_CHUNK):  # unrolled: all of O's loads in flight at once
                 for h, d in T.Parallel(HB, DELTA_CHUNK):
                     o_do[h, d] = T.cast(O[b, s, h0 + h, c * DELTA_CHUNK + d], f32) * T.cast(
-                        grad_out(dO, do_s, b, s, h0, h, c * DELTA_CHUNK + d), f32
+                        dO[b, s, h0 + h, c * DELTA_CHUNK + d], f32
                     )
                 T.reduce_sum(o_do, o_do_sum, dim=1)
                 for h in T.Parallel(HB):
@@ -317,18 +274,12 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
             for h in T.Parallel(HB):
                 Delta[b, s, h0 + h] = delta_s[h]
             T.clear(acc_dq)
-            if ahead:
-                T.mbarrier_wait_parity(q_do_bar[0], 0)
-                for r in T.Parallel(BK):  # tile 0's rows; each later tile's are written one tile ahead
-                    rows_s[0, r] = row_of(index_entry(Indices, b, s, 0, r, window_tiles, n_sel, n_slots), 0, r,
-                                          lo, own, window_tiles, n_sel, ks, n_raw, n_comp)  # fmt: skip
+            T.mbarrier_wait_parity(q_do_bar[0], 0)
+            for r in T.Parallel(BK):  # tile 0's rows; each later tile's are written one tile ahead
+                rows_s[0, r] = row_of(index_entry(Indices, b, s, 0, r, window_tiles, n_sel, n_slots), 0, r,
+                                      lo, own, window_tiles, n_sel, ks, n_raw, n_comp)  # fmt: skip
             for t in T.serial(tiles):
                 slot = t % 2
-                if not ahead:
-                    for r in T.Parallel(BK):
-                        rows_s[r] = row_of(index_entry(Indices, b, s, t, r, window_tiles, n_sel, n_slots), t, r,
-                                           lo, own, window_tiles, n_sel, ks, n_raw, n_comp)  # fmt: skip
-                    T.sync_threads()
                 # The tile's key rows were prefetched (before the loop, or during the previous
                 # tile's dkv GEMMs): wait for them here.
                 T.ptx_wait_group(0)
@@ -340,7 +291,7 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
                 T.warpgroup_fence_operand(acc_dp, num_regs=pair_regs)
                 for h, c in T.Parallel(HB, BK):
                     acc_s[h, c] = T.if_then_else(
-                        tile_row(rows_s, slot, c) >= 0, T.exp2(acc_s[h, c] * scale_log2 - lse2[h]), T.cast(0, f32)
+                        rows_s[slot, c] >= 0, T.exp2(acc_s[h, c] * scale_log2 - lse2[h]), T.cast(0, f32)
                     )
                     acc_dp[h, c] = acc_s[h, c] * (acc_dp[h, c] - delta[h]) * scale
                 T.copy(acc_s, p_s)
@@ -359,135 +310,34 @@ def sparse_window_bwd_kernel(dim: int, mode: str, dkv_chunk: int, schedule: str)
                     T.warpgroup_fence_operand(acc_dq, num_regs=dq_regs)
                     T.sync_threads()  # every warp is done with k_s
                     next_keys(k_s, Raw, Comp, Indices, b, s, t, tiles, lo, own, window_tiles, n_sel, ks, n_raw, n_comp, n_slots)
-                    if ahead:  # the next tile's index entries now, stored at the tile's end
-                        if tx < BK:
-                            next_key = index_entry(Indices, b, s, t + 1, tx, window_tiles, n_sel, n_slots)
+                    if tx < BK:  # the next tile's index entries now, stored at the tile's end
+                        next_key = index_entry(Indices, b, s, t + 1, tx, window_tiles, n_sel, n_slots)
                     # Chunks in pairs (n_chunks is even): acc_kv holds the even ones, acc_kv1
                     # the odd ones; chunk c + 1's GEMMs run while chunk c is added.
                     for j in T.unroll(n_chunks // 2):
                         issue_dkv(ds_s, p_s, q_s, do_s, acc_kv1, 2 * j + 1)
                         T.wait_wgmma(2)
                         T.warpgroup_fence_operand(acc_kv, num_regs=kv_regs)
-                        add_dkv(dKV, acc_kv, rows_s, slot, stage_s, b, 2 * j)
+                        add_dkv(dKV, acc_kv, rows_s, slot, b, 2 * j)
                         if 2 * j + 2 < n_chunks:
                             issue_dkv(ds_s, p_s, q_s, do_s, acc_kv, 2 * j + 2)
                             T.wait_wgmma(2)
                         else:
                             T.wait_wgmma(0)
                         T.warpgroup_fence_operand(acc_kv1, num_regs=kv_regs)
-                        add_dkv(dKV, acc_kv1, rows_s, slot, stage_s, b, 2 * j + 1)
+                        add_dkv(dKV, acc_kv1, rows_s, slot, b, 2 * j + 1)
                 else:
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(acc_dq, num_regs=dq_regs)
                     T.sync_threads()
                     next_keys(k_s, Raw, Comp, Indices, b, s, t, tiles, lo, own, window_tiles, n_sel, ks, n_raw, n_comp, n_slots)
-                    if ahead:  # the next tile's index entries now, stored at the tile's end
-                        if tx < BK:
-                            next_key = index_entry(Indices, b, s, t + 1, tx, window_tiles, n_sel, n_slots)
-                if ahead:
-                    if (tx < BK) & (t + 1 < tiles):
-                        rows_s[1 - slot, tx] = row_of(next_key, t + 1, tx, lo, own, window_tiles, n_sel, ks, n_raw, n_comp)
+                    if tx < BK:  # the next tile's index entries now, stored at the tile's end
+                        next_key = index_entry(Indices, b, s, t + 1, tx, window_tiles, n_sel, n_slots)
+                if (tx < BK) & (t + 1 < tiles):
+                    rows_s[1 - slot, tx] = row_of(next_key, t + 1, tx, lo, own, window_tiles, n_sel, ks, n_raw, n_comp)
                 T.sync_threads()
             if need_dq:
                 T.copy(acc_dq, q_s)
                 T.copy(q_s, dQ[b, s, h0 : h0 + HB, :], disable_tma=True)
 
     return sparse_window_bwd
-
-
-def window_dkv_kernel(dim: int):
-    """PrimFunc of the window keys' dkv, key-major: no atomics per (query, tile).
-
-    Grid: (ceil(N_raw / 64), n_split, B), 256 threads. Block (k, j, b) owns raw rows
-    [64 k, 64 k + 64) of batch b: the queries whose window can reach them own rows
-    [64 k, 64 k + 62 + window] (contiguous), split into ``n_split`` runs of ``Chunk[0]`` queries
-    (one run per block). For each of its queries that sees one of the rows (same document, in its
-    window) and each 64-head group, it recomputes P and dS against the tile (S = Q K^T and
-    dP = dO K^T, from the saved lse and delta) and accumulates dkv = dS^T Q + P^T dO for the 64
-    rows in registers; at the end the [64, D] sum is added once into DRaw (fp32, zero on entry;
-    the runs of a tile are the only adders). Every use of S and dP goes through a select on
-    visibility: the tile is shared by queries that see different rows, so an unseen row's NaN
-    or inf may reach S, never P, dS or dkv.
-
-    Arguments: Q [B, S, H, D], Raw [B, N_raw, D] (bf16), WindowStart [B, S] int32, Params [2]
-    fp32 (scale, has_sink), Window [1] int32, Chunk [n_split] int32 (queries per run),
-    dO [B, S, H, D] bf16, Lse and Delta [B, S, H] fp32; out: DRaw [B, N_raw, D] fp32.
-    """
-    T = tilelang().language
-    bf16, f32, i32 = T.bfloat16, T.float32, T.int32
-    HB, BK, D = BLOCK_HEADS, BLOCK_KEYS, dim
-    batch, seq_len, heads = T.dynamic("batch"), T.dynamic("seq_len"), T.dynamic("heads")
-    n_raw, n_split = T.dynamic("n_raw"), T.dynamic("n_split")
-
-    @T.prim_func
-    def window_dkv(
-        Q: T.Tensor([batch, seq_len, heads, D], bf16),
-        Raw: T.Tensor([batch, n_raw, D], bf16),
-        WindowStart: T.Tensor([batch, seq_len], i32),
-        Params: T.Tensor([2], f32),
-        Window: T.Tensor([1], i32),
-        Chunk: T.Tensor([n_split], i32),
-        dO: T.Tensor([batch, seq_len, heads, D], bf16),
-        Lse: T.Tensor([batch, seq_len, heads], f32),
-        Delta: T.Tensor([batch, seq_len, heads], f32),
-        DRaw: T.Tensor([batch, n_raw, D], f32),
-    ):
-        with T.Kernel(T.ceildiv(n_raw, BK), n_split, batch, threads=BWD_THREADS) as (kt, j, b):
-            k_s = T.alloc_shared([BK, D], bf16)
-            q_s = T.alloc_shared([HB, D], bf16)
-            do_s = T.alloc_shared([HB, D], bf16)
-            p_s = T.alloc_shared([HB, BK], bf16)
-            ds_s = T.alloc_shared([HB, BK], bf16)
-            acc_s = T.alloc_fragment([HB, BK], f32)
-            acc_dp = T.alloc_fragment([HB, BK], f32)
-            acc_kv = T.alloc_fragment([BK, D], f32)
-            lse2 = T.alloc_fragment([HB], f32)
-            delta = T.alloc_fragment([HB], f32)
-
-            k0 = kt * BK
-            history = n_raw - seq_len  # rows in front of the shard's own rows
-            window = Window[0]
-            scale = Params[0]
-            scale_log2 = Params[0] * LOG2E
-            chunk = Chunk[0]
-            # Queries whose window can reach rows [k0, k0 + BK): own in [k0, k0 + BK - 2 + window].
-            first = T.max(k0 - history, 0) + j * chunk
-            last = T.min(T.min(k0 + BK + window - 2 - history, seq_len - 1), first + chunk - 1)
-
-            for r, d in T.Parallel(BK, D):
-                k_s[r, d] = T.if_then_else(k0 + r < n_raw, Raw[b, T.min(k0 + r, n_raw - 1), d], T.cast(0, bf16))
-            T.clear(acc_kv)
-            T.sync_threads()
-            for i in T.serial(T.max(last - first + 1, 0)):
-                s = first + i
-                own = s + history
-                lo = T.max(T.max(WindowStart[b, s], own - window + 1), 0)
-                # Uniform per block: skip queries whose window misses the tile (other document,
-                # padding queries that see no raw row).
-                if (lo <= own) & (lo < k0 + BK) & (own >= k0):
-                    for g in T.serial(heads // HB):
-                        h0 = g * HB
-                        T.copy(Q[b, s, h0 : h0 + HB, :], q_s, disable_tma=True)
-                        T.copy(dO[b, s, h0 : h0 + HB, :], do_s, disable_tma=True)
-                        for h in T.Parallel(HB):
-                            lse2[h] = Lse[b, s, h0 + h] * LOG2E
-                            delta[h] = Delta[b, s, h0 + h]
-                        T.sync_threads()
-                        T.gemm(q_s, k_s, acc_s, transpose_B=True, clear_accum=True)
-                        T.gemm(do_s, k_s, acc_dp, transpose_B=True, clear_accum=True)
-                        for h, c in T.Parallel(HB, BK):
-                            seen = (k0 + c >= lo) & (k0 + c <= own)
-                            acc_s[h, c] = T.if_then_else(seen, T.exp2(acc_s[h, c] * scale_log2 - lse2[h]), T.cast(0, f32))
-                            acc_dp[h, c] = T.if_then_else(seen, acc_s[h, c] * (acc_dp[h, c] - delta[h]) * scale, T.cast(0, f32))
-                        T.copy(acc_s, p_s)
-                        T.copy(acc_dp, ds_s)
-                        T.sync_threads()
-                        T.gemm(ds_s, q_s, acc_kv, transpose_A=True)
-                        T.gemm(p_s, do_s, acc_kv, transpose_A=True)
-                        T.sync_threads()
-            if last >= first:
-                for r, d in T.Parallel(BK, D):
-                    if k0 + r < n_raw:
-                        T.atomic_add(DRaw[b, T.min(k0 + r, n_raw - 1), d], acc_kv[r, d])
-
-    return window_dkv

@@ -1,19 +1,41 @@
-"""The forward kernel: one query and 64 of its heads per block, hand warp-specialised.
+"""The forward kernel: one query and 64 of its heads per block, hand warp-specialised, the two
+consumer warpgroups taking turns on whole key tiles.
 
-384 threads in three warpgroups (the producer is warpgroup 0 so that the barrier TileLang puts
-after its cp.async wait is the producer's own named barrier):
-- the producer gathers each 64-key tile with 16-byte cp.async into a ring of ``num_stages``
-  shared buffers (full / empty mbarriers); rows the query must not see are zero-filled by the
-  copy itself (a zero source size), never loaded, so a NaN or inf in an unseen key cannot reach
-  a product;
-- consumer ``me`` (0, 1) scores keys [32 me, 32 me + 32) of each tile over all of D, the two
-  exchange their row maxima, each writes its half of P, and each adds P V for its half of D
-  over all 64 keys ("balanced", FlashMLA's split of the work; each consumer holds a [64, D/2]
-  fp32 accumulator, 128 registers a thread at D = 512). Unseen logits are selected to -inf.
+384 threads in three warpgroups: the producer (warpgroup 0) and two consumers. The producer gathers each 64-key
+tile with 16-byte cp.async into two ring stages (one per consumer); rows the query must not see
+are zero-filled by the copy itself (a zero source size), never loaded, so a NaN or inf in an
+unseen key cannot reach a product.
 
-``forward_alternating.py`` holds the schedules (the default among them) in which the consumers take turns on whole
-tiles. Outputs: O [B, S, H, D] bf16 and the natural-log lse [B, S, H] fp32; a query that sees
-nothing (no key, no sink) gets zero output and -inf lse.
+The schedule is FlashMLA's sparse prefill on Hopper (the facts taken from its sm90 kernel; this
+is our own TileLang kernel): a round is two 64-key tiles, A = tile 2r in stage 0 and B = tile
+2r + 1 in stage 1. Consumer 0 scores A, consumer 1 scores B, each with one m64n64 S = Q K^T over
+all of D (no half-width wgmma, and each warpgroup reads its key tile once for S). Consumer 0 then
+owns O[:, :D/2], consumer 1 O[:, D/2:]: each adds its own tile's P from registers (``wgmma`` with
+A in registers) and the other's P from shared memory.
+
+One running max is kept by handing it over within a round: consumer 0 publishes A's new max,
+consumer 1 folds in B's and publishes the round's max, and consumer 0 rescales its O, its row
+sums and its P of A to it before handing that P over. Because the two work on different tiles,
+one's softmax runs while the other's GEMMs keep the tensor cores busy.
+
+Each stage's two D halves (the ring's ``k_l`` / ``k_r``) are freed separately, so the producer
+refills a half as soon as its last reader is done:
+
+| half | read by | freed by |
+|---|---|---|
+| stage 0 left | consumer 0: S of A, its P V | consumer 0 after its own P V |
+| stage 0 right | consumer 0: S of A; consumer 1: P(A) V | consumer 1 after that P V |
+| stage 1 right | consumer 1: S of B, its P V | consumer 1 after its own P V |
+| stage 1 left | consumer 1: S of B; consumer 0: P(B) V | consumer 0 after that P V |
+
+(A reader of S finished before the other consumer can start on the half: the hand-over of the
+max comes after each consumer's S.) An odd tile count gets one more tile, every key of it
+unseen (zero-filled, scored -inf), so every round has two tiles.
+
+Q comes by TMA, issued at the block's start before the index row is read, and O leaves by TMA
+from shared memory (FlashMLA's order), so neither waits on the index row's barrier. Outputs:
+O [B, S, H, D] bf16 and the natural-log lse [B, S, H] fp32; a query that sees nothing (no key, no
+sink) gets zero output and -inf lse.
 """
 
 import re
@@ -22,18 +44,39 @@ from nemo_dsa.ops._tilelang import tilelang
 from nemo_dsa.ops.sparse_attention.configs import (
     BLOCK_HEADS,
     BLOCK_KEYS,
+    CONSUMER_REGISTERS,
     FWD_THREADS,
     LOG2E,
     M_FLOOR,
     MAX_SELECTED,
+    PRODUCER_REGISTERS,
 )
 from nemo_dsa.ops.sparse_attention.tiles import column_seen_macro, query_plan_macro
 
-# TileLang 0.1.15 numbers the named barriers of each warpgroup's shared-memory syncs itself, and
-# the barrier it puts after the producer's cp.async wait can take the id of a consumer's barrier
-# (seen in the range-mode forward): two roles on one 128-thread barrier deadlock or race. The
-# generated CUDA is therefore post-processed: every role gets its own ids.
+# The producers do not wait for their own copies: each thread's cp.async arrive on the stage's
+# mbarrier when they land (cp.async.mbarrier.arrive.noinc; the barriers count the 128 producer
+# threads), so a producer issues the next tile's rows at once. The index row the copies read
+# lives in static shared memory: in the dynamic buffer, beside the tiles the cp.async write,
+# TileLang put a barrier before every row's copy.
+NO_COPY_WAIT = {"parallel_async_without_async_commit_wait": True}
+
+EXCHANGE_BARRIER = 8  # the two consumers' 256-thread barrier (Q shared, row sums exchanged)
+# Each consumer's 128-thread barrier before it reads its tile's column flags. Both consumers
+# name this id; separate_role_barriers gives each its own.
+FLAGS_BARRIER = 10
+# A row's reference max moves only when a logit exceeds it by more than this (log2 units):
+# P <= 2^8 in bf16 loses nothing (its relative rounding does not depend on scale), and the sums
+# stay far from fp32's range.
+LAZY_RESCALE_LOG2 = 8.0
+
+# Named barriers per role. TileLang numbers the 128-thread barriers of each warpgroup's
+# shared-memory syncs itself, and a 128-thread T.sync_threads in code both consumers run
+# (FLAGS_BARRIER) names one id for both: two 128-thread roles arriving at one barrier id race or
+# deadlock, and an id TileLang picks may be one the kernel names. TileLang has no per-warpgroup
+# barrier id, so the generated CUDA of this kernel is rewritten before nvcc builds it
+# (register_barrier_postproc): each role's 128-thread barriers get the role's own id.
 ROLE_BARRIER_IDS = (11, 12, 13)  # producer, consumer 0, consumer 1 (0 is __syncthreads)
+KERNEL_NAME = "sparse_window_fwd_alternating"  # the prim_func below; its CUDA kernel's name starts so
 _ROLE_MARK = re.compile(r"warpgroup_reg_(?:alloc|dealloc)<")
 _PARTIAL_SYNC = re.compile(r"__sync_thread_partial\(\d+, 128\)")
 
@@ -41,11 +84,11 @@ _PARTIAL_SYNC = re.compile(r"__sync_thread_partial\(\d+, 128\)")
 def separate_role_barriers(code: str) -> str:
     """The forward's CUDA with each role's 128-thread named barriers renumbered to its own id
     (roles start at their setmaxnreg); any other kernel's code is returned unchanged."""
-    if "sparse_window_fwd" not in code:
+    if KERNEL_NAME not in code:
         return code
     marks = [m.start() for m in _ROLE_MARK.finditer(code)]
     if len(marks) != 3:
-        raise RuntimeError(f"sparse_window_fwd: expected 3 warpgroup roles in the CUDA, found {len(marks)}")
+        raise RuntimeError(f"{KERNEL_NAME}: expected 3 warpgroup roles in the CUDA, found {len(marks)}")
     parts = [code[: marks[0]]]
     for role, (a, b) in enumerate(zip(marks, marks[1:] + [len(code)])):
         parts.append(_PARTIAL_SYNC.sub(f"__sync_thread_partial({ROLE_BARRIER_IDS[role]}, 128)", code[a:b]))
@@ -60,8 +103,9 @@ _postproc_registered = False
 
 
 def register_barrier_postproc() -> None:
-    """Install :func:`separate_role_barriers` as TileLang's CUDA post-processing hook, once per
-    process (it passes every other kernel's code through unchanged)."""
+    """Install :func:`separate_role_barriers` as TileLang's CUDA post-processing hook (the hook
+    is process-wide: it passes every other kernel's code through unchanged), once per process;
+    the launch wrapper calls it before compiling the forward."""
     global _postproc_registered
     if not _postproc_registered:
         from tilelang.engine.callback import register_cuda_postproc_callback
@@ -70,210 +114,138 @@ def register_barrier_postproc() -> None:
         _postproc_registered = True
 
 
-# The forwards' producers do not wait for their own copies: each thread's cp.async arrive on the
-# stage's mbarrier when they land (cp.async.mbarrier.arrive.noinc; the barriers count the 128
-# producer threads), so a producer issues the next tile's rows at once. The index row the copies
-# read lives in static shared memory: in the dynamic buffer, beside the tiles the cp.async write,
-# TileLang put a barrier before every row's copy.
-NO_COPY_WAIT = {"parallel_async_without_async_commit_wait": True}
+def sparse_window_fwd_kernel(dim: int, mode: str):
+    """PrimFunc of the forward for head dim ``dim`` (KERNEL_DIMS) and ``mode`` ("indices": a
+    per-query index row; "range": ``[ks, ke)``). Grid: (S, H / 64, B), 384 threads; H a multiple
+    of 64 (the wrapper zero-pads q's heads: padded heads compute rows nobody reads).
 
+    Arguments: Q [B, S, H, D], Raw [B, N_raw, D], Comp [B, K, D] (bf16), WindowStart [B, S],
+    Indices [B, S, T] with KE [B, S] = 1 + its last valid slot, or KS/KE [B, S] (int32), Sink [H]
+    fp32, Params [2] fp32 (scale, has_sink), Window [1] int32; out: Out [B, S, H, D] bf16, Lse
+    [B, S, H] fp32 (natural log).
 
-def key_tile_producer(T, by_index: bool, num_stages: int, half: int):
-    """The producer warpgroup of the balanced forwards: once a ring stage is free again
-    (``empty``), each tile's 64 key rows go into its two D halves (k_l, k_r) by 16-byte cp.async
-    with a zero source size for rows the query must not see; the copies themselves signal the
-    consumers (``full``) as they land (NO_COPY_WAIT). Window tiles read raw rows by position, the
-    others compressed rows by index (``idx_s``) or from the range's start ``ks``."""
-    bf16, BK = T.bfloat16, BLOCK_KEYS
-
-    @T.macro
-    def produce(Raw, Comp, idx_s, k_l, k_r, full, empty, b, tiles, window_tiles, lo, own, n_sel, ks, n_raw, n_comp):
-        for t in T.serial(tiles):
-            stage = t % num_stages
-            T.mbarrier_wait_parity(empty[stage], ((t // num_stages) % 2) ^ 1)
-            if t < window_tiles:
-                for r, d in T.Parallel(BK, half, prefer_async=True, annotations=NO_COPY_WAIT):
-                    k_l[stage, r, d] = T.if_then_else(
-                        lo + t * BK + r <= own, Raw[b, T.min(lo + t * BK + r, n_raw - 1), d], T.cast(0, bf16)
-                    )
-                    k_r[stage, r, d] = T.if_then_else(
-                        lo + t * BK + r <= own, Raw[b, T.min(lo + t * BK + r, n_raw - 1), half + d], T.cast(0, bf16)
-                    )
-            else:
-                base = (t - window_tiles) * BK
-                if by_index:
-                    for r, d in T.Parallel(BK, half, prefer_async=True, annotations=NO_COPY_WAIT):
-                        k_l[stage, r, d] = T.if_then_else(
-                            (base + r < n_sel) & (idx_s[T.min(base + r, MAX_SELECTED - 1)] >= 0) & (idx_s[T.min(base + r, MAX_SELECTED - 1)] < n_comp),
-                            Comp[b, T.max(idx_s[T.min(base + r, MAX_SELECTED - 1)], 0), d], T.cast(0, bf16),
-                        )
-                        k_r[stage, r, d] = T.if_then_else(
-                            (base + r < n_sel) & (idx_s[T.min(base + r, MAX_SELECTED - 1)] >= 0) & (idx_s[T.min(base + r, MAX_SELECTED - 1)] < n_comp),
-                            Comp[b, T.max(idx_s[T.min(base + r, MAX_SELECTED - 1)], 0), half + d], T.cast(0, bf16),
-                        )
-                else:
-                    for r, d in T.Parallel(BK, half, prefer_async=True, annotations=NO_COPY_WAIT):
-                        k_l[stage, r, d] = T.if_then_else(
-                            base + r < n_sel, Comp[b, T.min(ks + base + r, n_comp - 1), d], T.cast(0, bf16)
-                        )
-                        k_r[stage, r, d] = T.if_then_else(
-                            base + r < n_sel, Comp[b, T.min(ks + base + r, n_comp - 1), half + d], T.cast(0, bf16)
-                        )
-            T.cp_async_barrier_noinc(full[stage])
-
-    return produce
-
-
-EXCHANGE_BARRIER = 8  # named barriers of the two consumers of the balanced forward (256 threads)
-P_READY_BARRIER = 9
-# "balanced-lean": a row's reference max moves only when a logit exceeds it by more than this
-# (log2 units): P <= 2^8 in bf16 loses nothing (its relative rounding does not depend on scale),
-# and the sums stay far from fp32's range.
-LAZY_RESCALE_LOG2 = 8.0
-
-
-def sparse_window_fwd_balanced_kernel(
-    dim: int,
-    mode: str,
-    num_stages: int,
-    consumer0_registers: int,
-    consumer1_registers: int,
-    producer_registers: int,
-    lean_softmax: bool = False,
-):
-    """The forward with FlashMLA's balance: consumer ``me`` (0, 1) scores keys [32 me, 32 me + 32)
-    of each tile (S = Q K^T over all of D), the two exchange their row maxima through shared
-    memory (named barrier 8), each writes its P half, and after named barrier 9 each adds
-    P V[:, its D half] over all 64 keys. Both keep the same running max and their own partial
-    row sums (added at the end), so each warpgroup does half of every GEMM. Same arguments,
-    grid and producer as :func:`kernels.sparse_window_fwd_kernel`.
-
-    ``lean_softmax`` ("balanced-lean") shortens the per-tile section between S and P V,
-    which a clock64 trace measured at 58 % of a tile (docs/performance.md v21): consumer 0 writes
-    each tile's 64 column flags once (``seen_s``), so the mask is a load and a select per logit,
-    and a row's reference max (and O, the sums with it) moves only when a logit exceeds it by
-    more than 2^LAZY_RESCALE_LOG2 (a warp's vote: both consumers' warp w hold the same rows)."""
+    Two savings ride on the hand-over: each consumer's mask comes from 64 column flags it writes
+    for its next tile at the end of a round (one 128-thread barrier a round before reading them),
+    so a logit's mask is one shared load and a select; and the reference max moves only when a
+    logit exceeds it by more than 2^LAZY_RESCALE_LOG2 (a warp's vote). Consumer 1 repeats
+    consumer 0's vote on A from the published maximum (same rows, same floats), so the round's
+    reference equals consumer 0's guess unless B moves it, and the correction of O, the row sums
+    and P(A) after the hand-over is skipped by a vote when it would multiply by 1."""
     T = tilelang().language
     bf16, f32, i32 = T.bfloat16, T.float32, T.int32
     HB, BK, D, half = BLOCK_HEADS, BLOCK_KEYS, dim, dim // 2
-    KH = BK // 2  # keys scored per consumer
     batch, seq_len, heads = T.dynamic("batch"), T.dynamic("seq_len"), T.dynamic("heads")
     n_raw, n_comp, n_slots = T.dynamic("n_raw"), T.dynamic("n_comp"), T.dynamic("n_slots")
     by_index = mode == "indices"
     idx_shape = [batch, seq_len, n_slots] if by_index else [batch, seq_len]
-    produce_key_tiles = key_tile_producer(T, by_index, num_stages, half)
     query_plan = query_plan_macro(T, by_index)
     column_seen = column_seen_macro(T, by_index)
 
     @T.macro
-    def tile_columns_seen(seen_s, tt, window_tiles, lo, own, n_sel, n_comp_, idx_s):
-        """seen_s[tt % 2, c] = 1 where key c of tile ``tt`` is visible, else 0: computed once per
-        column (by consumer 0), so that the consumers' mask is one shared load and a select per
-        logit instead of each thread's own per-logit index arithmetic and branches."""
-        for c in T.Parallel(BK):
-            seen = column_seen(tt, c, window_tiles, lo, own, n_sel, n_comp_, idx_s)
-            seen_s[tt % 2, c] = T.if_then_else(seen, T.float32(1), T.float32(0))
+    def load_half(Raw, Comp, idx_s, dst, stage, col0, t, b, window_tiles, lo, own, n_sel, ks):
+        """Key rows of tile ``t``, columns [col0, col0 + D/2), into dst[stage] by zero-filling
+        16-byte cp.async: raw rows by position for window tiles, else compressed rows."""
+        if t < window_tiles:
+            for r, d in T.Parallel(BK, half, prefer_async=True, annotations=NO_COPY_WAIT):
+                dst[stage, r, d] = T.if_then_else(
+                    lo + t * BK + r <= own, Raw[b, T.min(lo + t * BK + r, n_raw - 1), col0 + d], T.cast(0, bf16)
+                )
+        else:
+            base = (t - window_tiles) * BK
+            if by_index:
+                for r, d in T.Parallel(BK, half, prefer_async=True, annotations=NO_COPY_WAIT):
+                    dst[stage, r, d] = T.if_then_else(
+                        (base + r < n_sel)
+                        & (idx_s[T.min(base + r, MAX_SELECTED - 1)] >= 0)
+                        & (idx_s[T.min(base + r, MAX_SELECTED - 1)] < n_comp),
+                        Comp[b, T.max(idx_s[T.min(base + r, MAX_SELECTED - 1)], 0), col0 + d],
+                        T.cast(0, bf16),
+                    )
+            else:
+                for r, d in T.Parallel(BK, half, prefer_async=True, annotations=NO_COPY_WAIT):
+                    dst[stage, r, d] = T.if_then_else(
+                        base + r < n_sel, Comp[b, T.min(ks + base + r, n_comp - 1), col0 + d], T.cast(0, bf16)
+                    )
 
     @T.macro
-    def consumer(me, q_l, q_r, k_l, k_r, k_mine, p_shared, max_x, sum_x, seen_s, full, empty, acc_s, acc_o, m_i,
-                 m_prev, row_sum, tile_max, tile_sum, alpha, sink_f, tiles, window_tiles, lo, own, n_sel, n_comp_,
-                 idx_s, scale_log2, has_sink, Sink, Out, Lse, b, s, h0):
-        c0 = me * KH
-        T.fill(m_i, M_FLOOR)
-        T.fill(row_sum, 0)
-        T.fill(acc_o, 0)
-        for t in T.serial(tiles):
-            stage = t % num_stages
-            T.mbarrier_wait_parity(full[stage], (t // num_stages) % 2)
-            T.fence_proxy_async()  # rows written by cp.async (generic proxy), read by wgmma
-            T.gemm(q_l, k_l[stage, c0 : c0 + KH, :], acc_s, transpose_B=True, clear_accum=True)
-            T.gemm(q_r, k_r[stage, c0 : c0 + KH, :], acc_s, transpose_B=True)
-            if lean_softmax:
-                for h, c in T.Parallel(HB, KH):
-                    acc_s[h, c] = T.if_then_else(seen_s[t % 2, c0 + c] > 0.5, acc_s[h, c] * scale_log2, -T.infinity(f32))
-            else:
-                for h, c in T.Parallel(HB, KH):
-                    col = c0 + c
-                    seen = column_seen(t, col, window_tiles, lo, own, n_sel, n_comp_, idx_s)
-                    acc_s[h, c] = T.if_then_else(seen, acc_s[h, c] * scale_log2, -T.infinity(f32))
-            T.reduce_max(acc_s, tile_max, dim=1, clear=True)
-            for h in T.Parallel(HB):
-                max_x[me, h] = tile_max[h]
-            T.sync_threads(EXCHANGE_BARRIER, 256)  # both halves' maxima written
-            if lean_softmax:
-                # m_i only moves (and O, the sums with it) when some row of this warp's 16 would
-                # otherwise see a logit above 2^LAZY_RESCALE_LOG2 times its reference; both
-                # consumers' warp w hold the same rows and maxima, so they decide alike.
-                need = T.alloc_var(i32)
-                need = 0
-                for h in T.Parallel(HB):
-                    m_prev[h] = T.max(m_i[h], T.max(max_x[0, h], max_x[1, h]))
-                    need = need | T.if_then_else(m_prev[h] > m_i[h] + LAZY_RESCALE_LOG2, 1, 0)
-                if T.call_extern(i32, "__any_sync", T.uint32(0xFFFFFFFF), need) != 0:
-                    for h in T.Parallel(HB):
-                        alpha[h] = T.exp2(m_i[h] - m_prev[h])
-                        m_i[h] = m_prev[h]
-                        row_sum[h] = row_sum[h] * alpha[h]
-                    for h, d in T.Parallel(HB, half):
-                        acc_o[h, d] *= alpha[h]
-                for h, c in T.Parallel(HB, KH):
-                    acc_s[h, c] = T.exp2(acc_s[h, c] - m_i[h])
-                T.reduce_sum(acc_s, tile_sum, dim=1)
-                for h in T.Parallel(HB):
-                    row_sum[h] = row_sum[h] + tile_sum[h]
-            else:
-                T.copy(m_i, m_prev)
-                for h in T.Parallel(HB):
-                    m_i[h] = T.max(m_prev[h], T.max(max_x[0, h], max_x[1, h]))
-                    alpha[h] = T.exp2(m_prev[h] - m_i[h])
-                for h, c in T.Parallel(HB, KH):
-                    acc_s[h, c] = T.exp2(acc_s[h, c] - m_i[h])
-                T.reduce_sum(acc_s, tile_sum, dim=1)
-                for h in T.Parallel(HB):
-                    row_sum[h] = row_sum[h] * alpha[h] + tile_sum[h]
-                for h, d in T.Parallel(HB, half):
-                    acc_o[h, d] *= alpha[h]
-            T.copy(acc_s, p_shared[:, c0 : c0 + KH])
-            # The next tile's columns, into the other seen_s row: both consumers read this tile's
-            # row before the exchange barrier, and read the next one after P_READY below. (Here,
-            # with the logits dead, it takes no registers the consumer lacks: before, it spilled.)
-            if lean_softmax and me == 0:
-                if t + 1 < tiles:
-                    tile_columns_seen(seen_s, t + 1, window_tiles, lo, own, n_sel, n_comp_, idx_s)
-            T.fence_proxy_async()
-            T.sync_threads(P_READY_BARRIER, 256)  # both P halves written (and both maxima read)
-            T.gemm(p_shared, k_mine[stage, :, :], acc_o)
-            T.mbarrier_arrive(empty[stage])
-        # Row sums: each consumer summed its own keys; the maxima are the same in both.
+    def tile_flags(seen_s, me, parity, t, window_tiles, lo, own, n_sel, idx_s):
+        """seen_s[me, parity, c] = 1 where key c of tile ``t`` is seen, else 0 (written once per
+        column by the consumer that scores the tile)."""
+        for c in T.Parallel(BK):
+            seen = column_seen(t, c, window_tiles, lo, own, n_sel, n_comp, idx_s)
+            seen_s[me, parity, c] = T.if_then_else(seen, T.float32(1), T.float32(0))
+
+    @T.macro
+    def flagged_logits(acc_s, seen_s, me, parity, scale_log2):
+        """The mask: acc_s = S * scale * log2(e) where the tile's flag is set, -inf elsewhere."""
+        for h, c in T.Parallel(HB, BK):
+            acc_s[h, c] = T.if_then_else(seen_s[me, parity, c] > 0.5, acc_s[h, c] * scale_log2, -T.infinity(f32))
+
+    @T.macro
+    def warp_any(flag):
+        """Non-zero in every lane if ``flag`` is non-zero in any lane of the warp."""
+        return T.call_extern(i32, "__any_sync", T.uint32(0xFFFFFFFF), flag)
+
+    @T.macro
+    def move_reference(m_new, m_i, alpha, row_sum):
+        """The rows' reference max to ``m_new``, their sums rescaled (``alpha`` for O and P)."""
+        for h in T.Parallel(HB):
+            alpha[h] = T.exp2(m_i[h] - m_new[h])
+            m_i[h] = m_new[h]
+            row_sum[h] = row_sum[h] * alpha[h]
+
+    @T.macro
+    def move_reference_if(vote, m_new, m_i, alpha, row_sum, acc_o):
+        """Where the warp's ``vote`` is set: the reference to ``m_new`` and O rescaled with it."""
+        if vote != 0:
+            move_reference(m_new, m_i, alpha, row_sum)
+            for h, d in T.Parallel(HB, half):
+                acc_o[h, d] *= alpha[h]
+
+    @T.macro
+    def exp_and_sum(acc_s, m_i, tile_sum, row_sum):
+        """The tile's logits into P = 2^(logit - m_i) in place, their row sums added."""
+        for h, c in T.Parallel(HB, BK):
+            acc_s[h, c] = T.exp2(acc_s[h, c] - m_i[h])
+        T.reduce_sum(acc_s, tile_sum, dim=1)
+        for h in T.Parallel(HB):
+            row_sum[h] = row_sum[h] + tile_sum[h]
+
+    @T.macro
+    def score(q_first, q_second, k_first, k_second, stage, acc_s, ready_first, ready_second, phase):
+        """acc_s = Q K^T of the stage's tile, one D half as soon as it has landed (its barrier in
+        ``ready_first``), then the other."""
+        T.mbarrier_wait_parity(ready_first[stage], phase)
+        T.fence_proxy_async()  # the rows came by cp.async (generic proxy); wgmma reads them (async proxy)
+        T.gemm(q_first, k_first[stage, :, :], acc_s, transpose_B=True, clear_accum=True)
+        T.mbarrier_wait_parity(ready_second[stage], phase)
+        T.fence_proxy_async()
+        T.gemm(q_second, k_second[stage, :, :], acc_s, transpose_B=True)
+
+    @T.macro
+    def finish(me, acc_o, m_i, row_sum, alpha, sink_f, sum_x, q_half, has_sink, Out, Lse, b, s, h0):
+        """Both consumers end on the same max: add the two row sums and the sink, write lse
+        (consumer 0) and this consumer's half of O (staged in its half of Q, dead by now)."""
         for h in T.Parallel(HB):
             sum_x[me, h] = row_sum[h]
         T.sync_threads(EXCHANGE_BARRIER, 256)
         for h in T.Parallel(HB):
-            sink_f[h] = T.if_then_else(has_sink, Sink[h0 + h] * LOG2E, M_FLOOR)
-        for h in T.Parallel(HB):
-            m_prev[h] = T.max(m_i[h], sink_f[h])  # final max
-            row_sum[h] = (sum_x[0, h] + sum_x[1, h]) * T.exp2(m_i[h] - m_prev[h]) + T.if_then_else(
-                has_sink, T.exp2(sink_f[h] - m_prev[h]), T.cast(0, f32)
+            final_max = T.max(m_i[h], sink_f[h])
+            row_sum[h] = (sum_x[0, h] + sum_x[1, h]) * T.exp2(m_i[h] - final_max) + T.if_then_else(
+                has_sink, T.exp2(sink_f[h] - final_max), T.cast(0, f32)
             )
-            alpha[h] = T.if_then_else(row_sum[h] > 0, T.exp2(m_i[h] - m_prev[h]) / row_sum[h], T.cast(0, f32))
-        if me == 0:
-            for h in T.Parallel(HB):
+            alpha[h] = T.if_then_else(row_sum[h] > 0, T.exp2(m_i[h] - final_max) / row_sum[h], T.cast(0, f32))
+            if me == 0:
                 Lse[b, s, h0 + h] = T.if_then_else(
-                    row_sum[h] > 0, (m_prev[h] + T.log2(row_sum[h])) / LOG2E, -T.infinity(f32)
+                    row_sum[h] > 0, (final_max + T.log2(row_sum[h])) / LOG2E, -T.infinity(f32)
                 )
         for h, d in T.Parallel(HB, half):
             acc_o[h, d] *= alpha[h]
-        # Q is dead once both consumers passed the last tile: each stages its half of O there.
-        T.sync_threads(P_READY_BARRIER, 256)
-        if me == 0:
-            T.copy(acc_o, q_l)
-            T.copy(q_l, Out[b, s, h0 : h0 + HB, 0:half], disable_tma=True)
-        else:
-            T.copy(acc_o, q_r)
-            T.copy(q_r, Out[b, s, h0 : h0 + HB, half:D], disable_tma=True)
+        T.copy(acc_o, q_half)
+        T.copy(q_half, Out[b, s, h0 : h0 + HB, me * half : me * half + half])  # by TMA (one thread issues)
 
     @T.prim_func
-    def sparse_window_fwd_balanced(
+    def sparse_window_fwd_alternating(
         Q: T.Tensor([batch, seq_len, heads, D], bf16),
         Raw: T.Tensor([batch, n_raw, D], bf16),
         Comp: T.Tensor([batch, n_comp, D], bf16),
@@ -290,64 +262,177 @@ def sparse_window_fwd_balanced_kernel(
             tx = T.get_thread_binding()
             q_l = T.alloc_shared([HB, half], bf16)
             q_r = T.alloc_shared([HB, half], bf16)
-            k_l = T.alloc_shared([num_stages, BK, half], bf16)
-            k_r = T.alloc_shared([num_stages, BK, half], bf16)
-            p_shared = T.alloc_shared([HB, BK], bf16)
-            max_x = T.alloc_shared([2, HB], f32)
+            k_l = T.alloc_shared([2, BK, half], bf16)
+            k_r = T.alloc_shared([2, BK, half], bf16)
+            p_shared = T.alloc_shared([2, HB, BK], bf16)  # P of A (consumer 0), of B (consumer 1)
+            max_s = T.alloc_shared([HB], f32)  # the running max handed over within a round
             sum_x = T.alloc_shared([2, HB], f32)
-            seen_s = T.alloc_shared([2, BK] if lean_softmax else [1, 1], f32)  # lean: key c of tile t seen (row t % 2)
             idx_s = T.alloc_shared([MAX_SELECTED if by_index else 1], i32, scope="shared")  # static: see NO_COPY_WAIT
-            full = T.alloc_barrier([128] * num_stages)  # producer threads (cp.async noinc)
-            empty = T.alloc_barrier([256] * num_stages)  # both consumers
+            seen_s = T.alloc_shared([2, 2, BK], f32)  # column flags: [consumer, round % 2, key]
+            full_l = T.alloc_barrier([128, 128])  # producer threads, per stage
+            full_r = T.alloc_barrier([128, 128])
+            free_l = T.alloc_barrier([128, 128])  # the half's last reader (table above)
+            free_r = T.alloc_barrier([128, 128])
+            max_a = T.alloc_barrier([128])  # consumer 0: A's max in max_s
+            max_ab = T.alloc_barrier([128])  # consumer 1: the round's max in max_s
+            p_a = T.alloc_barrier([128])  # consumer 0: P(A) in p_shared[0]
+            p_b = T.alloc_barrier([128])  # consumer 1: P(B) in p_shared[1]
+            q_bar = T.alloc_barrier([FWD_THREADS])  # Q landed (every thread arrives; one also expects its bytes)
 
-            acc_s0 = T.alloc_fragment([HB, KH], f32)
-            acc_s1 = T.alloc_fragment([HB, KH], f32)
+            acc_s0 = T.alloc_fragment([HB, BK], f32)
+            acc_s1 = T.alloc_fragment([HB, BK], f32)
+            p_reg0 = T.alloc_fragment([HB, BK], bf16)
+            p_reg1 = T.alloc_fragment([HB, BK], bf16)
             acc_o0 = T.alloc_fragment([HB, half], f32)
             acc_o1 = T.alloc_fragment([HB, half], f32)
             m_i0 = T.alloc_fragment([HB], f32)
             m_i1 = T.alloc_fragment([HB], f32)
-            m_prev0 = T.alloc_fragment([HB], f32)
-            m_prev1 = T.alloc_fragment([HB], f32)
+            m_new0 = T.alloc_fragment([HB], f32)
+            m_new1 = T.alloc_fragment([HB], f32)
             row_sum0 = T.alloc_fragment([HB], f32)
             row_sum1 = T.alloc_fragment([HB], f32)
-            tile_max0 = T.alloc_fragment([HB], f32)
-            tile_max1 = T.alloc_fragment([HB], f32)
             tile_sum0 = T.alloc_fragment([HB], f32)
             tile_sum1 = T.alloc_fragment([HB], f32)
             alpha0 = T.alloc_fragment([HB], f32)
             alpha1 = T.alloc_fragment([HB], f32)
             sink_f0 = T.alloc_fragment([HB], f32)
             sink_f1 = T.alloc_fragment([HB], f32)
+            m_ref1 = T.alloc_fragment([HB], f32)  # consumer 0's reference for A
+            vote0 = T.alloc_var(i32)
+            vote1 = T.alloc_var(i32)
 
             h0 = g * HB
             own = s + n_raw - seq_len
             scale_log2 = Params[0] * LOG2E
             has_sink = Params[1] > 0.5
             window = Window[0]
+            # Q by TMA before anything else (Q is read once: evict first); the consumers wait for it.
+            T.tma_copy(Q[b, s, h0 : h0 + HB, 0:half], q_l, barrier=q_bar[0], eviction_policy="evict_first")
+            T.tma_copy(Q[b, s, h0 : h0 + HB, half:D], q_r, barrier=q_bar[0], eviction_policy="evict_first")
+            T.mbarrier_arrive(q_bar[0])
             ks, n_sel, lo, window_tiles, tiles = query_plan(idx_s, Indices, KE, WindowStart, window, b, s, own, n_slots)
+            rounds = T.ceildiv(tiles, 2)
 
             if tx < 128:
-                T.set_max_nreg(producer_registers, 0)
-                produce_key_tiles(Raw, Comp, idx_s, k_l, k_r, full, empty, b, tiles, window_tiles, lo, own, n_sel, ks,
-                                  n_raw, n_comp)  # fmt: skip
+                T.set_max_nreg(PRODUCER_REGISTERS, 0)
+                for r in T.serial(rounds):
+                    phase = (r % 2) ^ 1
+                    # In the order the consumers need them: A's left half first (consumer 0
+                    # starts S on it), then B's right half (consumer 1 starts there).
+                    T.mbarrier_wait_parity(free_l[0], phase)
+                    load_half(Raw, Comp, idx_s, k_l, 0, 0, 2 * r, b, window_tiles, lo, own, n_sel, ks)
+                    T.cp_async_barrier_noinc(full_l[0])
+                    T.mbarrier_wait_parity(free_r[1], phase)
+                    load_half(Raw, Comp, idx_s, k_r, 1, half, 2 * r + 1, b, window_tiles, lo, own, n_sel, ks)
+                    T.cp_async_barrier_noinc(full_r[1])
+                    T.mbarrier_wait_parity(free_r[0], phase)
+                    load_half(Raw, Comp, idx_s, k_r, 0, half, 2 * r, b, window_tiles, lo, own, n_sel, ks)
+                    T.cp_async_barrier_noinc(full_r[0])
+                    T.mbarrier_wait_parity(free_l[1], phase)
+                    load_half(Raw, Comp, idx_s, k_l, 1, 0, 2 * r + 1, b, window_tiles, lo, own, n_sel, ks)
+                    T.cp_async_barrier_noinc(full_l[1])
             elif tx < 256:
-                T.set_max_nreg(consumer0_registers, 1)
-                T.copy(Q[b, s, h0 : h0 + HB, 0:half], q_l, disable_tma=True)  # each consumer loads half of Q
-                if lean_softmax:
-                    if tiles > 0:
-                        tile_columns_seen(seen_s, 0, window_tiles, lo, own, n_sel, n_comp, idx_s)
-                T.fence_proxy_async()
-                T.sync_threads(EXCHANGE_BARRIER, 256)
-                consumer(0, q_l, q_r, k_l, k_r, k_l, p_shared, max_x, sum_x, seen_s, full, empty, acc_s0, acc_o0, m_i0,
-                         m_prev0, row_sum0, tile_max0, tile_sum0, alpha0, sink_f0, tiles, window_tiles, lo,
-                         own, n_sel, n_comp, idx_s, scale_log2, has_sink, Sink, Out, Lse, b, s, h0)
+                T.set_max_nreg(CONSUMER_REGISTERS, 1)
+                T.mbarrier_wait_parity(q_bar[0], 0)
+                T.fill(m_i0, M_FLOOR)
+                T.fill(row_sum0, 0)
+                T.fill(acc_o0, 0)
+                for h in T.Parallel(HB):  # the sinks read now: the epilogue then starts without a global load
+                    sink_f0[h] = T.if_then_else(has_sink, Sink[h0 + h] * LOG2E, M_FLOOR)
+                tile_flags(seen_s, 0, 0, 0, window_tiles, lo, own, n_sel, idx_s)
+                for r in T.serial(rounds):
+                    phase = r % 2
+                    T.sync_threads(FLAGS_BARRIER, 128)  # this round's flags written
+                    score(q_l, q_r, k_l, k_r, 0, acc_s0, full_l, full_r, phase)
+                    flagged_logits(acc_s0, seen_s, 0, r % 2, scale_log2)
+                    T.copy(m_i0, m_new0)
+                    T.reduce_max(acc_s0, m_new0, dim=1, clear=False)
+                    T.copy(m_new0, max_s)
+                    T.mbarrier_arrive(max_a[0])
+                    # A's reference: max(m, A's max) only if some row of the warp needs it.
+                    vote0 = 0
+                    for h in T.Parallel(HB):
+                        vote0 = vote0 | T.if_then_else(m_new0[h] > m_i0[h] + LAZY_RESCALE_LOG2, 1, 0)
+                    vote0 = warp_any(vote0)
+                    move_reference_if(vote0, m_new0, m_i0, alpha0, row_sum0, acc_o0)
+                    exp_and_sum(acc_s0, m_i0, tile_sum0, row_sum0)
+                    T.copy(acc_s0, p_reg0)
+                    T.gemm(p_reg0, k_l[0, :, :], acc_o0)  # O[:, :D/2] += P(A) V(A)[:, :D/2]
+                    T.mbarrier_arrive(free_l[0])
+                    # The round's max from consumer 1: bring O, the sums and P(A) to it (it equals
+                    # A's reference unless B moved it, and a vote skips the multiplications).
+                    T.mbarrier_wait_parity(max_ab[0], phase)
+                    vote0 = 0
+                    for h in T.Parallel(HB):
+                        m_new0[h] = max_s[h]
+                        vote0 = vote0 | T.if_then_else(m_new0[h] != m_i0[h], 1, 0)
+                    vote0 = warp_any(vote0)
+                    if vote0 != 0:
+                        move_reference(m_new0, m_i0, alpha0, row_sum0)
+                        for h, c in T.Parallel(HB, BK):
+                            acc_s0[h, c] *= alpha0[h]
+                    T.copy(acc_s0, p_shared[0, :, :])
+                    T.fence_proxy_async()
+                    T.mbarrier_arrive(p_a[0])
+                    if vote0 != 0:
+                        for h, d in T.Parallel(HB, half):
+                            acc_o0[h, d] *= alpha0[h]
+                    T.mbarrier_wait_parity(p_b[0], phase)
+                    T.gemm(p_shared[1, :, :], k_l[1, :, :], acc_o0)  # O[:, :D/2] += P(B) V(B)[:, :D/2]
+                    T.mbarrier_arrive(free_l[1])
+                    if r + 1 < rounds:  # the next round's flags, the logits dead
+                        tile_flags(seen_s, 0, (r + 1) % 2, 2 * r + 2, window_tiles, lo, own, n_sel, idx_s)
+                finish(0, acc_o0, m_i0, row_sum0, alpha0, sink_f0, sum_x, q_l, has_sink, Out, Lse, b, s, h0)
             else:
-                T.set_max_nreg(consumer1_registers, 1)
-                T.copy(Q[b, s, h0 : h0 + HB, half:D], q_r, disable_tma=True)
-                T.fence_proxy_async()
-                T.sync_threads(EXCHANGE_BARRIER, 256)
-                consumer(1, q_l, q_r, k_l, k_r, k_r, p_shared, max_x, sum_x, seen_s, full, empty, acc_s1, acc_o1, m_i1,
-                         m_prev1, row_sum1, tile_max1, tile_sum1, alpha1, sink_f1, tiles, window_tiles, lo,
-                         own, n_sel, n_comp, idx_s, scale_log2, has_sink, Sink, Out, Lse, b, s, h0)
+                T.set_max_nreg(CONSUMER_REGISTERS, 1)
+                T.mbarrier_wait_parity(q_bar[0], 0)
+                T.fill(m_i1, M_FLOOR)
+                T.fill(row_sum1, 0)
+                T.fill(acc_o1, 0)
+                for h in T.Parallel(HB):  # the sinks read now: the epilogue then starts without a global load
+                    sink_f1[h] = T.if_then_else(has_sink, Sink[h0 + h] * LOG2E, M_FLOOR)
+                tile_flags(seen_s, 1, 0, 1, window_tiles, lo, own, n_sel, idx_s)
+                for r in T.serial(rounds):
+                    phase = r % 2
+                    T.sync_threads(FLAGS_BARRIER, 128)  # this round's flags written
+                    score(q_r, q_l, k_r, k_l, 1, acc_s1, full_r, full_l, phase)
+                    flagged_logits(acc_s1, seen_s, 1, r % 2, scale_log2)
+                    T.mbarrier_wait_parity(max_a[0], phase)
+                    # Consumer 0's reference for A, by its vote on the same rows and floats.
+                    vote1 = 0
+                    for h in T.Parallel(HB):
+                        vote1 = vote1 | T.if_then_else(max_s[h] > m_i1[h] + LAZY_RESCALE_LOG2, 1, 0)
+                    vote1 = warp_any(vote1)
+                    for h in T.Parallel(HB):
+                        m_ref1[h] = T.if_then_else(vote1 != 0, max_s[h], m_i1[h])
+                        m_new1[h] = m_ref1[h]
+                    T.reduce_max(acc_s1, m_new1, dim=1, clear=False)
+                    # The round's reference: A's, unless some row of the warp needs B's max.
+                    vote1 = 0
+                    for h in T.Parallel(HB):
+                        vote1 = vote1 | T.if_then_else(m_new1[h] > m_ref1[h] + LAZY_RESCALE_LOG2, 1, 0)
+                    vote1 = warp_any(vote1)
+                    if vote1 == 0:
+                        T.copy(m_ref1, m_new1)
+                    T.copy(m_new1, max_s)
+                    T.mbarrier_arrive(max_ab[0])
+                    vote1 = 0
+                    for h in T.Parallel(HB):
+                        vote1 = vote1 | T.if_then_else(m_new1[h] != m_i1[h], 1, 0)
+                    vote1 = warp_any(vote1)
+                    move_reference_if(vote1, m_new1, m_i1, alpha1, row_sum1, acc_o1)
+                    exp_and_sum(acc_s1, m_i1, tile_sum1, row_sum1)
+                    T.copy(acc_s1, p_reg1)
+                    T.gemm(p_reg1, k_r[1, :, :], acc_o1)  # O[:, D/2:] += P(B) V(B)[:, D/2:]
+                    T.mbarrier_arrive(free_r[1])
+                    T.copy(acc_s1, p_shared[1, :, :])
+                    T.fence_proxy_async()
+                    T.mbarrier_arrive(p_b[0])
+                    T.mbarrier_wait_parity(p_a[0], phase)
+                    T.gemm(p_shared[0, :, :], k_r[0, :, :], acc_o1)  # O[:, D/2:] += P(A) V(A)[:, D/2:]
+                    T.mbarrier_arrive(free_r[0])
+                    if r + 1 < rounds:
+                        tile_flags(seen_s, 1, (r + 1) % 2, 2 * r + 3, window_tiles, lo, own, n_sel, idx_s)
+                finish(1, acc_o1, m_i1, row_sum1, alpha1, sink_f1, sum_x, q_r, has_sink, Out, Lse, b, s, h0)
 
-    return sparse_window_fwd_balanced
+    return sparse_window_fwd_alternating

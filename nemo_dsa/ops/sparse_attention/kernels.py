@@ -9,99 +9,55 @@ over both, the per-head sink in the denominator only.
 Work unit: one query and 64 of its heads (the GEMM's M dimension, as in FlashMLA; fewer heads
 are zero-padded to 64, 128 heads take two blocks); its keys come in 64-key tiles (``tiles.py``).
 
-- ``configs.py``: block shapes, schedules, register splits, one dataclass per compiled kernel;
-- ``forward.py`` (and ``forward_alternating.py``): the forward kernel;
-- ``backward.py``: the backward, the key-major window dkv and the delta kernels;
+- ``configs.py``: block shapes, register splits, one dataclass per compiled kernel;
+- ``forward.py``: the forward kernel;
+- ``backward.py``: the backward and the delta kernels;
 - here: operands padded to the built head dim and head count, compilation, launches.
 """
 
 import torch
 
 from nemo_dsa.ops._tilelang import HOPPER_SMEM_LIMIT, compile_cached, tilelang
-from nemo_dsa.ops.sparse_attention.backward import attention_delta_kernel, sparse_window_bwd_kernel, window_dkv_kernel
+from nemo_dsa.ops.sparse_attention.backward import attention_delta_kernel, sparse_window_bwd_kernel
 from nemo_dsa.ops.sparse_attention.configs import (
-    AHEAD_SCHEDULES,
     BLOCK_HEADS,
-    BLOCK_KEYS,
-    BWD_SCHEDULES,
-    DEFAULT_BWD_SCHEDULE,
-    DEFAULT_FWD_SCHEDULE,
-    DEFAULT_WINDOW_DKV,
-    FWD_SCHEDULES,
+    CONSUMER_REGISTERS,
     FWD_THREADS,
     KERNEL_DIMS,
     LAUNCH_REGISTERS,
     MAX_SELECTED,
     MODES,
-    WINDOW_DKV_MODES,
+    PRODUCER_REGISTERS,
     BackwardConfig,
     ForwardConfig,
-    WindowDkvConfig,
     backward_config,
     dispatched_configs,
     forward_config,
-    forward_schedule,
     kernel_dim,
-    window_dkv_mode,
 )
 from nemo_dsa.ops.sparse_attention.forward import (
     EXCHANGE_BARRIER,
-    P_READY_BARRIER,
+    FLAGS_BARRIER,
     ROLE_BARRIER_IDS,
     register_barrier_postproc,
     separate_role_barriers,
-    sparse_window_fwd_balanced_kernel,
+    sparse_window_fwd_kernel,
 )
-from nemo_dsa.ops.sparse_attention.forward_alternating import sparse_window_fwd_alternating_kernel
 
 # Re-exported for tests, benchmarks and scripts: ``kernels`` is the sparse-attention kernels' one
 # import (configs, factories, launches).
 __all__ = [
-    "AHEAD_SCHEDULES", "BWD_SCHEDULES", "DEFAULT_BWD_SCHEDULE", "DEFAULT_FWD_SCHEDULE", "DEFAULT_WINDOW_DKV",
-    "EXCHANGE_BARRIER", "FWD_SCHEDULES", "FWD_THREADS", "HOPPER_SMEM_LIMIT", "KERNEL_DIMS", "LAUNCH_REGISTERS", "MAX_SELECTED", "MODES",
-    "P_READY_BARRIER", "ROLE_BARRIER_IDS", "WINDOW_DKV_MODES", "BackwardConfig", "ForwardConfig", "KernelInputs",
-    "WindowDkvConfig", "attention_delta", "attention_delta_kernel", "backward_config", "compile_config",
-    "dispatched_configs", "forward_config", "forward_schedule", "kernel_dim", "last_valid_slots",
-    "register_barrier_postproc", "separate_role_barriers", "sparse_window_backward", "sparse_window_bwd_kernel",
-    "sparse_window_forward", "sparse_window_fwd_kernel", "tilelang", "window_dkv_kernel", "window_dkv_mode",
-    "window_dkv_split",
+    "CONSUMER_REGISTERS", "EXCHANGE_BARRIER", "FLAGS_BARRIER", "FWD_THREADS", "HOPPER_SMEM_LIMIT", "KERNEL_DIMS",
+    "LAUNCH_REGISTERS", "MAX_SELECTED", "MODES", "PRODUCER_REGISTERS", "ROLE_BARRIER_IDS", "BackwardConfig",
+    "ForwardConfig", "KernelInputs", "attention_delta", "attention_delta_kernel", "backward_config", "compile_config",
+    "dispatched_configs", "forward_config", "kernel_dim", "last_valid_slots", "register_barrier_postproc",
+    "separate_role_barriers", "sparse_window_backward", "sparse_window_bwd_kernel", "sparse_window_forward",
+    "sparse_window_fwd_kernel", "tilelang",
 ]  # fmt: skip
 
 
-def sparse_window_fwd_kernel(
-    dim: int,
-    mode: str,
-    num_stages: int,
-    consumer0_registers: int,
-    consumer1_registers: int,
-    producer_registers: int,
-    schedule: str,
-):
-    """PrimFunc of the forward for one configuration. Grid: (S, H / 64, B); H a multiple of 64
-    (the wrapper zero-pads q's heads: padded heads compute rows nobody reads). ``schedule``
-    "balanced" and "balanced-lean" give :func:`sparse_window_fwd_balanced_kernel`,
-    "alternating" and "alternating-lean" the kernel of ``forward_alternating.py``.
-
-    Arguments: Q [B, S, H, D], Raw [B, N_raw, D], Comp [B, K, D] (bf16), WindowStart [B, S],
-    Indices [B, S, T] with KE [B, S] = 1 + its last valid slot, or KS/KE [B, S] (int32), Sink [H]
-    fp32, Params [2] fp32 (scale, has_sink),
-    Window [1] int32; out: Out [B, S, H, D] bf16, Lse [B, S, H] fp32 (natural log).
-    """
-    if schedule in ("balanced", "balanced-lean"):
-        return sparse_window_fwd_balanced_kernel(
-            dim, mode, num_stages, consumer0_registers, consumer1_registers, producer_registers,
-            lean_softmax=schedule == "balanced-lean",
-        )
-    if schedule in ("alternating", "alternating-lean"):
-        return sparse_window_fwd_alternating_kernel(
-            dim, mode, num_stages, consumer0_registers, consumer1_registers, producer_registers,
-            lean_softmax=schedule == "alternating-lean",
-        )
-    raise ValueError(f"schedule must be one of {FWD_SCHEDULES}, got {schedule!r}")
-
-
 def _compile_forward(config: ForwardConfig):
-    register_barrier_postproc()
+    register_barrier_postproc()  # the forward's CUDA needs its role barriers separated (forward.py)
     return compile_cached(sparse_window_fwd_kernel, pass_configs=config.pass_configs(), **config.kernel_kwargs())
 
 
@@ -187,7 +143,6 @@ class KernelInputs:
         if sink is not None:
             self.sink[:heads] = sink
         self.params, self.window = _params(q.device, scale, self.has_sink, window)
-        self.window_length = int(window)
 
 
 def sparse_window_forward(inputs: KernelInputs, *, out=None, lse=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,34 +171,12 @@ def attention_delta(out: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
     return delta
 
 
-_split_cache: dict[tuple, torch.Tensor] = {}
-
-
-def window_dkv_split(device, n_raw: int, batch: int, window: int) -> torch.Tensor:
-    """Chunk [n_split] int32 for :func:`window_dkv_kernel`: each raw tile's candidate queries
-    (64 + window - 1) split into runs so that the grid fills about two waves of the GPU."""
-    key = (device, n_raw, batch, window)
-    cached = _split_cache.get(key)
-    if cached is None:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-        candidates = BLOCK_KEYS + window - 1
-        blocks = -(-n_raw // BLOCK_KEYS) * batch
-        n_split = max(1, min(-(-2 * sms // blocks), -(-candidates // 16)))
-        chunk = -(-candidates // n_split)
-        n_split = -(-candidates // chunk)
-        cached = torch.full((n_split,), chunk, dtype=torch.int32, device=device)
-        if len(_split_cache) > 256:
-            _split_cache.clear()
-        _split_cache[key] = cached
-    return cached
-
-
 def sparse_window_backward(inputs: KernelInputs, out, lse, grad_out, *, dq=None, need_dq: bool = True,
                            need_d_raw: bool = True, need_d_comp: bool = True):
     """(dq, d raw_kv, d compressed_kv, delta) for the saved forward; gradients in bf16, ``None``
     for each one not wanted (``need_*``: neither computed nor added; with none wanted only delta
-    runs). The window keys' dkv is summed as :func:`window_dkv_mode` says. ``dq`` (optional,
-    contiguous, at the built head dim) receives dq, every element written."""
+    runs). Every key's dkv, window rows included, is added by the kernel's fp32 atomics. ``dq``
+    (optional, contiguous, at the built head dim) receives dq, every element written."""
     q = inputs.q
     batch, seq_len, heads, _ = q.shape
     # Padded heads: zero dO (so zero delta and gradients) and a finite lse of 0.
@@ -251,19 +184,17 @@ def sparse_window_backward(inputs: KernelInputs, out, lse, grad_out, *, dq=None,
     out = _pad_heads(_pad_dim(out, inputs.kdim), inputs.kheads)
     delta = None  # rowsum(dO * O): the main kernel writes it; the delta kernel when it does not run
     n_comp = inputs.comp.shape[1]
-    key_major = need_d_raw and window_dkv_mode() == "key-major"
-    atomic_d_raw = need_d_raw and not key_major  # window dkv added by the query-major kernel
     lse = _pad_heads(lse, inputs.kheads)
     shape = (batch, inputs.n_raw + n_comp, inputs.kdim)
     dkv = None
-    if need_dq or atomic_d_raw or need_d_comp:
+    if need_dq or need_d_raw or need_d_comp:
         dq = torch.empty_like(q) if dq is None else dq
         # Rows nobody wants are never added to, so they need no zeros (one allocation).
-        if atomic_d_raw and need_d_comp:
+        if need_d_raw and need_d_comp:
             dkv = torch.zeros(shape, dtype=torch.float32, device=q.device)
         else:
             dkv = torch.empty(shape, dtype=torch.float32, device=q.device)
-            if atomic_d_raw:
+            if need_d_raw:
                 dkv[:, : inputs.n_raw].zero_()
             elif need_d_comp:
                 dkv[:, inputs.n_raw :].zero_()
@@ -272,22 +203,12 @@ def sparse_window_backward(inputs: KernelInputs, out, lse, grad_out, *, dq=None,
             config = backward_config(inputs.kdim, inputs.mode)
             kernel = compile_cached(sparse_window_bwd_kernel, pass_configs=config.pass_configs(), **config.kernel_kwargs())
             kernel(q, inputs.raw, inputs.comp, inputs.window_start, inputs.selector, inputs.end, inputs.params,
-                   inputs.window, _needs(q.device, need_dq, atomic_d_raw, need_d_comp), grad_out, lse, out, delta,
+                   inputs.window, _needs(q.device, need_dq, need_d_raw, need_d_comp), grad_out, lse, out, delta,
                    dq, dkv)  # fmt: skip
     if delta is None:
         delta = attention_delta(out, grad_out)
     dim, heads = inputs.dim, inputs.heads
-    d_raw = None
-    if key_major:
-        d_raw32 = torch.zeros((batch, inputs.n_raw, inputs.kdim), dtype=torch.float32, device=q.device)
-        if q.numel():
-            config = WindowDkvConfig(inputs.kdim)
-            kernel = compile_cached(window_dkv_kernel, pass_configs=config.pass_configs(), **config.kernel_kwargs())
-            chunk = window_dkv_split(q.device, inputs.n_raw, batch, int(inputs.window_length))
-            kernel(q, inputs.raw, inputs.window_start, inputs.params, inputs.window, chunk, grad_out, lse, delta, d_raw32)
-        d_raw = d_raw32[..., :dim].to(q.dtype)
-    elif need_d_raw:
-        d_raw = dkv[:, : inputs.n_raw, :dim].to(q.dtype)
+    d_raw = dkv[:, : inputs.n_raw, :dim].to(q.dtype) if need_d_raw else None
     d_comp = dkv[:, inputs.n_raw :, :dim].to(q.dtype) if need_d_comp else None
     return dq[:, :, :heads, :dim] if need_dq else None, d_raw, d_comp, delta[:, :, :heads]
 
@@ -299,7 +220,5 @@ def compile_config(config) -> None:
         compile_cached(attention_delta_kernel, dim=config)
     elif isinstance(config, ForwardConfig):
         _compile_forward(config)
-    elif isinstance(config, BackwardConfig):
-        compile_cached(sparse_window_bwd_kernel, pass_configs=config.pass_configs(), **config.kernel_kwargs())
     else:
-        compile_cached(window_dkv_kernel, pass_configs=config.pass_configs(), **config.kernel_kwargs())
+        compile_cached(sparse_window_bwd_kernel, pass_configs=config.pass_configs(), **config.kernel_kwargs())
