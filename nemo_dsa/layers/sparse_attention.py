@@ -112,10 +112,6 @@ logger = logging.getLogger(__name__)
 
 FP8_BLOCK = 32  # V4.1 window KV: fp8 blocks of 32 channels
 NVFP4_BLOCK = 16  # V4.1 compressed KV: nvfp4 blocks of 16 channels
-# V4's per-head q norm + RoPE as one TileLang kernel each way on CUDA (ops/head_norm_rope) instead
-# of ~10 eager passes: -82 ms of a 518 ms V4 step at S = 16,384 on the H200 (docs/performance.md
-# v16). False restores the eager ops; tests/ops/test_head_norm_rope_gpu.py runs the layer either way.
-FUSED_Q_NORM_ROPE = True
 
 
 class DSASparseAttention(KeepsFP32Parameters):
@@ -221,7 +217,7 @@ class DSASparseAttention(KeepsFP32Parameters):
         ``query_latent`` (which ``wq_b`` keeps anyway): otherwise the un-normalised q would be
         kept for the norm's backward, [S, H, head_dim] (64 KiB a token a layer at V4-Flash shapes,
         as much as the attention's own q), for one more ``wq_b`` GEMM and norm (predicted ~3 % of a
-        V4-Flash-shaped step; docs/performance.md v15). Without the norm nothing keeps that q (RoPE's
+        V4-Flash-shaped step). Without the norm nothing keeps that q (RoPE's
         backward needs only its angles), so nothing is recomputed."""
         if not self.config.q_head_rms:
             return apply_rope(self.wq_b(query_latent).unflatten(-1, (self.n_heads, self.head_dim)), angles)
@@ -233,8 +229,8 @@ class DSASparseAttention(KeepsFP32Parameters):
 
     def _normalized_queries(self, query_latent: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
         q = self.wq_b(query_latent).unflatten(-1, (self.n_heads, self.head_dim))
-        fused = FUSED_Q_NORM_ROPE and q.is_cuda and q.dtype == torch.bfloat16
-        if fused and kernels_support(self.head_dim, self.rope_dim):
+        # On CUDA one TileLang kernel each way (ops/head_norm_rope) instead of ~10 eager passes.
+        if q.is_cuda and q.dtype == torch.bfloat16 and kernels_support(self.head_dim, self.rope_dim):
             return head_rms_rope(q, angles, self.eps, backend="tilelang")
         return apply_rope(rms_normalize(q, self.eps), angles)
 
@@ -243,7 +239,7 @@ class DSASparseAttention(KeepsFP32Parameters):
         ``[B, S, hidden]``: grouped ``wo_a`` then ``wo_b``, or ``wo``.
 
         ``wo_a`` applies the inverse rotation itself and keeps the unrotated output, which the
-        attention op keeps anyway, instead of a rotated copy of it (docs/performance.md v17)."""
+        attention op keeps anyway, instead of a rotated copy of it."""
         heads = out.shape[-2:]
 
         def rotate_back(flat: torch.Tensor) -> torch.Tensor:

@@ -155,15 +155,9 @@ def differing_queries_are_ties(mine, theirs, scores, real) -> tuple[int, int]:
     [([[300, 211]], 511), ([[97, 5, 400], [512]], 512), ([[61, 640]], 733)],
     ids=["b1-two-docs", "b2-ragged-padded", "b1-odd-padded"],
 )
-@pytest.mark.parametrize("fast_select", [False, True], ids=["generic-select-torch-mask", "window-select-with-blocks"])
-def test_v41_layer_kernels_match_reference(docs, seq, fast_select, monkeypatch):
+def test_v41_layer_kernels_match_reference(docs, seq, monkeypatch):
     from nemo_dsa.ops.fused_selection import interface as fused_selection
-    from nemo_dsa.ops.topk import kernels as topk_kernels
 
-    # The default selectors (the window below the row maximum, the blocks applied in the select)
-    # and the generic ones (the generic passes, the torch block mask).
-    monkeypatch.setitem(topk_kernels.TOP_WINDOW, "bfloat16", fast_select)
-    monkeypatch.setattr(fused_selection, "SELECT_APPLIES_BLOCKS", fast_select)
     records = []
     real_select = fused_selection.v41_select_topk
 

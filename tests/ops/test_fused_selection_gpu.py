@@ -118,14 +118,9 @@ def test_v41_streaming_equals_the_kernels_full_matrix(layout, batch, queries, he
 
 
 @pytest.mark.parametrize("layout", ["causal", "packed", "cp"])
-@pytest.mark.parametrize("blocks_in_select,window", [(False, False), (True, False), (True, True)])
-def test_v41_candidate_blocks_on_the_gpu(layout, blocks_in_select, window, monkeypatch):
-    """Both reindex paths (the torch block mask, the blocks applied inside the select: the vector
-    select by default, reading the candidate source's lists) equal masking the full scores first."""
-    from nemo_dsa.ops.topk import kernels as topk_kernels
-
-    monkeypatch.setattr(fused_interface, "SELECT_APPLIES_BLOCKS", blocks_in_select)
-    monkeypatch.setitem(topk_kernels.TOP_WINDOW, "bfloat16", window)
+def test_v41_candidate_blocks_on_the_gpu(layout):
+    """The reindex path (the blocks applied inside the vector select, reading the candidate
+    source's lists) equals masking the full scores first."""
     batch, queries, heads, dim, topk, block_size, topk_blocks = 2, 3001, 64, 128, 512, 8, 64
     ks, ke, num_keys = _layout(layout, batch, queries, 4, seed=5)
     q, k, w = indexer_inputs(batch, queries, heads, dim, num_keys, 6, w_dtype=torch.bfloat16, w_scale="fan_in", device="cuda")

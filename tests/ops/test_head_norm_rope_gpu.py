@@ -80,7 +80,8 @@ def test_backward_matches_autograd_of_the_reference(case):
 
 @pytest.mark.parametrize("layer_idx", [0, 2])  # window-only, ratio 8 (every visible group)
 def test_the_layer_with_the_fused_queries_matches_the_eager_ones(monkeypatch, layer_idx):
-    """``FUSED_Q_NORM_ROPE`` on against off in a V4 layer on the GPU (both on the attention kernels)."""
+    """A V4 layer on the GPU with its queries from the fused kernels against the same layer with
+    the eager norm + RoPE in their place (both on the attention kernels)."""
     from helpers import tiny_config
     from nemo_dsa.layers import sparse_attention as layer_module
     from test_layers import make_layer, packed_ids, run
@@ -89,13 +90,22 @@ def test_the_layer_with_the_fused_queries_matches_the_eager_ones(monkeypatch, la
                       index_head_dim=64, backend="tilelang")  # fmt: skip
     x = torch.randn(2, 96, cfg.hidden_size, generator=torch.Generator().manual_seed(3)).cuda().to(torch.bfloat16)
     ids = packed_ids([[40, 56], [77]], seq=96).cuda()
+    calls = []
+
+    def eager(q, angles, eps, backend):
+        calls.append(backend)
+        return layer_module.apply_rope(layer_module.rms_normalize(q, eps), angles)
+
     results = {}
     for fused in (False, True):
-        monkeypatch.setattr(layer_module, "FUSED_Q_NORM_ROPE", fused)
-        layer = make_layer(cfg, layer_idx, seed=5).cuda().to(torch.bfloat16)
-        inputs = x.clone().requires_grad_()
-        out, _ = run(layer, inputs, ids)
-        out.float().square().sum().backward()
-        results[fused] = (out.float(), inputs.grad.float(), layer.wq_b.weight.grad.float())
+        with monkeypatch.context() as patch:
+            if not fused:
+                patch.setattr(layer_module, "head_rms_rope", eager)
+            layer = make_layer(cfg, layer_idx, seed=5).cuda().to(torch.bfloat16)
+            inputs = x.clone().requires_grad_()
+            out, _ = run(layer, inputs, ids)
+            out.float().square().sum().backward()
+            results[fused] = (out.float(), inputs.grad.float(), layer.wq_b.weight.grad.float())
+    assert calls, "the layer did not take the fused path on CUDA"
     for eager, fused in zip(results[False], results[True]):
         assert float((fused - eager).norm() / eager.norm()) < 1e-2

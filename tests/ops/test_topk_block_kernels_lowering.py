@@ -45,9 +45,10 @@ def test_block_maxima_wrapper_validates():
         block_maxima_kernel("bfloat16", 0)
 
 
-def test_the_opt_in_leaves_cpu_scores_on_the_torch_table(monkeypatch):
-    """MAXIMA_KERNEL on, CPU scores: the torch table still serves them (the kernel is CUDA only)."""
-    monkeypatch.setattr(candidates, "MAXIMA_KERNEL", True)
+def test_cpu_scores_take_the_torch_table():
+    """CPU scores: the torch table serves them (the kernel is CUDA only)."""
+    assert not candidates.uses_maxima_kernel(torch.bfloat16, torch.device("cpu"), "auto")
+    assert candidates.uses_maxima_kernel(torch.bfloat16, torch.device("cuda"), "auto")
     g = torch.Generator().manual_seed(3)
     scores = torch.randint(-4, 5, (2, 9, 40), generator=g).bfloat16()
     ks = torch.randint(0, 20, (2, 9), generator=g).int()

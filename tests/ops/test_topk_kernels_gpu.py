@@ -5,11 +5,10 @@ docs/semantics.md rule with unique keys): fresh random rows of ragged widths, bo
 {64, 100, 512, 1024, 2048}, visible ranges, quantised scores with long runs of ties at the cut,
 NaN/+-inf, signed zeros, rows with fewer finite scores than T and rows that see nothing, rows
 past the kernel's register cache (8192 keys) and past 65536 keys; bf16 rows whose cut the window
-below the row's maximum decides and rows it cannot (the generic passes), each also through the
-window-less kernel; candidate-block masks applied inside the select (unordered, repeated, -1 and
+below the row's maximum decides and rows it cannot (the generic passes); candidate-block masks applied inside the select (unordered, repeated, -1 and
 out-of-row blocks, block sizes 3 / 4 / 8) against masking the scores first; V4.1 candidate blocks
 (block maxima + the select over blocks) against their reference. The vector select (bf16, index
-order: the default path) runs through every test above as the "vector" selector, and on rows of
+order, aligned matrices) runs through every bf16 index-order test above, and on rows of
 every alignment, rows holding +inf, rows with fewer finite keys than T, and candidate blocks of 8
 read from their list (the candidate source's form; other lists through the map). Outputs are
 poisoned before the kernel writes them.
@@ -28,23 +27,6 @@ from nemo_dsa.ops.topk import kernels as topk_kernels
 from nemo_dsa.ops.topk.kernels import select_rows_tilelang
 
 pytestmark = pytest.mark.gpu
-
-
-# The selectors to test per dtype: bf16 has the generic passes and the (default) window below the
-# row maximum; fp32 only the generic passes (only valid pairs: no case skips itself).
-SELECTORS = [
-    pytest.param(torch.float32, False, id="float32-generic"),
-    pytest.param(torch.bfloat16, False, id="bfloat16-generic"),
-    pytest.param(torch.bfloat16, True, id="bfloat16-window"),
-    pytest.param(torch.bfloat16, "vector", id="bfloat16-vector"),
-]
-
-
-def use_bf16_window(monkeypatch, window: bool | str) -> None:
-    """bf16 index order through the vector select (``window="vector"``, the default path) or the
-    radix select alone, with or without its window below the row maximum."""
-    monkeypatch.setitem(topk_kernels.TOP_WINDOW, "bfloat16", window is not False)
-    monkeypatch.setattr(topk_kernels, "VECTOR_SELECT", window == "vector")
 
 
 def _rows(kind: str, rows: int, width: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -106,13 +88,12 @@ def _poisoned(rows, count, dtype):
     )
 
 
-@pytest.mark.parametrize("dtype,window", SELECTORS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("order", ["score", "index"])
 @pytest.mark.parametrize("kind", ["continuous", "quantised", "special"])
 # Widths past 8192 keys reach the steps that are read again in every pass (not cached in registers).
 @pytest.mark.parametrize("count,width", [(64, 300), (100, 1001), (512, 4097), (1024, 3000), (2048, 8191), (512, 20_001)])
-def test_kernel_equals_reference_on_ranges(dtype, window, order, kind, count, width, monkeypatch):
-    use_bf16_window(monkeypatch, window)
+def test_kernel_equals_reference_on_ranges(dtype, order, kind, count, width):
     rows = 67
     seed = zlib.crc32(f"{dtype}{order}{kind}{count}".encode()) % 1000
     ks, ke = _ranges(rows, width, seed)
@@ -163,24 +144,28 @@ def _random_blocks(rows: int, width: int, block_size: int, seed: int) -> torch.T
     return blocks.int().cuda()
 
 
-# The masked selectors V4.1 builds (bf16, index order; generic, window, vector) and the score-order path on fp32.
-@pytest.mark.parametrize("dtype,order,window", [
-    pytest.param(torch.bfloat16, "index", False, id="bfloat16-index-generic"),
-    pytest.param(torch.bfloat16, "index", True, id="bfloat16-index-window"),
-    pytest.param(torch.bfloat16, "index", "vector", id="bfloat16-index-vector"),
-    pytest.param(torch.float32, "score", False, id="float32-score-generic"),
+# The masked selector V4.1 uses (bf16, index order: the vector select), the radix select's on a
+# misaligned bf16 matrix, and its score-order paths (fp32 and bf16).
+@pytest.mark.parametrize("dtype,order,misaligned", [
+    pytest.param(torch.bfloat16, "index", False, id="bfloat16-index-vector"),
+    pytest.param(torch.bfloat16, "index", True, id="bfloat16-index-radix"),
+    pytest.param(torch.bfloat16, "score", False, id="bfloat16-score"),
+    pytest.param(torch.float32, "score", False, id="float32-score"),
 ])
 @pytest.mark.parametrize("kind", ["continuous", "quantised", "special"])
 @pytest.mark.parametrize("count,width,block_size", [(64, 1001, 4), (512, 20_001, 8), (100, 3000, 3)])
-def test_block_masked_kernel_equals_reference(dtype, order, window, kind, count, width, block_size, monkeypatch):
+def test_block_masked_kernel_equals_reference(dtype, order, misaligned, kind, count, width, block_size):
     """Candidate-block masks applied inside the select equal masking the scores first."""
-    use_bf16_window(monkeypatch, window)
     from nemo_dsa.ops.v41_indexer import blocks_to_mask
 
     rows = 67
     seed = zlib.crc32(f"mask{dtype}{order}{kind}{count}".encode()) % 1000
     ks, ke = _ranges(rows, width, seed)
     scores = _mask_outside(_rows(kind, rows, width, dtype, seed), ks, ke)
+    if misaligned:  # 2 bytes off: the radix select serves it
+        shifted = torch.empty(rows * width + 1, dtype=dtype, device="cuda")[1:].view(rows, width)
+        scores = shifted.copy_(scores)
+        assert not topk_kernels.uses_vector_select(scores, order)
     blocks = _random_blocks(rows, width, block_size, seed)
     keep = blocks_to_mask(blocks[None], ks[None], ke[None], block_size, width)[0]
     out = _poisoned(rows, count, dtype)
@@ -193,8 +178,8 @@ def test_block_masked_kernel_equals_reference(dtype, order, window, kind, count,
 @pytest.mark.parametrize("spread", [0.01, 1.0, 100.0])
 def test_bf16_window_and_generic_passes_agree(spread):
     """bf16 rows whose T-th key lies near the maximum (the window decides), far below it (the
-    generic passes do) and between: the dispatched kernel, the window one and the window-less one
-    equal the reference."""
+    generic passes do) and between: the dispatched select and the radix select equal the
+    reference."""
     from dataclasses import asdict
 
     from nemo_dsa.ops._tilelang import compile_cached
@@ -210,25 +195,21 @@ def test_bf16_window_and_generic_passes_agree(spread):
     index, picked = select_rows_tilelang(scores, count, "index", ks, ke, out=_poisoned(rows, count, torch.bfloat16))
     assert torch.equal(index, want_index) and torch.equal(picked, want_picked)
     config = asdict(select_config(torch.bfloat16, count, "index"))
-    for top_window in (False, True):
-        kernel = compile_cached(radix_select_kernel, pass_configs=SELECT_PASS_CONFIGS, **{**config, "top_window": top_window})
-        index2, picked2 = _poisoned(rows, count, torch.bfloat16)
-        kernel(scores, ks, ke, index2, picked2, 0, torch.empty((1, 1), dtype=torch.int32, device="cuda"))
-        assert torch.equal(index2, want_index) and torch.equal(picked2, want_picked), top_window
+    kernel = compile_cached(radix_select_kernel, pass_configs=SELECT_PASS_CONFIGS, **config)
+    index2, picked2 = _poisoned(rows, count, torch.bfloat16)
+    kernel(scores, ks, ke, index2, picked2, 0, torch.empty((1, 1), dtype=torch.int32, device="cuda"))
+    assert torch.equal(index2, want_index) and torch.equal(picked2, want_picked)
 
 
-@pytest.mark.parametrize("dtype,window", [pytest.param(*p.values, id=p.id) for p in SELECTORS])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["quantised", "special"])
 @pytest.mark.parametrize("width,block_size,keep", [(4096 + 37, 8, 2048), (1000, 3, 100), (16384, 8, 2048)])
-@pytest.mark.parametrize("maxima_kernel", [False, True], ids=["torch-maxima", "kernel-maxima"])
-def test_candidate_blocks_on_the_gpu_equal_the_reference(dtype, window, kind, width, block_size, keep, maxima_kernel,
-                                                         monkeypatch):
-    """Candidate blocks on CUDA (block maxima from the torch table or the TileLang kernel, then
-    the radix select over blocks) against the scatter-reduce reference on the same scores: ties
-    across blocks, NaN/inf, ragged ranges, rows that see nothing, several sequences."""
-    use_bf16_window(monkeypatch, window)
-    monkeypatch.setattr(candidates, "MAXIMA_KERNEL", maxima_kernel)
-    seed = zlib.crc32(f"cand-{dtype}-{window}-{kind}-{width}-{block_size}".encode())
+def test_candidate_blocks_on_the_gpu_equal_the_reference(dtype, kind, width, block_size, keep):
+    """Candidate blocks on CUDA (block maxima from the TileLang kernel, then the TileLang select
+    over blocks) against the scatter-reduce reference on the same scores: ties across blocks,
+    NaN/inf, ragged ranges, rows that see nothing, several sequences."""
+    assert candidates.uses_maxima_kernel(dtype, torch.device("cuda"), "auto")
+    seed = zlib.crc32(f"cand-{dtype}-{kind}-{width}-{block_size}".encode())
     batch, queries = 3, 41
     scores = _rows(kind, batch * queries, width, dtype, seed).view(batch, queries, width)
     ks, ke = (x.view(batch, queries) for x in _ranges(batch * queries, width, seed))

@@ -16,7 +16,6 @@ import torch
 from _lowering import map_in_workers, ptxas_report
 
 from nemo_dsa.ops._tilelang import HOPPER_SMEM_LIMIT
-from nemo_dsa.ops.topk import kernels as topk_kernels
 from nemo_dsa.ops.topk.interface import select_topk
 from nemo_dsa.ops.topk.kernels import (
     CACHED_STEPS,
@@ -25,7 +24,6 @@ from nemo_dsa.ops.topk.kernels import (
     MAX_COUNT,
     MIN_BLOCKS_PER_SM,
     SELECT_PASS_CONFIGS,
-    TOP_WINDOW,
     UNROLL,
     WINDOW_BINS,
     SelectConfig,
@@ -91,26 +89,22 @@ def _lower(config, **knobs):
 def _step_loops(config: SelectConfig, source: str):
     """(window walks, histogram passes, counting walk, writing walk) barrier counts."""
     loops = _barriers_per_step_loop(source)
-    window = loops[:2] if config.top_window else []
+    window = loops[:2] if config.score_dtype == "bfloat16" else []
     *passes, counting, writing = loops[len(window) :]
     return window, passes, counting, writing
 
 
-# Built on demand: the opt-in window selectors and candidate-block masked ones (V4.1 reindex
-# layers, per block size).
+# Built on demand: candidate-block masked selectors (per block size).
 EXTRA = [
-    SelectConfig("bfloat16", 128, "index", True),
-    SelectConfig("bfloat16", 512, "score", True),
-    SelectConfig("bfloat16", 128, "index", True, 8),
-    SelectConfig("bfloat16", 128, "index", False, 3),
-    SelectConfig("float32", 256, "score", False, 4),
+    SelectConfig("bfloat16", 128, "index", 8),
+    SelectConfig("bfloat16", 128, "index", 3),
+    SelectConfig("float32", 256, "score", 4),
 ]
 
 
 def test_every_config_lowers_within_shared_memory():
     configs = dispatched_configs()
     assert len(configs) == len(set(configs))
-    assert {c.top_window for c in configs if c.score_dtype == "bfloat16"} == {TOP_WINDOW["bfloat16"]}
     results = map_in_workers(_lower, configs + EXTRA)
     for config, source, smem in results:
         assert smem >= config.shared_memory_bytes(), f"{config}: the kernel needs more than {smem} bytes"
@@ -131,7 +125,7 @@ def test_every_config_lowers_within_shared_memory():
         window, passes, counting, writing = _step_loops(config, source)
         assert len(passes) == len(DIGIT_BITS[config.score_dtype]), config
         assert not any(window) and not any(passes) and counting == 0, (config, window, passes, counting)
-        if config.top_window:
+        if config.score_dtype == "bfloat16":  # the window below the row's maximum
             assert f"whist)[(((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t){WINDOW_BINS})" in source, config
             assert "window_hit)[0] == 1" in source, config  # the counting walk only without a window cut
         assert (f"__shared__ __align__(16) uchar kept[{MASK_BLOCKS}];" in source) == bool(config.block_size), config
@@ -139,7 +133,7 @@ def test_every_config_lowers_within_shared_memory():
         assert not _barriers_under_thread_branches(source), config
         # Score order sorts in registers: lane shuffles for the strides below a warp (the window
         # reduces its maximum and counts with them too).
-        assert ("__shfl_xor_sync" in source) == (config.order == "score" or config.top_window), config
+        assert ("__shfl_xor_sync" in source) == (config.order == "score" or config.score_dtype == "bfloat16"), config
 
 
 def test_barrier_check_sees_a_thread_dependent_branch():
@@ -158,8 +152,8 @@ def test_a_config_compiles_to_cubin():
 
 
 def test_config_choice_and_limits():
-    assert select_config(torch.float32, 512, "score") == SelectConfig("float32", 512, "score", False)
-    assert select_config(torch.bfloat16, 100, "index") == SelectConfig("bfloat16", 128, "index", TOP_WINDOW["bfloat16"])
+    assert select_config(torch.float32, 512, "score") == SelectConfig("float32", 512, "score")
+    assert select_config(torch.bfloat16, 100, "index") == SelectConfig("bfloat16", 128, "index")
     assert [sort_slots(c) for c in (1, 100, 128, 129, 2048, 2049)] == [128, 128, 128, 256, 2048, 4096]
     assert {c.slots for c in dispatched_configs() if c.order == "score"} == {128, 256, 512, 1024, 2048, 4096, 8192}
     assert select_config(torch.bfloat16, 2048, "index").slots == 128  # no sort: one build for every T
@@ -192,11 +186,11 @@ def test_dispatcher_on_cpu_is_the_reference():
 
 
 def test_tuning_knobs_lower_and_are_checked():
-    # Wider first digits and a smaller register cache (measured in docs/performance.md v7) lower
-    # to the same structure: one pass per digit, no barrier in a key loop or a thread branch.
+    # Wider first digits and a smaller register cache (measurement knobs) lower to the same
+    # structure: one pass per digit, no barrier in a key loop or a thread branch.
     for kwargs in (dict(digit_bits=(11, 5)), dict(digit_bits=(12, 12, 8)), dict(cached_steps=2, min_blocks=3)):
         dtype = "float32" if sum(kwargs.get("digit_bits", (16,))) == 32 else "bfloat16"
-        config = SelectConfig(dtype, 128, "index", TOP_WINDOW[dtype])
+        config = SelectConfig(dtype, 128, "index")
         _, source, _ = _lower(config, **kwargs)
         window, passes, counting, writing = _step_loops(config, source)
         assert len(passes) == len(kwargs.get("digit_bits", DIGIT_BITS[dtype])), kwargs
@@ -209,16 +203,13 @@ def test_tuning_knobs_lower_and_are_checked():
         radix_select_kernel("float32", 128, "index", digit_bits=(16, 16))
     with pytest.raises(ValueError, match="cached_steps"):
         radix_select_kernel("float32", 128, "index", cached_steps=0)
-    with pytest.raises(ValueError, match="top_window"):
-        radix_select_kernel("float32", 128, "index", top_window=True)
     with pytest.raises(ValueError, match="block_size"):
         radix_select_kernel("bfloat16", 128, "index", block_size=-1)
 
 
 def test_block_mask_limits_and_arguments():
     assert fits_block_mask(MASK_BLOCKS * 8, 8) and not fits_block_mask(MASK_BLOCKS * 8 + 1, 8)
-    window = TOP_WINDOW["bfloat16"]
-    assert select_config(torch.bfloat16, 512, "index", block_size=8) == SelectConfig("bfloat16", 128, "index", window, 8)
+    assert select_config(torch.bfloat16, 512, "index", block_size=8) == SelectConfig("bfloat16", 128, "index", 8)
     scores = torch.randn(4, 16)
     with pytest.raises(ValueError, match="blocks and block_size"):
         select_rows_tilelang(scores, 4, "index", block_size=8)
@@ -228,8 +219,8 @@ def test_block_mask_limits_and_arguments():
 SM_SMEM, SM_RESERVED_SMEM = 228 * 1024, 1024
 
 
-def test_vector_select_lowers_and_serves_aligned_bf16_index_rows(monkeypatch):
-    """The vector select (bf16 index order, docs/performance.md v31) lowers for sm_90a: one row a block
+def test_vector_select_lowers_and_serves_aligned_bf16_index_rows():
+    """The vector select (bf16 index order) lowers for sm_90a: one row a block
     of 256 threads, 5 blocks an SM within an SM's shared memory (candidate blocks too), the row's CUDA
     with 16-byte loads and bf16x2 maxima, per-warp window histograms in shared memory, candidate blocks
     (a bit map, or the list of 16-bit numbers for blocks of 8) in 8 KiB of static shared memory; the
@@ -262,14 +253,12 @@ def test_vector_select_lowers_and_serves_aligned_bf16_index_rows(monkeypatch):
     assert not uses_vector_select(bf16, "score")
     misaligned = torch.empty(4 * 1001 + 1, dtype=torch.bfloat16)[1:].view(4, 1001)
     assert not uses_vector_select(misaligned, "index")
-    monkeypatch.setattr(topk_kernels, "VECTOR_SELECT", False)
-    assert not uses_vector_select(bf16, "index")
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found: cannot build cubins")
 def test_vector_select_compiles_to_cubin_without_spills():
     """Both builds fit 48 registers (5 blocks an SM) without spilling: with candidate blocks only at 2
-    cached vectors a lane (4 spill 24 bytes, docs/performance.md v33)."""
+    cached vectors a lane (4 spill 24 bytes)."""
     from nemo_dsa.ops._tilelang import compile_cubin, lower
 
     assert "vector_select::select_row<2, 8>(" in compile_cubin(vector_select_kernel(block_size=8)).get_kernel_source()

@@ -37,13 +37,6 @@ from nemo_dsa.ops.v41_indexer.naive import v41_scores
 from nemo_dsa.visibility import check_ks_ke
 
 
-# Reindex layers on the GPU: the TileLang select applies the kept candidate blocks itself instead
-# of a torch [rows, W] mask over the chunk's scores (measured 3.1x faster on the H200 and exact,
-# docs/performance.md v12). False restores the torch mask (tests/ops/test_fused_selection_gpu.py
-# and test_topk_kernels_gpu.py run both).
-SELECT_APPLIES_BLOCKS = True
-
-
 def v4_chunk_logits(backend, q, k, w, ks, ke, buffer, chunk_bytes):
     """The scorer seam: V4 logits of one chunk's queries on its key window."""
     if backend == "tilelang":
@@ -233,11 +226,10 @@ def v41_select_topk(
     if batch == 0 or queries == 0:  # no rows to plan chunks over: the empty results, as unfused
         return indices if blocks_out is None else (indices, blocks_out)
     on_gpu = _selects_on_gpu(backend, count)
-    # Reindex on the GPU: the radix select applies the kept blocks itself, so a chunk holds only
-    # its scores (and, with B > 1, a copy of its rows' block lists).
-    mask_in_select = (
-        SELECT_APPLIES_BLOCKS and reindex and on_gpu and fits_block_mask(num_keys, candidate_block_size)
-    )
+    # Reindex on the GPU: the TileLang select applies the kept blocks itself, so a chunk holds
+    # only its scores (and, with B > 1, a copy of its rows' block lists), not a [rows, W] mask
+    # over them; rows of more blocks than its block map holds take the torch mask.
+    mask_in_select = reindex and on_gpu and fits_block_mask(num_keys, candidate_block_size)
     kept_width = candidate_blocks.shape[-1] if mask_in_select else 0
     block_backend = "torch" if backend == "torch" else "auto"
     maxima_kernel = source and uses_maxima_kernel(torch.bfloat16, q.device, block_backend)

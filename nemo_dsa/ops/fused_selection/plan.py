@@ -133,7 +133,7 @@ def _balance_last_two(a, b, first, last, batch, row_bytes, chunk_bytes, row_alig
     """Chunks ``a`` and ``b`` (the last) split again at the query tile where the larger of their costs
     is least, both within the budget. Filled greedily, the last chunk holds whatever rows remain, often
     a sliver: a scorer launch of a few query tiles keeps most SMs idle (V4.1, S = 32,768, R = 2: 512
-    rows, 64 blocks of 8 queries over 132 SMs; docs/performance.md v32)."""
+    rows, 64 blocks of 8 queries over 132 SMs)."""
     rows = slice(a.start, b.end)
     # Windows of [a.start, m) (running from the front) and [m, b.end) (running from the back), each m.
     head_lo, head_hi = np.minimum.accumulate(first[rows]), np.maximum.accumulate(last[rows])

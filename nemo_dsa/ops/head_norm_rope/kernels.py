@@ -8,7 +8,7 @@ gradient and x once: the rotary channels' gradient is rotated back in fp32 and r
 reference's rounding), then ``dx = rstd * (g - y * mean(g * y))`` with ``y = x * rstd`` in fp32.
 
 Counts at S = 16,384, 64 heads of 512 (one V4-Flash layer): the eager ops move ~16 GB in the
-forward and ~30 GB in the backward (docs/performance.md v15); these kernels move 2 GB and 3 GB.
+forward and ~30 GB in the backward; these kernels move 2 GB and 3 GB.
 Lowered for sm_90a on the CPU (tests/ops/test_head_norm_rope.py); checked against the reference on
 the GPU (tests/ops/test_head_norm_rope_gpu.py). Importing this module does not import TileLang.
 """

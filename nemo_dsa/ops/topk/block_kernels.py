@@ -1,16 +1,13 @@
 """TileLang block maxima for the V4.1 candidate blocks: one read of the scores instead of the
-torch table's four passes (docs/performance.md v13: those passes are strided elementwise
-kernels, ~5 ms of the candidate-source layer's ~25 at S = 32,768).
+torch table's four passes (strided elementwise kernels, about a fifth of the candidate-source
+layer's time at S = 32,768).
 
 ``Out[r, n]`` is the max of the finite scores of row r at keys ``[ks_r + n*C, ks_r + (n+1)*C)``
 that lie before ``ke_r`` (-inf when there are none): the exact block maxima of
-``nemo_dsa.ops.v41_indexer.candidates``. One thread per block, a grid of (blocks / THREADS, rows). The default on
-CUDA (``v41_indexer.candidates.MAXIMA_KERNEL``): measured exact; the candidate-source layer at S = 32,768,
-R=1 takes 12.8 ms with it and 19.1 ms with the torch table (docs/performance.md v14). It lowers
-for sm_90a on the CPU (tests/ops/test_topk_kernels_lowering.py); tests/ops/test_topk_kernels_gpu.py
-compares it with a brute force and, through ``candidate_blocks``, with the reference. Importing
-this module does not import TileLang.
-"""
+``nemo_dsa.ops.v41_indexer.candidates``, which takes them from here for CUDA scores. One thread per block, a grid of
+(blocks / THREADS, rows). It lowers for sm_90a on the CPU (tests/ops/test_topk_kernels_lowering.py);
+tests/ops/test_topk_kernels_gpu.py compares it with a brute force and, through
+``candidate_blocks``, with the reference. Importing this module does not import TileLang."""
 
 from __future__ import annotations
 

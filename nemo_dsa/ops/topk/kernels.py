@@ -31,17 +31,14 @@ row's kept blocks go into a byte map in static shared memory and keys of other b
 so the select applies the mask while it reads the scores (no [rows, W] mask, no rewrite).
 
 bf16 index-order rows (V4.1) go to ``vector_kernels`` instead when the matrix is 16-byte aligned
-(docs/performance.md v31-v32: 1.6-3.7x faster than this kernel on the benchmark's 4,096-row
-V4.1 chunks, H100).
+(its 16-byte loads need that; an unaligned matrix, a slice for instance, stays here): it reads a
+row in vectors with packed bf16 instructions, which this kernel's per-key walks cannot.
 
 Cost at S = 32768, K = 8192 causal (4096 visible keys a row on average), T = 512: one read of the
 row (256 MiB bf16 / 512 MiB fp32 for the whole matrix, ~0.1 ms of HBM), 2 histogram passes for
 bf16 and 3-4 for fp32 and the two gather walks from registers, and for score order the sort (45
-compare-exchange steps of 512 slots). Measured on the H200 (docs/performance.md v7): 0.89-0.92
-ms bf16 and 1.25-1.26 ms fp32, against 1.21 / 1.40 ms for the previous kernel, which re-read the
-row from memory in every pass (one load in flight per thread) and walked the index digits in two
-more passes whenever equal scores straddled the cut (for bf16 scores nearly every row). Where
-the rest goes (probe variants): the first pass's shared atomics ~0.2 ms, the gather ~0.4 ms.
+compare-exchange steps of 512 slots). The row is read from memory once (32 loads in flight per
+thread), and ties at the cut are decided by index order without passes over index digits.
 """
 
 from dataclasses import asdict, dataclass
@@ -54,7 +51,7 @@ from nemo_dsa.ops.topk.rows import ORDERS
 from nemo_dsa.ops.topk.vector_kernels import MASK_BLOCKS, vector_select_kernel
 
 # Digit widths of the radix passes, most significant first (default: 8 bits, one histogram bin per
-# thread in the scan; 10-12-bit first digits measured no faster, v5 and v7); at most 4096 bins.
+# thread in the scan; wider first digits measured no faster); at most 4096 bins.
 DIGIT_BITS = {"float32": (8, 8, 8, 8), "bfloat16": (8, 8)}
 MAX_DIGIT_BITS = 12
 THREADS = 256
@@ -68,7 +65,7 @@ UNROLL = 8
 CACHED_STEPS = 4
 CACHED_KEYS = THREADS * UNROLL * CACHED_STEPS
 # Blocks an SM holds at once (__launch_bounds__): 4 caps a thread at 64 registers (ptxas spills
-# at most 8 bytes; measured faster than 3 blocks, docs/performance.md v7).
+# at most 8 bytes; measured faster than 3 blocks).
 MIN_BLOCKS_PER_SM = 4
 SCORE_BITS = {"float32": 32, "bfloat16": 16}
 # The sort holds the selected keys in shared memory: 8 bytes per slot.
@@ -76,15 +73,12 @@ MAX_COUNT = 8192
 # bf16 rows: find the cut in one histogram of the images' distances below the row's largest image
 # (one bin per image: WINDOW_BINS images, two binades), per warp, so that only keys near the top
 # touch shared atomics and the per-warp counts of the gather come from the histograms, not from a
-# counting walk; a row whose T-th key lies further down takes the generic passes. On by default
-# since it was measured exact and faster on the H200 (docs/performance.md v12: streamed V4.1
-# selection 1.54x -> 1.46x the scores alone); ``TOP_WINDOW["bfloat16"] = False`` restores the
-# generic passes (tests/ops/test_topk_kernels_gpu.py runs both).
+# counting walk; a row whose T-th key lies further down takes the generic passes. fp32 images
+# have 32 bits, too many for one bin each: fp32 rows take the generic passes.
 WINDOW_BINS = THREADS
-TOP_WINDOW = {"float32": False, "bfloat16": True}
 # Every access of the kernel is in bounds by construction (keys below the row's end <= width,
 # outputs below count, block maps within MASK_BLOCKS), so TileLang's per-access bound checks are
-# off: they were two compares and a branch on every score load (ncu, docs/performance.md v14).
+# off: each is two compares and a branch on every score load.
 SELECT_PASS_CONFIGS = {"tl.disable_safe_memory_legalize": True}
 
 
@@ -101,7 +95,6 @@ class SelectConfig:
     score_dtype: str  # "float32" | "bfloat16"
     slots: int  # sort width, a power of two >= T (score order; MIN_SLOTS for index order)
     order: str  # "score" | "index"
-    top_window: bool = False  # bf16: the cut from one histogram below the row's maximum
     block_size: int = 0  # > 0: keys outside the row's kept candidate blocks are never selected
 
     def shared_memory_bytes(self) -> int:
@@ -109,7 +102,7 @@ class SelectConfig:
         counts, the window histograms and, for score order, the sort's 8-byte keys (the histogram
         passes may reuse these bytes earlier). The block map (MASK_BLOCKS bytes with
         ``block_size``) is static shared memory."""
-        window = 4 * WARPS * WINDOW_BINS if self.top_window else 0
+        window = 4 * WARPS * WINDOW_BINS if self.score_dtype == "bfloat16" else 0
         return 4 * 2 * WARPS + window + (8 * max(self.slots, THREADS) if self.order == "score" else 0)
 
 
@@ -130,27 +123,21 @@ def select_config(score_dtype: torch.dtype, count: int, order: str, block_size: 
         raise ValueError(f"count must be in [1, {MAX_COUNT}] for the TileLang selector, got {count}")
     check_positive_int("block_size", block_size, minimum=0)
     slots = sort_slots(count) if order == "score" else MIN_SLOTS
-    return SelectConfig(name, slots, order, TOP_WINDOW[name], block_size)
+    return SelectConfig(name, slots, order, block_size)
 
 
 def dispatched_configs() -> list[SelectConfig]:
     """Every configuration the wrapper can build: dtypes, orders and sort widths."""
     widths = {"score": [MIN_SLOTS << i for i in range((MAX_COUNT // MIN_SLOTS).bit_length())], "index": [MIN_SLOTS]}
     return [
-        SelectConfig(dtype, slots, order, TOP_WINDOW[dtype])
-        for dtype in SCORE_BITS for order in ORDERS for slots in widths[order]
+        SelectConfig(dtype, slots, order) for dtype in SCORE_BITS for order in ORDERS for slots in widths[order]
     ]  # fmt: skip
-
-
-# bf16 index-order rows go to the vector select when the matrix is 16-byte aligned
-# (docs/performance.md v31); False: the radix select (tests, benchmarks).
-VECTOR_SELECT = True
 
 
 def uses_vector_select(scores: torch.Tensor, order: str) -> bool:
     """Whether ``select_rows_tilelang`` hands these rows to the vector select instead of the radix
     select: bf16 scores in index order, the matrix 16-byte aligned (its vectors are, whatever the width)."""
-    return VECTOR_SELECT and scores.dtype == torch.bfloat16 and order == "index" and scores.data_ptr() % 16 == 0
+    return scores.dtype == torch.bfloat16 and order == "index" and scores.data_ptr() % 16 == 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -162,7 +149,6 @@ def radix_select_kernel(
     score_dtype: str,
     slots: int,
     order: str,
-    top_window: bool | None = None,
     block_size: int = 0,
     *,
     cached_steps: int = CACHED_STEPS,
@@ -177,12 +163,12 @@ def radix_select_kernel(
     scores at Index, -inf at -1), offset: added to every selected index (a window's first key),
     Blocks int32 [rows, NBk] (read only with ``block_size`` > 0): the row's kept candidate blocks,
     numbered from ks in blocks of ``block_size`` keys, -1 padded; keys of other blocks are never
-    selected (as if -inf). ``top_window`` (bf16 only; None = ``TOP_WINDOW``): the cut from one
-    per-warp histogram of the images' distances below the row's largest image when the T-th key
-    lies within WINDOW_BINS images of it, else the generic passes.
+    selected (as if -inf). bf16 rows find the cut from one per-warp histogram of the images'
+    distances below the row's largest image when the T-th key lies within WINDOW_BINS images of
+    it, else (and fp32 rows always) by the generic passes.
     ``cached_steps``, ``min_blocks`` (blocks an SM must hold: caps the registers) and
-    ``digit_bits`` (the passes' digit widths) are tuning knobs; the defaults are the measured
-    best (docs/performance.md v7).
+    ``digit_bits`` (the passes' digit widths) are tuning knobs for measurements; the defaults are
+    the measured best and the only configuration the wrapper builds.
     """
     T = tilelang().language
     dtype = T.float32 if score_dtype == "float32" else T.bfloat16
@@ -196,9 +182,7 @@ def radix_select_kernel(
         raise ValueError(f"digit_bits must add up to {score_bits} bits, each in [1, {MAX_DIGIT_BITS}], got {digit_bits}")
     if cached_steps < 1:
         raise ValueError(f"cached_steps must be >= 1, got {cached_steps}")
-    top_window = TOP_WINDOW[score_dtype] if top_window is None else bool(top_window)
-    if top_window and score_dtype != "bfloat16":
-        raise ValueError("top_window needs bfloat16 scores (one histogram bin per image)")
+    top_window = score_dtype == "bfloat16"  # one histogram bin per image
     check_positive_int("block_size", block_size, minimum=0)
     masked = block_size > 0
     # (shift, bits) of each pass's digit of the image, most significant first
@@ -227,7 +211,7 @@ def radix_select_kernel(
         for u in T.unroll(UNROLL):
             j = first_key + (step * UNROLL + u) * WARP
             # No clamp of j: the load runs only below segment_end <= width (a clamp made the
-            # index arithmetic 64-bit compares and selects, measured with ncu, v14).
+            # index arithmetic 64-bit compares and selects, measured with ncu).
             raw[base + u] = T.if_then_else(j < segment_end, Scores[row, j], -T.infinity(dtype))
 
     def kept_image(x, j, start, kept):
@@ -426,7 +410,7 @@ def radix_select_kernel(
                             if p > 0:
                                 hit = hit & ((images[u] >> (shift + bits)) == (prefix >> (shift + bits)))
                             # Plain shared atomics: measured faster than aggregating equal digits
-                            # per warp (__match_any_sync, v4) and than wider digits (v5, v7).
+                            # per warp (__match_any_sync) and than wider digits.
                             if hit:
                                 T.atomic_add(hist[T.cast((images[u] >> shift) & (bins - 1), i32)], 1)
                     T.sync_threads()
@@ -549,7 +533,7 @@ def radix_select_kernel(
                 # keys r * THREADS + tx in registers: strides below a warp are lane shuffles and
                 # strides of THREADS or more stay inside the thread, both without a barrier; only
                 # strides in [WARP, THREADS) go through shared memory (9 of the 45 steps at 512
-                # slots, where every step used to take three barriers).
+                # slots; a shared-memory step takes three barriers).
                 for r in T.unroll(per_thread):
                     held[r] = keys[r * THREADS + tx]
                 # Tuples, not range(): TileLang unrolls them in Python, so every stride is a

@@ -24,7 +24,7 @@ read from the list, one vector a block: a reindex row reads its kept blocks only
 and a row keeping every block is read whole. Other block sizes and other lists go through a map of
 the row's blocks applied at each load.
 
-Why (docs/performance.md v31): ncu put the radix select at 73.6 % issue-slot use, the ALU its
+Why: ncu put the radix select at 73.6 % issue-slot use, the ALU its
 busiest pipe, ~130 thread instructions a key (a 2-byte load, an image and a test per key and walk,
 two ballots per key in the gather). Here the walks test 8 keys with a few packed instructions and
 the per-key work runs on listed keys with every lane busy. TileLang's Python layer has no bf16x2
@@ -41,9 +41,8 @@ WARPS = THREADS // 32
 WINDOW_BINS = 256
 # 16-byte vectors a lane keeps in registers (4 words each): 4 hold a row's first 8,192 keys; keys past
 # them are loaded again by each later walk. 4 with 5 blocks an SM matched or beat 8 with 4 on every
-# V4.1 chunk measured, long rows too (docs/performance.md v32). With candidate blocks 2: at 48 registers
-# that build's three row paths spill with 3 or 4 (ptxas), and 2 at 5 blocks an SM beat 4 at 4 on every
-# reindex chunk measured (v33).
+# V4.1 chunk measured, long rows too. With candidate blocks 2: at 48 registers that build's three row
+# paths spill with 3 or 4 (ptxas), and 2 at 5 blocks an SM beat 4 at 4 on every reindex chunk measured.
 CACHED_VECTORS = 4
 MASKED_CACHED_VECTORS = 2
 # Candidate blocks (V4.1 reindex layers): rows of up to MASK_BLOCKS blocks (ROW_SOURCE's kMaskBlocks). A

@@ -21,11 +21,6 @@ from nemo_dsa.ops.topk.naive import check_candidate_arguments
 from nemo_dsa.visibility import visible_mask
 
 _NEG_INF = float("-inf")
-# CUDA fp32/bf16 scores: the block maxima from one TileLang read of the scores
-# (ops/topk/block_kernels.py) instead of the torch table. Measured exact on the H200; the
-# candidate-source layer at S = 32,768, R=1 takes 12.8 ms with it, 19.1 with the table
-# (docs/performance.md v14). False restores the table (tests/ops/test_topk_kernels_gpu.py runs both).
-MAXIMA_KERNEL = True
 # Transients of one row: (score-sized copies per key, bytes per block). The torch table holds the
 # cleared copy and two tables of running maxima, the kernel reads the scores in place; per block,
 # the table's int64 starts and gathers or the kernel's maxima, and the block selection's outputs.
@@ -34,8 +29,9 @@ CANDIDATE_TRANSIENTS = {"kernel": (0, 12), "torch": (3, 40)}
 
 def uses_maxima_kernel(dtype: torch.dtype, device: torch.device, backend: str) -> bool:
     """Whether :func:`candidate_blocks` takes the block maxima of scores of this dtype and
-    device from the TileLang kernel."""
-    return MAXIMA_KERNEL and device.type == "cuda" and dtype in KERNEL_SCORE_DTYPES and backend != "torch"
+    device from the TileLang kernel (ops/topk/block_kernels.py: one read of the scores) rather
+    than from the torch table."""
+    return device.type == "cuda" and dtype in KERNEL_SCORE_DTYPES and backend != "torch"
 
 
 def _block_maxima(scores: torch.Tensor, ks: torch.Tensor, block_size: int, num_blocks: int) -> torch.Tensor:
