@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from nemo_dsa._checks import INT32_MAX, check_device, check_has_data, check_positive_int, check_tensor
-from nemo_dsa.visibility import document_ks_ke, visible_mask, vouch_ks_ke
+from nemo_dsa.visibility import KeyRanges, document_ks_ke, visible_mask
 
 __all__ = ["AttentionMetadata", "build_attention_metadata", "build_attention_metadata_for_ratios"]
 
@@ -71,6 +71,7 @@ class AttentionMetadata:
     batch_size: int
     first_group: int  # global index of group_valid[:, 0] (= cp_rank * S // R)
     num_groups: int  # K = floor(S * cp_size / R) on the global compressed axis
+    key_ranges: KeyRanges  # (ks, ke) as the ops take them: made by the rule, so never checked again
 
     @property
     def device(self) -> torch.device:
@@ -360,7 +361,6 @@ def _metadata_for_ratio(layout: _Layout, ratio: int) -> AttentionMetadata:
     doc_ks, doc_ke = document_ks_ke(start, pos, ratio, G // ratio)
     ks = torch.where(valid, doc_ks, 0).to(torch.int32)
     ke = torch.where(valid, doc_ke, 0).to(torch.int32)
-    vouch_ks_ke(ks, ke, G // ratio)  # 0 <= ks <= ke <= K by construction: later checks read nothing
 
     n_local = S // ratio
     token_docs = doc_ids[:, : n_local * ratio].reshape(B, n_local, ratio)
@@ -383,6 +383,7 @@ def _metadata_for_ratio(layout: _Layout, ratio: int) -> AttentionMetadata:
         batch_size=B,
         first_group=layout.cp_rank * n_local,
         num_groups=G // ratio,
+        key_ranges=KeyRanges(ks, ke, G // ratio),  # 0 <= ks <= ke <= K by the rule: ops check nothing
     )
 
 

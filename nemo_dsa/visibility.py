@@ -9,57 +9,60 @@ visible; K clamps ks for a document starting in a row's trailing partial group),
 ``0 <= ks <= ke <= K``.
 
 This module holds the rule (:func:`document_ks_ke`, and its unpacked case :func:`causal_ks_ke`),
-the dense boolean form (:func:`visible_mask`), the validation of a given pair
-(:func:`check_ks_ke`) and the record that a pair made by the rule needs none (:func:`vouch_ks_ke`).
+the dense boolean form (:func:`visible_mask`), and the pair known to satisfy the contract
+(:class:`KeyRanges`): made by the rule (the metadata builder) or by :func:`check_ks_ke` from a
+caller's tensors.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from nemo_dsa._checks import check_tensor
-from nemo_dsa.memo import memo_on_tensors
 
-__all__ = ["causal_ks_ke", "check_ks_ke", "document_ks_ke", "visible_mask", "vouch_ks_ke"]
-# memo key of the (ks, ke) range checks: (_CHECKED, num_keys)
-_CHECKED = "ks_ke_checks"
+__all__ = ["KeyRanges", "causal_ks_ke", "check_ks_ke", "document_ks_ke", "visible_mask"]
 
 
-def check_ks_ke(
-    ks, ke, *, batch: int, queries: int, num_keys: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate ks/ke: both given, int32 [B, S] on ``device``, with 0 <= ks <= ke <= num_keys."""
+@dataclass(frozen=True, eq=False)
+class KeyRanges:
+    """Visible ranges that hold ``0 <= ks <= ke <= num_keys`` (int32 [B, S] on one device).
+
+    Made only where that is known: by the visibility rule itself (the metadata builder, the
+    ranges of :func:`causal_ks_ke`), by :func:`check_ks_ke` from a caller's tensors, or by an op from such
+    ranges (a chunk's window-local ranges). The ops that take a ``KeyRanges`` read nothing back
+    to check it, so a model step makes no device-to-host copy for its ranges. The tensors are
+    never modified in place afterwards (nemo_dsa never writes its ranges in place).
+
+    ``facts`` holds what ops derive from the values on the host, computed once for these ranges
+    (the streamed selection's chunk plans): every indexer layer of a step passes the same
+    metadata, so only the first pays the copy.
+    """
+
+    ks: torch.Tensor
+    ke: torch.Tensor
+    num_keys: int
+    facts: dict = field(default_factory=dict, repr=False)
+
+
+def check_ks_ke(ks, ke, *, batch: int, queries: int, num_keys: int, device: torch.device) -> KeyRanges:
+    """Validate ks/ke: both given, int32 [B, S] on ``device``, with 0 <= ks <= ke <= num_keys
+    (one device-to-host read for the three value checks); returns them as :class:`KeyRanges`."""
     if (ks is None) != (ke is None):
         missing = "ke" if ke is None else "ks"
         raise ValueError(f"ks and ke must be given together; {missing} is missing")
     for name, value in (("ks", ks), ("ke", ke)):
         check_tensor(name, value, ndim=2, dtypes=(torch.int32,), shape=(batch, queries), device=device)
     if ks.numel():
-        # One device-to-host sync for all three checks, once per (ks, ke) pair: every indexer
-        # layer of a step passes the same metadata tensors. None for the builder's own pairs
-        # (``vouch_ks_ke``).
-        below, above, reversed_ = memo_on_tensors(
-            (ks, ke), (_CHECKED, num_keys),
-            lambda: torch.stack(((ks < 0).any(), (ke > num_keys).any(), (ke < ks).any())).tolist(),
-        )
+        below, above, reversed_ = torch.stack(((ks < 0).any(), (ke > num_keys).any(), (ke < ks).any())).tolist()
         if below:
             raise ValueError(f"ks must be >= 0, got minimum {int(ks.min())}")
         if above:
             raise ValueError(f"ke must be <= the number of keys {num_keys}, got maximum {int(ke.max())}")
         if reversed_:
             raise ValueError("ke must be >= ks for every query (ks == ke means the query sees no key)")
-    return ks, ke
-
-
-def vouch_ks_ke(ks: torch.Tensor, ke: torch.Tensor, num_keys: int) -> None:
-    """Record that ``(ks, ke)`` hold ``0 <= ks <= ke <= num_keys``, so :func:`check_ks_ke` reads
-    nothing for them (until either is modified in place).
-
-    Only for pairs made by the rule itself from checked positions (the metadata builder's), which
-    satisfy it by construction: it spares every layer of every step a device-to-host read of
-    metadata that could not fail. Inputs from outside are checked where they enter.
-    """
-    memo_on_tensors((ks, ke), (_CHECKED, num_keys), lambda: [False, False, False])
+    return KeyRanges(ks, ke, num_keys)
 
 
 def _floor_div(x: torch.Tensor, ratio: int) -> torch.Tensor:

@@ -8,6 +8,10 @@ from the layer's compressed latent, the normalised pooled KV before RoPE (DeepSe
 applied to the trailing ``qk_rope_head_dim`` channels of both, with the compressed layers' RoPE
 (``compress_rope_theta`` and YaRN in the released model) at the queries' document-local positions.
 
+The ops are called through their ``*_in_ranges`` entries with the metadata's
+:class:`~nemo_dsa.visibility.KeyRanges` and tensors made here: nothing is validated (or read
+back) again in a step.
+
 The indexer's inputs (the attention input and the query latent) are detached from the main graph,
 as in DeepSeek's sparse-attention training (arXiv 2512.02556): whatever trains the indexer (the KL
 loss, the opt-in straight-through term) reaches only the indexer's own parameters.
@@ -42,10 +46,11 @@ from nemo_dsa.ops.fused_selection import interface as fused_selection
 from nemo_dsa.ops.quant import mxfp4_quant_dequant
 from nemo_dsa.ops.topk import select_topk
 from nemo_dsa.ops.v41_indexer import blocks_to_mask
-from nemo_dsa.ops.v41_indexer import candidate_blocks as find_candidate_blocks
-from nemo_dsa.ops.v41_indexer import indexer_scores
 from nemo_dsa.ops.v41_indexer import kernel_refusal as v41_kernel_refusal
-from nemo_dsa.ops.v4_indexer import v4_indexer_bshd, v4_logits
+from nemo_dsa.ops.v41_indexer.candidates import candidate_blocks_in_ranges
+from nemo_dsa.ops.v41_indexer import indexer_scores_in_ranges
+from nemo_dsa.ops.v4_indexer import v4_indexer_in_ranges, v4_logits_in_ranges
+from nemo_dsa.visibility import KeyRanges
 
 
 @dataclass
@@ -174,12 +179,11 @@ class Indexer(nn.Module):
         q, weights = self._queries(x, query_latent, angles)
         index_keys = index_keys.to(q.dtype)
         if q.dtype == torch.bfloat16:
-            score, indices = v4_indexer_bshd(
-                q, index_keys, weights, meta.compress_ratio, self.topk, ks=meta.ks, ke=meta.ke,
-                backend=self.backend, fused_topk=self.fused_topk,
+            score, indices = v4_indexer_in_ranges(
+                q, index_keys, weights, meta.key_ranges, self.topk, backend=self.backend, fused_topk=self.fused_topk,
             )
         else:
-            score, indices = v4_select_full_precision(q, index_keys, weights, meta.ks, meta.ke, self.topk)
+            score, indices = v4_select_full_precision(q, index_keys, weights, meta.key_ranges, self.topk)
         return Selection(index_keys, indices.long(), score, None)
 
     @torch.no_grad()
@@ -192,17 +196,17 @@ class Indexer(nn.Module):
                                                 block_size, topk_blocks)  # fmt: skip
         backend = resolve_backend(self.backend, q, kernel_refusal=v41_kernel_refusal(self.n_heads, self.head_dim))
         if resolve_fused_topk(self.fused_topk, backend):  # no [B, S, K] scores
-            picked = fused_selection.v41_select_topk(
-                _mxfp4(q), index_keys, weights.to(torch.bfloat16), meta.ks, meta.ke, self.topk,
+            # Kept blocks come from the candidate-source layer's selection (either path), in its form.
+            picked = fused_selection.v41_select_topk_in_ranges(
+                _mxfp4(q), index_keys, weights.to(torch.bfloat16), meta.key_ranges, self.topk, backend,
                 candidate_block_size=block_size if candidate_source or kept_blocks is not None else None,
                 candidate_topk_blocks=topk_blocks if candidate_source else None,
-                candidate_blocks=None if candidate_source else kept_blocks,
-                backend=self.backend,
+                candidate_blocks=None if candidate_source else kept_blocks, blocks_from_source=True,
             )
             indices, blocks = picked if candidate_source else (picked, None)
             return Selection(index_keys, indices.long(), None, blocks)
-        scores = indexer_scores(_mxfp4(q), index_keys, weights.to(torch.bfloat16),
-                                ks=meta.ks, ke=meta.ke, backend=self.backend)
+        scores = indexer_scores_in_ranges(_mxfp4(q), index_keys, weights.to(torch.bfloat16), meta.key_ranges,
+                                          backend=self.backend)  # fmt: skip
         return self._select_from_v41_scores(scores, meta, index_keys, candidate_source, kept_blocks,
                                             block_size, topk_blocks)  # fmt: skip
 
@@ -210,7 +214,7 @@ class Indexer(nn.Module):
                                 block_size, topk_blocks) -> Selection:  # fmt: skip
         blocks = None
         if candidate_source:
-            blocks = find_candidate_blocks(scores, meta.ks, meta.ke, block_size, topk_blocks)
+            blocks = candidate_blocks_in_ranges(scores, meta.key_ranges, block_size, topk_blocks)
         elif kept_blocks is not None:
             keep = blocks_to_mask(kept_blocks, meta.ks, meta.ke, block_size, scores.shape[-1])
             scores = scores.masked_fill(~keep, float("-inf"))
@@ -218,14 +222,14 @@ class Indexer(nn.Module):
         return Selection(index_keys, indices.long(), None, blocks)
 
 
-def v4_select_full_precision(q, k, w, ks, ke, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+def v4_select_full_precision(q, k, w, ranges: KeyRanges, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``v4_indexer_bshd`` for fp32 q/k (the op takes bf16 only): ``(index_score, topk_indices)``.
 
     The op's fp32 reference logits select (same order and tie rule), and the selected scores
     ``sum_h w_h relu(q_h . k_j)`` are recomputed here with autograd (-inf at -1), so gradients
     reach q, k and w through the gathered scores only, as the op's backward sends them."""
     with torch.no_grad():
-        indices = select_topk(v4_logits(q, k, w, ks, ke), topk, order="score")
+        indices = select_topk(v4_logits_in_ranges(q, k, w, ranges), topk, order="score")
     batch, seq, width = indices.shape
     picked = indices.long().clamp_min(0).flatten(1).unsqueeze(-1).expand(-1, -1, k.shape[-1])
     keys = torch.gather(k, 1, picked).view(batch, seq, width, k.shape[-1])

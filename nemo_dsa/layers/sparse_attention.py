@@ -30,7 +30,7 @@ parameters that stay fp32 inside bf16 models (``KeepsFP32Parameters``); the inde
 model's precision (``Indexer.index_dtype``).
 
 Compared side by side with the built-in (same weights, fp32, CPU): the built-in's index q and keys
-are not rounded (nemo_dsa now scores fp32 models in fp32 too); it gives the indexer no gradient
+are not rounded (nemo_dsa scores fp32 models in fp32 too); it gives the indexer no gradient
 (nemo_dsa's default since the straight-through term is opt-in); it reads YaRN only from a
 ``rope_scaling`` whose ``type`` key is "yarn" (nemo_dsa also reads transformers' ``rope_type``);
 on packs whose documents start off a multiple of R its pooled-key positions and visibility differ
@@ -103,7 +103,7 @@ from nemo_dsa.layers.shared_state import SharedLayerState, SourceState
 from nemo_dsa.ops.dispatch import report_reference_fallback
 from nemo_dsa.ops.head_norm_rope import head_rms_rope, kernels_support
 from nemo_dsa.ops.quant import fp8_quant_dequant, nvfp4_quant_dequant
-from nemo_dsa.ops.sparse_attention import sparse_attention, sparse_window_attention
+from nemo_dsa.ops.sparse_attention import attend, attend_to_indices
 from nemo_dsa.ops.sparse_attention.interface import _check_kernel_limits
 from nemo_dsa.ops.sparse_attention.naive import window_key_indices
 
@@ -263,7 +263,7 @@ class DSASparseAttention(KeepsFP32Parameters):
         kwargs = {}
         if compressed_kv is not None:
             if compressed_indices is None:
-                kwargs.update(ks=meta.ks, ke=meta.ke)
+                kwargs.update(ranges=meta.key_ranges)
             else:
                 kwargs.update(indices=compressed_indices.to(torch.int32))
         if self._straight_through(selection):
@@ -274,9 +274,10 @@ class DSASparseAttention(KeepsFP32Parameters):
         if dropout_p and backend != "torch":
             _log_dropout_reference_once(backend)
             backend = "torch"
-        return sparse_window_attention(
-            q, raw_kv, window_start, self.window, compressed_kv, sink=self.attn_sink, scale=self.scale,
-            backend=backend, check_indices=False, dropout_p=dropout_p, **kwargs,
+        # The layer made every input (the metadata's ranges, its indexer's selection): unchecked.
+        return attend(
+            q, raw_kv, window_start, self.window, compressed_kv, sink=self.attn_sink, scale=self.scale, backend=backend,
+            dropout_p=dropout_p, **kwargs,
         )  # fmt: skip
 
     def _attend_with_index_bias(self, q, raw_kv, window_start, compressed_kv, compressed_indices, selection):
@@ -291,9 +292,7 @@ class DSASparseAttention(KeepsFP32Parameters):
         score = selection.index_score.masked_fill(compressed_indices < 0, 0.0)
         bias = F.pad(score - score.detach(), (window_indices.shape[-1], 0))
         dropout_p = self.config.attention_dropout if self.training else 0.0
-        return sparse_attention(
-            q, keys, indices, self.attn_sink, self.scale, bias=bias, check_indices=False, dropout_p=dropout_p
-        )
+        return attend_to_indices(q, keys, indices, self.attn_sink, self.scale, bias=bias, dropout_p=dropout_p)
 
     def _compressed_kv(self, x, meta, ctx) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's compressor: ``(global rotated KV [B, K, D], local unrotated latent [B, S // R, D])``.

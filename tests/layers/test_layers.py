@@ -387,8 +387,8 @@ def test_full_precision_selection_equals_the_op_on_bf16_values():
         kk = (k.float() if full else k.clone()).requires_grad_()
         ww = w.clone().requires_grad_()
         fn = v4_select_full_precision if full else (
-            lambda *a: v4_indexer_bshd(*a[:3], 4, a[5], ks=a[3], ke=a[4], backend="torch"))
-        score, indices = fn(qq, kk, ww, meta.ks, meta.ke, 3)
+            lambda *a: v4_indexer_bshd(*a[:3], 4, a[4], ks=a[3].ks, ke=a[3].ke, backend="torch"))
+        score, indices = fn(qq, kk, ww, meta.key_ranges, 3)
         weight = torch.randn(score.shape, generator=torch.Generator().manual_seed(9))
         score.masked_fill(indices < 0, 0.0).mul(weight).sum().backward()
         runs.append((score.detach(), indices.long(), qq.grad.float(), kk.grad.float(), ww.grad))
@@ -496,14 +496,14 @@ def test_layer_attention_uses_its_own_backend_field(monkeypatch, attention_backe
 
     cfg = tiny_config(num_attention_heads=heads, backend=backend, attention_backend=attention_backend)
     layer = make_layer(cfg, 2).to(torch.bfloat16)  # ratio 8: attends to every visible group (ks/ke)
-    seen, op = [], layer_module.sparse_window_attention
+    seen, op = [], layer_module.attend
 
     def recording_op(*args, backend, **kwargs):  # records the choice, computes on the CPU reference
         seen.append(backend)
         return op(*args, backend="torch", **kwargs)
 
     monkeypatch.setattr(layer_module, "_on_cuda", lambda *tensors: True)  # as if the tensors were on CUDA
-    monkeypatch.setattr(layer_module, "sparse_window_attention", recording_op)
+    monkeypatch.setattr(layer_module, "attend", recording_op)
     x = torch.randn(1, 32, cfg.hidden_size, dtype=torch.bfloat16)
     out, _ = run(layer, x, packed_ids([[32]], 32))
     assert seen == [expected] and torch.isfinite(out).all()

@@ -336,8 +336,8 @@ def test_bf16_model_matches_the_release_bitwise_up_to_ties(monkeypatch):
     x, positions, mask, ids, meta_kwargs = layout("rows")
     x = x.to(torch.bfloat16)
     scores, candidates = [], []
-    real_scores = indexer_module.indexer_scores
-    monkeypatch.setattr(indexer_module, "indexer_scores", lambda *a, **k: scores.append(real_scores(*a, **k)) or scores[-1])
+    real_scores = indexer_module.indexer_scores_in_ranges
+    monkeypatch.setattr(indexer_module, "indexer_scores_in_ranges", lambda *a, **k: scores.append(real_scores(*a, **k)) or scores[-1])
     hook = builtins[CANDIDATE_SOURCE].register_forward_hook(lambda m, a, out: candidates.append(out.state.candidates))
     with torch.no_grad():
         refs, ref_selections = run_builtin(builtins, x, positions, mask, ids)

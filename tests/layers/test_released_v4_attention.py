@@ -150,8 +150,8 @@ def run_nemo(layer, x, positions, seq_lens, ids, monkeypatch):
     else:
         meta = build_attention_metadata(compress_ratio=ratio, position_ids=positions, seq_lens=seq_lens)
     seen = {}
-    real_logits = indexer_module.v4_logits
-    monkeypatch.setattr(indexer_module, "v4_logits", lambda *a, **k: seen.setdefault("logits", real_logits(*a, **k)))
+    real_logits = indexer_module.v4_logits_in_ranges
+    monkeypatch.setattr(indexer_module, "v4_logits_in_ranges", lambda *a, **k: seen.setdefault("logits", real_logits(*a, **k)))
     hook = None
     if layer.indexer is not None:
         hook = layer.indexer.register_forward_hook(lambda m, a, out: seen.update(topk=out.topk_indices))
@@ -160,7 +160,7 @@ def run_nemo(layer, x, positions, seq_lens, ids, monkeypatch):
     finally:
         if hook is not None:
             hook.remove()
-        monkeypatch.setattr(indexer_module, "v4_logits", real_logits)
+        monkeypatch.setattr(indexer_module, "v4_logits_in_ranges", real_logits)
     assert aux is None
     return out, seen.get("topk"), seen.get("logits"), meta
 

@@ -159,13 +159,13 @@ def test_v41_layer_kernels_match_reference(docs, seq, monkeypatch):
     from nemo_dsa.ops.fused_selection import interface as fused_selection
 
     records = []
-    real_select = fused_selection.v41_select_topk
+    real_select = fused_selection.v41_select_topk_in_ranges
 
-    def recording_select(q, k, w, ks, ke, topk, **kwargs):
-        records.append((q.clone(), k.clone(), w.clone(), ks.clone(), ke.clone(), dict(kwargs)))
-        return real_select(q, k, w, ks, ke, topk, **kwargs)
+    def recording_select(q, k, w, ranges, topk, backend, **kwargs):
+        records.append((q.clone(), k.clone(), w.clone(), ranges.ks.clone(), ranges.ke.clone(), dict(kwargs)))
+        return real_select(q, k, w, ranges, topk, backend, **kwargs)
 
-    monkeypatch.setattr(fused_selection, "v41_select_topk", recording_select)
+    monkeypatch.setattr(fused_selection, "v41_select_topk_in_ranges", recording_select)
     reference, fast = stacks()
     assert [layer.role for layer in fast] == ROLES
     ids = packed_ids(docs, seq)

@@ -15,7 +15,7 @@ from helpers import stable_seed, tiny_config
 from nemo_dsa.layers import sparse_attention as layer_module
 from nemo_dsa.ops.sparse_attention import kernels
 from nemo_dsa.ops.sparse_attention.interface import SparseWindowAttentionFunction
-from nemo_dsa.ops.sparse_attention.naive import window_compressed_attention_reference
+from nemo_dsa.ops.sparse_attention.naive import attend_window_and_compressed
 from test_layers import make_layer, packed_ids, run
 
 
@@ -27,9 +27,9 @@ class OperandsAsGiven:
         self.compressed_kv, self.indices, self.ks, self.ke, self.sink, self.scale = compressed_kv, indices, ks, ke, sink, scale
 
     def attend(self, q, raw_kv, compressed_kv):
-        return window_compressed_attention_reference(
+        return attend_window_and_compressed(
             q, raw_kv, self.window_start, self.window, compressed_kv, indices=self.indices, ks=self.ks, ke=self.ke,
-            sink=self.sink, scale=self.scale, check_indices=False,
+            sink=self.sink, scale=self.scale,
         )  # fmt: skip
 
 
@@ -57,11 +57,12 @@ def route_attention_through_the_kernel_function(monkeypatch) -> None:
     monkeypatch.setattr(kernels, "sparse_window_forward", reference_forward)
     monkeypatch.setattr(kernels, "sparse_window_backward", reference_backward)
 
-    def attention(q, raw_kv, window_start, window, compressed_kv=None, *, indices=None, ks=None, ke=None,
-                  sink=None, scale, backend="auto", check_indices=True):  # fmt: skip
+    def attention(q, raw_kv, window_start, window, compressed_kv=None, *, indices=None, ranges=None, sink=None,
+                  scale, backend="auto"):  # fmt: skip
+        ks, ke = (None, None) if ranges is None else (ranges.ks, ranges.ke)
         return SparseWindowAttentionFunction.apply(q, raw_kv, window_start, window, compressed_kv, indices, ks, ke, sink, scale)
 
-    monkeypatch.setattr(layer_module, "sparse_window_attention", attention)
+    monkeypatch.setattr(layer_module, "attend", attention)
 
 
 @pytest.fixture

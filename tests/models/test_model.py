@@ -258,7 +258,7 @@ def test_streamed_selection_matches_materialised(scoring, roles, monkeypatch):
     from nemo_dsa.ops.fused_selection import interface as streaming
 
     calls = []
-    for name in ("v4_select_topk_validated", "v41_select_topk"):
+    for name in ("v4_select_topk_in_ranges", "v41_select_topk_in_ranges"):
         real = getattr(streaming, name)
         monkeypatch.setattr(streaming, name, lambda *a, _real=real, **kw: calls.append(1) or _real(*a, **kw))
     torch.manual_seed(5)

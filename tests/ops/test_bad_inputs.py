@@ -9,7 +9,13 @@ import torch
 
 from helpers import generator, indexer_inputs
 from nemo_dsa.metadata import build_attention_metadata
-from nemo_dsa.ops.sparse_attention import sparse_attention, sparse_window_attention
+from nemo_dsa.ops.sparse_attention import (
+    attend,
+    attend_to_indices,
+    sparse_attention,
+    sparse_window_attention,
+    window_compressed_attention_reference,
+)
 from nemo_dsa.ops.topk import pytorch_extract_topk_scores, select_topk, select_topk_reference
 from nemo_dsa.ops.v4_indexer import v4_indexer_bshd
 
@@ -109,7 +115,7 @@ def test_sparse_attention_rejects_bad_scale(scale, error):
         sparse_window_attention(q, kv, torch.zeros(1, 4, dtype=torch.int32), 2, scale=scale)
 
 
-def test_sparse_attention_index_check_can_be_skipped_and_is_named():
+def test_sparse_attention_index_check_is_named():
     q, kv, indices = _sparse_args()
     bad = indices.clone()
     bad[0, 1, 0] = 4
@@ -119,13 +125,16 @@ def test_sparse_attention_index_check_can_be_skipped_and_is_named():
     compressed = torch.randn(1, 2, 8)
     with pytest.raises(ValueError, match=r"indices must lie in \[-1, 2\)"):
         sparse_window_attention(q, kv, ws, 2, compressed, indices=indices, scale=1.0)
-    with pytest.raises(TypeError, match="check_indices"):
-        sparse_window_attention(q, kv, ws, 2, compressed, indices=indices.clamp_max(1), scale=1.0, check_indices=1)
-    # Skipping the check changes nothing on valid indices.
+    with pytest.raises(ValueError, match=r"indices must lie in \[-1, 2\)"):
+        window_compressed_attention_reference(q, kv, ws, 2, compressed, indices=indices, scale=1.0)
+    # The unchecked entries (the layers') compute the same on valid indices.
     ok = indices.clamp_max(1)
     checked = sparse_window_attention(q, kv, ws, 2, compressed, indices=ok, scale=0.5)
-    unchecked = sparse_window_attention(q, kv, ws, 2, compressed, indices=ok, scale=0.5, check_indices=False)
+    unchecked = attend(q, kv, ws, 2, compressed, indices=ok, scale=0.5)
     assert all(torch.equal(a, b) for a, b in zip(checked, unchecked))
+    wide = torch.cat((kv, compressed), dim=1)
+    assert all(torch.equal(a, b) for a, b in zip(sparse_attention(q, wide, indices, None, 0.5),
+                                                 attend_to_indices(q, wide, indices, None, 0.5)))
 
 
 def test_sparse_attention_meta_and_huge_window():

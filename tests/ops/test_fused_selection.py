@@ -25,6 +25,7 @@ from nemo_dsa.ops.fused_selection import (
     v4_select_topk,
     v41_row_bytes,
     v41_select_topk,
+    v41_select_topk_in_ranges,
 )
 from nemo_dsa.ops.fused_selection import interface as fused_interface
 from nemo_dsa.ops.fused_selection import plan as fused_plan
@@ -38,7 +39,7 @@ from nemo_dsa.ops.topk import naive as topk_naive
 from nemo_dsa.ops.topk.rows import MAX_INT32_KEY_WIDTH
 from nemo_dsa.ops.v4_indexer import v4_logits
 from nemo_dsa.ops.v41_indexer import blocks_to_mask, candidate_blocks, v41_scores
-from nemo_dsa.visibility import causal_ks_ke, visible_mask
+from nemo_dsa.visibility import KeyRanges, causal_ks_ke, visible_mask
 
 INF = float("inf")
 
@@ -323,7 +324,7 @@ def test_selection_of_arbitrary_float_scores_is_independent_of_chunking(monkeypa
         return original_ranges(plan, chunk)
 
     def scorer_of(dtype):
-        def scorer(backend, q, k, w, local_ks, local_ke, *rest):
+        def scorer(backend, q, k, w, ranges, *rest):
             chunk = current[0]
             assert q.shape[1] == chunk.end - chunk.start and k.shape[1] == chunk.width
             return fixed[:, chunk.rows, chunk.key_start : chunk.key_end].to(dtype)
@@ -355,7 +356,7 @@ def test_rows_with_ties_beyond_the_candidates_are_redone_after_rescoring(monkeyp
     scored = []
 
     def scorer_of(dtype):
-        def scorer(backend, q, k, w, local_ks, local_ke, *rest):
+        def scorer(backend, q, k, w, ranges, *rest):
             chunk = next(c for c in chunks if c.end - c.start == q.shape[1] and c.width == k.shape[1])
             scored.append(chunk)
             return fixed[:, chunk.rows, chunk.key_start : chunk.key_end].to(dtype)
@@ -418,25 +419,26 @@ def test_bad_arguments_raise_clear_errors():
         v41_select_topk(q, k, wb, ks, ke, 4, candidate_block_size=2, candidate_blocks=torch.zeros(1, 8, 1, dtype=torch.int32))
 
 
-def test_candidate_blocks_are_read_back_once_and_never_from_a_candidate_source(monkeypatch):
-    """The range check of candidate_blocks syncs with the device: once per tensor (every reindex layer
-    of a step passes the same one), and not at all for blocks a candidate-source call returned."""
+def test_candidate_blocks_are_checked_where_they_enter_only(monkeypatch):
+    """v41_select_topk checks a caller's candidate_blocks (one host read a call); the indexer's
+    entry (``v41_select_topk_in_ranges``: the metadata's ranges, blocks from its candidate-source
+    layer) reads nothing back and selects the same keys."""
     q, k, w = indexer_inputs(1, 40, 2, 16, 10, seed=3, w_dtype=torch.bfloat16, quantised=True)
     ks, ke = causal_ks_ke(1, 40, 10, 4, torch.device("cpu"))
     reads = []
     real_check = fused_interface.check_index_range
     monkeypatch.setattr(fused_interface, "check_index_range", lambda *a, **kw: reads.append(a[0]) or real_check(*a, **kw))
     _, blocks = v41_select_topk(q, k, w, ks, ke, 4, candidate_block_size=2, candidate_topk_blocks=3)
-    for _ in range(2):
-        v41_select_topk(q, k, w, ks, ke, 4, candidate_block_size=2, candidate_blocks=blocks)
     assert reads == []
-    user_blocks = blocks.clone()
-    for _ in range(2):
-        v41_select_topk(q, k, w, ks, ke, 4, candidate_block_size=2, candidate_blocks=user_blocks)
+    checked = v41_select_topk(q, k, w, ks, ke, 4, candidate_block_size=2, candidate_blocks=blocks)
     assert reads == ["candidate_blocks"]
-    user_blocks[0, 5, 0] = 7  # changed in place: checked again, and out of range
+    trusted = v41_select_topk_in_ranges(q, k, w, KeyRanges(ks, ke, 10), 4, "torch", candidate_block_size=2,
+                                        candidate_blocks=blocks, blocks_from_source=True)  # fmt: skip
+    assert reads == ["candidate_blocks"] and torch.equal(trusted, checked)
+    bad = blocks.clone()
+    bad[0, 5, 0] = 7
     with pytest.raises(ValueError, match="candidate_blocks must lie in"):
-        v41_select_topk(q, k, w, ks, ke, 4, candidate_block_size=2, candidate_blocks=user_blocks)
+        v41_select_topk(q, k, w, ks, ke, 4, candidate_block_size=2, candidate_blocks=bad)
 
 
 @pytest.mark.parametrize("batch,queries,num_keys", [(0, 5, 7), (0, 0, 3), (0, 4, 0)])

@@ -169,8 +169,8 @@ def test_seed_api_streams_by_default_and_matches_the_materialised_path(layout, b
     ks, ke, num_keys = _layout(layout, batch, queries, 4, seed=queries + 3)
     q, k, w = indexer_inputs(batch, queries, heads, dim, num_keys, queries + 3, w_dtype=torch.float32, w_scale="fan_in", device="cuda")
     calls = []
-    original = fused_interface.v4_select_topk_validated
-    fused_interface.v4_select_topk_validated = lambda *a, **kw: calls.append(1) or original(*a, **kw)
+    original = fused_interface.v4_select_topk_in_ranges
+    fused_interface.v4_select_topk_in_ranges = lambda *a, **kw: calls.append(1) or original(*a, **kw)
     try:
         results = {}
         for fused in (None, False):
@@ -181,7 +181,7 @@ def test_seed_api_streams_by_default_and_matches_the_materialised_path(layout, b
             results[fused] = (score.detach(), index, *(t.grad for t in leaves))
             assert len(calls) == 1, "the default path streams once; fused_topk=False must not stream"
     finally:
-        fused_interface.v4_select_topk_validated = original
+        fused_interface.v4_select_topk_in_ranges = original
     streamed, full = results[None], results[False]
     assert torch.equal(streamed[0], full[0]) and torch.equal(streamed[1], full[1])
     # Same indices and scores: dq and dw come out bitwise equal; dk sums fp32 atomics in a

@@ -9,8 +9,9 @@ from nemo_dsa._lazy import lazy_exports
 
 _EXPORTS = {
     "v4_select_topk": "nemo_dsa.ops.fused_selection.interface",
-    "v4_select_topk_validated": "nemo_dsa.ops.fused_selection.interface",
+    "v4_select_topk_in_ranges": "nemo_dsa.ops.fused_selection.interface",
     "v41_select_topk": "nemo_dsa.ops.fused_selection.interface",
+    "v41_select_topk_in_ranges": "nemo_dsa.ops.fused_selection.interface",
     "v4_chunk_logits": "nemo_dsa.ops.fused_selection.interface",
     "v41_chunk_scores": "nemo_dsa.ops.fused_selection.interface",
     "DEFAULT_CHUNK_BYTES": "nemo_dsa.ops.fused_selection.plan",

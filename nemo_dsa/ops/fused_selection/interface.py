@@ -13,7 +13,9 @@ CPU BLAS picks kernels by matrix shape, so the torch references agree only to th
 continuous inputs (exactly on exactly representable ones, as in the tests).
 
 The scorers are this module's only backend-specific code (:func:`v4_chunk_logits`,
-:func:`v41_chunk_scores`).
+:func:`v41_chunk_scores`). :func:`v4_select_topk` and :func:`v41_select_topk` validate every
+argument; the ``*_in_ranges`` forms (the indexers' entries) take
+:class:`~nemo_dsa.visibility.KeyRanges` and tensors their callers made, and check nothing.
 """
 
 from __future__ import annotations
@@ -21,34 +23,32 @@ from __future__ import annotations
 import torch
 
 from nemo_dsa._checks import check_index_range, check_positive_int, check_qkw, check_tensor
-from nemo_dsa.memo import memo_on_tensors
 from nemo_dsa.ops.dispatch import resolve_backend
 from nemo_dsa.ops.fused_selection.plan import DEFAULT_CHUNK_BYTES, planned_chunks, v4_row_bytes, v41_row_bytes
 from nemo_dsa.ops.fused_selection.window import select_chunks
 from nemo_dsa.ops.topk.kernels import MAX_COUNT, fits_block_mask
 from nemo_dsa.ops.v4_indexer.kernels import kernel_refusal as v4_kernel_refusal
 from nemo_dsa.ops.v4_indexer.kernels import v4_logits_tilelang
-from nemo_dsa.ops.v4_indexer.naive import v4_logits
-from nemo_dsa.ops.v41_indexer.candidates import blocks_to_mask, candidate_blocks_validated as find_blocks
-from nemo_dsa.ops.v41_indexer.candidates import uses_maxima_kernel
+from nemo_dsa.ops.v4_indexer.naive import v4_logits_in_ranges
+from nemo_dsa.ops.v41_indexer.candidates import blocks_to_mask, candidate_blocks_in_ranges, uses_maxima_kernel
 from nemo_dsa.ops.v41_indexer.heads import kernel_refusal as v41_kernel_refusal
 from nemo_dsa.ops.v41_indexer.kernels import v41_scores_tilelang
-from nemo_dsa.ops.v41_indexer.naive import v41_scores
-from nemo_dsa.visibility import check_ks_ke
+from nemo_dsa.ops.v41_indexer.naive import v41_scores_in_ranges
+from nemo_dsa.visibility import KeyRanges, check_ks_ke
 
 
-def v4_chunk_logits(backend, q, k, w, ks, ke, buffer, chunk_bytes):
+def v4_chunk_logits(backend, q, k, w, ranges: KeyRanges, buffer, chunk_bytes):
     """The scorer seam: V4 logits of one chunk's queries on its key window."""
     if backend == "tilelang":
-        return v4_logits_tilelang(q, k, w, ks, ke, out=buffer)
-    return v4_logits(q, k, w, ks, ke, budget_bytes=chunk_bytes)
+        return v4_logits_tilelang(q, k, w, ranges.ks, ranges.ke, out=buffer)
+    return v4_logits_in_ranges(q, k, w, ranges, budget_bytes=chunk_bytes)
 
 
-def v41_chunk_scores(backend, q, k, w, ks, ke, chunk_bytes):
+def v41_chunk_scores(backend, q, k, w, ranges: KeyRanges, chunk_bytes):
     """The scorer seam: V4.1 scores of one chunk's queries on its key window."""
     if backend == "tilelang":
-        return v41_scores_tilelang(q, k, w, ks, ke)
-    return v41_scores(q, k, w, ks, ke, budget_bytes=chunk_bytes)
+        return v41_scores_tilelang(q, k, w, ranges.ks, ranges.ke)
+    return v41_scores_in_ranges(q, k, w, ranges, budget_bytes=chunk_bytes)
 
 
 def _selects_on_gpu(backend: str, count: int) -> bool:
@@ -69,12 +69,12 @@ def _window_buffer(chunks, batch, device):
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_common(q, k, w, w_dtype, ks, ke, topk, chunk_bytes):
-    batch, queries, heads, dim, num_keys = check_qkw(q, k, w, dtypes=((torch.bfloat16,), (torch.bfloat16,), (w_dtype,)))
-    check_ks_ke(ks, ke, batch=batch, queries=queries, num_keys=num_keys, device=q.device)
+def _check_common(q, k, w, w_dtype, ks, ke, topk, chunk_bytes) -> KeyRanges:
+    batch, queries, _, _, num_keys = check_qkw(q, k, w, dtypes=((torch.bfloat16,), (torch.bfloat16,), (w_dtype,)))
+    ranges = check_ks_ke(ks, ke, batch=batch, queries=queries, num_keys=num_keys, device=q.device)
     check_positive_int("topk", topk)
     check_positive_int("chunk_bytes", chunk_bytes)
-    return batch, queries, heads, dim, num_keys
+    return ranges
 
 
 @torch.no_grad()
@@ -106,15 +106,18 @@ def v4_select_topk(
         [B, S, T], by descending score with ties to the smaller index, -1 padding. No autograd
         graph: the backward needs only the indices (``v4_backward`` / the TileLang backward).
     """
-    _check_common(q, k, w, torch.float32, ks, ke, topk, chunk_bytes)
+    ranges = _check_common(q, k, w, torch.float32, ks, ke, topk, chunk_bytes)
     backend = resolve_backend(backend, q, k, w, ks, ke, kernel_refusal=v4_kernel_refusal(*q.shape[2:]))
-    return v4_select_topk_validated(q, k, w, ks, ke, topk, backend, chunk_bytes)
+    return v4_select_topk_in_ranges(q, k, w, ranges, topk, backend, chunk_bytes)
 
 
 @torch.no_grad()
-def v4_select_topk_validated(q, k, w, ks, ke, topk: int, backend: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
-    """:func:`v4_select_topk` for callers that validated the arguments already (the seed API):
-    it skips the ks/ke value checks and their host sync. ``backend`` is a resolved one."""
+def v4_select_topk_in_ranges(
+    q, k, w, ranges: KeyRanges, topk: int, backend: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`v4_select_topk` on arguments known to be valid (the V4 indexer's, validated where
+    they entered or made by the metadata builder); nothing is checked. ``backend`` is a
+    resolved one."""
     batch, queries, heads, dim = q.shape
     count = min(topk, k.shape[1])
     if batch == 0 or queries == 0:  # no rows to plan chunks over: the empty result select_topk gives
@@ -125,19 +128,18 @@ def v4_select_topk_validated(q, k, w, ks, ke, topk: int, backend: str, chunk_byt
     scores = torch.full((batch, queries, count), float("nan"), dtype=torch.float32, device=q.device)
     on_gpu = _selects_on_gpu(backend, count)
     row_key = ("v4", heads, dim, count, on_gpu, batch > 1)
-    plan = planned_chunks(ks, ke, row_key, v4_row_bytes(*row_key[1:]), chunk_bytes)
+    plan = planned_chunks(ranges, row_key, v4_row_bytes(*row_key[1:]), chunk_bytes)
     chunks = plan.chunks
     buffer = _window_buffer(chunks, batch, q.device) if backend == "tilelang" else None
 
     def score_chunk(chunk, first_pass):
         rows = chunk.end - chunk.start
-        local_ks, local_ke = plan.ranges(chunk)
+        local = plan.ranges(chunk)
         out = None if buffer is None else buffer[: batch * rows * chunk.width].view(batch, rows, chunk.width)
         logits = v4_chunk_logits(
-            backend, q[:, chunk.rows], k[:, chunk.key_start : chunk.key_end], w[:, chunk.rows],
-            local_ks, local_ke, out, chunk_bytes,
+            backend, q[:, chunk.rows], k[:, chunk.key_start : chunk.key_end], w[:, chunk.rows], local, out, chunk_bytes,
         )
-        return logits, local_ks, local_ke, None
+        return logits, local.ks, local.ke, None
 
     def emit(chunk, index, value):
         if index is None:
@@ -150,12 +152,6 @@ def v4_select_topk_validated(q, k, w, ks, ke, topk: int, backend: str, chunk_byt
     targets = (lambda chunk: (indices[0, chunk.rows], scores[0, chunk.rows])) if batch == 1 else None
     select_chunks(chunks, score_chunk, emit, count, "score", chunk_bytes, on_gpu, targets)
     return scores, indices
-
-
-# Memo keys: the candidate blocks lie in [-1, NB) (checked, or returned by a candidate-source call);
-# they are as a candidate-source call returned them (ascending, then -1: the select reads them unchecked).
-_BLOCKS_IN_RANGE = "candidate_blocks_in_range"
-_BLOCKS_FROM_SOURCE = "candidate_blocks_from_source"
 
 
 def _check_candidates(candidate_block_size, candidate_topk_blocks, candidate_blocks, batch, queries, num_keys, device):
@@ -171,10 +167,7 @@ def _check_candidates(candidate_block_size, candidate_topk_blocks, candidate_blo
         return
     check_tensor("candidate_blocks", candidate_blocks, ndim=3, dtypes=(torch.int32,), shape=(batch, queries, None), device=device)
     num_blocks = -(-num_keys // candidate_block_size)
-    # Read on the host once per tensor (a sync and a pass over the blocks): never for the blocks a
-    # candidate-source call returned (in range by construction), which every reindex layer of a step passes.
-    memo_on_tensors((candidate_blocks,), (_BLOCKS_IN_RANGE, num_blocks), lambda: check_index_range(
-        "candidate_blocks", candidate_blocks, num_blocks, meaning="block numbers relative to ks, -1 = none") or True)
+    check_index_range("candidate_blocks", candidate_blocks, num_blocks, meaning="block numbers relative to ks, -1 = none")
 
 
 @torch.no_grad()
@@ -212,9 +205,39 @@ def v41_select_topk(
         ``candidate_topk_blocks`` the pair (topk_indices, candidate_blocks int32
         [B, S, min(candidate_topk_blocks, ceil(K / C))]) as ``topk.candidate_blocks`` returns it.
     """
-    batch, queries, heads, dim, num_keys = _check_common(q, k, w, torch.bfloat16, ks, ke, topk, chunk_bytes)
+    ranges = _check_common(q, k, w, torch.bfloat16, ks, ke, topk, chunk_bytes)
+    batch, queries, num_keys = q.shape[0], q.shape[1], k.shape[1]
     _check_candidates(candidate_block_size, candidate_topk_blocks, candidate_blocks, batch, queries, num_keys, q.device)
-    backend = resolve_backend(backend, q, k, w, ks, ke, kernel_refusal=v41_kernel_refusal(heads, dim))
+    return v41_select_topk_in_ranges(
+        q, k, w, ranges, topk, resolve_backend(backend, q, k, w, ks, ke, kernel_refusal=v41_kernel_refusal(*q.shape[2:])),
+        chunk_bytes,
+        candidate_block_size=candidate_block_size, candidate_topk_blocks=candidate_topk_blocks,
+        candidate_blocks=candidate_blocks,
+    )  # fmt: skip
+
+
+@torch.no_grad()
+def v41_select_topk_in_ranges(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    w: torch.Tensor,
+    ranges: KeyRanges,
+    topk: int,
+    backend: str,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    *,
+    candidate_block_size: int | None = None,
+    candidate_topk_blocks: int | None = None,
+    candidate_blocks: torch.Tensor | None = None,
+    blocks_from_source: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`v41_select_topk` on arguments known to be valid (the V4.1 indexer's: ranges made by
+    the metadata builder, candidate blocks from a candidate-source call); nothing is checked.
+    ``backend`` is a resolved one. ``blocks_from_source``: ``candidate_blocks`` are as a
+    candidate-source call returned them (ascending, then -1), which lets the vector select read
+    each kept block straight from the list; other lists go through a map of the row's blocks."""
+    batch, queries, heads, dim = q.shape
+    num_keys = k.shape[1]
     source = candidate_topk_blocks is not None
     reindex = candidate_blocks is not None
     count = min(topk, num_keys)
@@ -238,29 +261,27 @@ def v41_select_topk(
     row_bytes = v41_row_bytes(*row_key[1:])
 
     def score_chunk(chunk, first_pass):
-        local_ks, local_ke = plan.ranges(chunk)
+        local = plan.ranges(chunk)
         scores = v41_chunk_scores(
-            backend, q[:, chunk.rows], k[:, chunk.key_start : chunk.key_end], w[:, chunk.rows],
-            local_ks, local_ke, chunk_bytes,
+            backend, q[:, chunk.rows], k[:, chunk.key_start : chunk.key_end], w[:, chunk.rows], local, chunk_bytes,
         )
         # Candidate blocks count from ks, so they are the same relative to the window.
         if source and first_pass:
-            # ks/ke were checked once above: the per-chunk slices would each cost a host sync.
-            found = find_blocks(scores, local_ks, local_ke, candidate_block_size, candidate_topk_blocks,
-                                budget_bytes=chunk_bytes, backend=block_backend)
+            found = candidate_blocks_in_ranges(scores, local, candidate_block_size, candidate_topk_blocks,
+                                               budget_bytes=chunk_bytes, backend=block_backend)  # fmt: skip
             blocks_out[:, chunk.rows] = -1
             blocks_out[:, chunk.rows, : found.shape[-1]] = found  # a narrow window has fewer blocks: pad
         elif reindex:
             kept = candidate_blocks[:, chunk.rows]
             if mask_in_select:
-                # The radix select reads the kept blocks itself: keys of other blocks are -inf to
-                # it, so no [rows, W] mask is built and the scores are not rewritten.
-                return scores, local_ks, local_ke, kept
+                # The select reads the kept blocks itself: keys of other blocks are -inf to it,
+                # so no [rows, W] mask is built and the scores are not rewritten.
+                return scores, local.ks, local.ke, kept
             # A block past the window's last block holds no key the row sees: drop it (-1).
             kept = torch.where(kept < -(-chunk.width // candidate_block_size), kept, -1)
-            keep = blocks_to_mask(kept, local_ks, local_ke, candidate_block_size, chunk.width, budget_bytes=chunk_bytes)
+            keep = blocks_to_mask(kept, local.ks, local.ke, candidate_block_size, chunk.width, budget_bytes=chunk_bytes)
             scores.masked_fill_(~keep, float("-inf"))
-        return scores, local_ks, local_ke, None
+        return scores, local.ks, local.ke, None
 
     def emit(chunk, index, value):
         if index is None:
@@ -274,14 +295,11 @@ def v41_select_topk(
         picked = torch.empty((chunk.end - chunk.start, count), dtype=torch.bfloat16, device=q.device)
         return indices[0, chunk.rows], picked
 
-    plan = planned_chunks(ks, ke, row_key, row_bytes, chunk_bytes)
-    from_source = reindex and memo_on_tensors((candidate_blocks,), (_BLOCKS_FROM_SOURCE,), lambda: False)
+    plan = planned_chunks(ranges, row_key, row_bytes, chunk_bytes)
     select_chunks(
         plan.chunks, score_chunk, emit, count, "index", chunk_bytes, on_gpu, targets if batch == 1 else None,
-        block_size=candidate_block_size or 0, blocks_in_source_form=from_source,
+        block_size=candidate_block_size or 0, blocks_in_source_form=reindex and blocks_from_source,
     )  # fmt: skip
-    if source:  # in range and in order by construction: a reindex call with them reads nothing back
-        memo_on_tensors((blocks_out,), (_BLOCKS_IN_RANGE, -(-num_keys // candidate_block_size)), lambda: True)
-        memo_on_tensors((blocks_out,), (_BLOCKS_FROM_SOURCE,), lambda: True)
+    if source:
         return indices, blocks_out
     return indices

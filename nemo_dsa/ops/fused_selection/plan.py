@@ -3,9 +3,9 @@
 A chunk is a run of queries and the key window holding everything they see; its transients (the
 window's scores and the selection's temporaries, ``v4_row_bytes`` / ``v41_row_bytes``) must fit
 the byte budget. Chunks start on the scoring kernels' tile boundaries, so a streamed run scores
-every key exactly as an unchunked one. The plan needs ks/ke on the host once; it is remembered
-per (ks, ke) pair (``nemo_dsa.memo``), so the layers of a step that share their metadata sync
-once, not each.
+every key exactly as an unchunked one. The plan needs ks/ke on the host once; it is kept with
+the :class:`~nemo_dsa.visibility.KeyRanges` it was made for (``planned_chunks``), so the layers
+of a step that share their metadata sync once, not each.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from nemo_dsa._checks import check_positive_int
-from nemo_dsa.memo import memo_on_tensors
 from nemo_dsa.ops.topk.rows import TIE_MARGIN
+from nemo_dsa.visibility import KeyRanges
 
 # Transient budget per chunk (issue #4): 512 MiB keeps Sc in the hundreds of rows at K = 32768.
 DEFAULT_CHUNK_BYTES = 512 * 2**20
@@ -170,23 +170,26 @@ class ChunkPlan:
     local_ks: torch.Tensor  # [B, S] int32; (0, 0) for queries that see nothing
     local_ke: torch.Tensor
 
-    def ranges(self, chunk: QueryChunk) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.local_ks[:, chunk.rows], self.local_ke[:, chunk.rows]
+    def ranges(self, chunk: QueryChunk) -> KeyRanges:
+        """The chunk's queries' ranges relative to its key window (within it by construction)."""
+        return KeyRanges(self.local_ks[:, chunk.rows], self.local_ke[:, chunk.rows], chunk.width)
 
 
-def planned_chunks(ks, ke, row_key: tuple, row_bytes, chunk_bytes: int) -> ChunkPlan:
-    """:func:`plan_query_chunks` and the window-local ranges, remembered for this (ks, ke) pair
-    while it is unchanged: the plan's device-to-host copy would otherwise drain the GPU queue in
-    every indexer layer of a step. ``row_key`` names the ``row_bytes`` function (its arguments)."""
-
-    def plan() -> ChunkPlan:
+def planned_chunks(ranges: KeyRanges, row_key: tuple, row_bytes, chunk_bytes: int) -> ChunkPlan:
+    """:func:`plan_query_chunks` and the window-local ranges, kept with ``ranges`` (its
+    ``facts``): the plan's device-to-host copy would otherwise drain the GPU queue in every
+    indexer layer of a step. ``row_key`` names the ``row_bytes`` function (its arguments)."""
+    key = ("query_chunks", row_key, chunk_bytes)
+    plan = ranges.facts.get(key)
+    if plan is None:
+        ks, ke = ranges.ks, ranges.ke
         chunks = tuple(plan_query_chunks(ks, ke, row_bytes, chunk_bytes))
         starts = np.repeat([c.key_start for c in chunks], [c.end - c.start for c in chunks]).astype(np.int32)
         offset = torch.from_numpy(starts).to(ks.device)
         seen = ke > ks
-        return ChunkPlan(chunks, torch.where(seen, ks - offset, 0), torch.where(seen, ke - offset, 0))
-
-    return memo_on_tensors((ks, ke), ("query_chunks", row_key, chunk_bytes), plan)
+        plan = ChunkPlan(chunks, torch.where(seen, ks - offset, 0), torch.where(seen, ke - offset, 0))
+        ranges.facts[key] = plan
+    return plan
 
 
 def _query_copy_bytes(heads: int, dim: int, batched: bool) -> int:

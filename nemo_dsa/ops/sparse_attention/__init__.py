@@ -10,6 +10,9 @@ from nemo_dsa._lazy import lazy_exports
 
 _EXPORTS = {
     "SparseWindowAttentionFunction": "nemo_dsa.ops.sparse_attention.interface",
+    "attend": "nemo_dsa.ops.sparse_attention.interface",
+    "attend_to_indices": "nemo_dsa.ops.sparse_attention.naive",
+    "attend_window_and_compressed": "nemo_dsa.ops.sparse_attention.naive",
     "sparse_window_attention": "nemo_dsa.ops.sparse_attention.interface",
     "sparse_attention": "nemo_dsa.ops.sparse_attention.naive",
     "window_compressed_attention_reference": "nemo_dsa.ops.sparse_attention.naive",

@@ -3,7 +3,9 @@
 ``backend="torch"`` (and ``"auto"`` on CPU) runs the readable reference
 (:func:`naive.window_compressed_attention_reference`); ``"tilelang"`` (``"auto"`` on CUDA)
 runs the Hopper kernels of ``kernels.py`` through :class:`SparseWindowAttentionFunction`.
-TileLang is imported only when the kernels are first used.
+TileLang is imported only when the kernels are first used. :func:`sparse_window_attention`
+validates every argument; :func:`attend` (the attention layer's entry) takes the metadata's
+:class:`~nemo_dsa.visibility.KeyRanges` or the layer's own selection and checks nothing.
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ import torch
 
 from nemo_dsa._checks import INT32_MAX, check_finite_float, check_has_data, check_index_range, check_positive_int, check_tensor
 from nemo_dsa.ops.dispatch import resolve_backend
-from nemo_dsa.visibility import check_ks_ke
 from nemo_dsa.ops.sparse_attention.configs import MAX_DIM, MAX_HEADS, MAX_SELECTED
-from nemo_dsa.ops.sparse_attention.naive import window_compressed_attention_reference
+from nemo_dsa.ops.sparse_attention.naive import attend_window_and_compressed, check_dropout_p
+from nemo_dsa.visibility import KeyRanges, check_ks_ke
 
 # Limits of the kernels (the reference has none).
 KERNEL_MAX_HEADS, KERNEL_MAX_DIM, KERNEL_MAX_SELECTED = MAX_HEADS, MAX_DIM, MAX_SELECTED
@@ -69,7 +71,9 @@ class SparseWindowAttentionFunction(torch.autograd.Function):
         return dq, d_raw, None, None, d_comp, None, None, None, d_sink, None
 
 
-def _validate(q, raw_kv, window_start, window, compressed_kv, indices, ks, ke, sink, scale, check_indices):
+def _validate(q, raw_kv, window_start, window, compressed_kv, indices, ks, ke, sink, scale) -> KeyRanges | None:
+    """Check every argument (the index range or the ranges' values with one host read); returns
+    the ranges of the range form."""
     check_tensor("q", q, ndim=4, dtypes=_FLOAT_DTYPES)
     check_has_data("q", q)
     batch, seq_len, heads, dim = q.shape
@@ -80,26 +84,23 @@ def _validate(q, raw_kv, window_start, window, compressed_kv, indices, ks, ke, s
     check_tensor("window_start", window_start, ndim=2, dtypes=(torch.int32,), shape=(batch, seq_len), device=device)
     check_positive_int("window", window, maximum=INT32_MAX)
     check_finite_float("scale", scale)
-    if not isinstance(check_indices, bool):
-        raise TypeError(f"check_indices must be True or False, got {type(check_indices).__name__}")
     if sink is not None:
         check_tensor("sink", sink, ndim=1, dtypes=(torch.float32,), shape=(heads,), device=device)
     if compressed_kv is None:
         if indices is not None or ks is not None or ke is not None:
             raise ValueError("indices / ks / ke need compressed_kv: got compressed_kv=None")
-        return
+        return None
     check_tensor("compressed_kv", compressed_kv, ndim=3, dtypes=(q.dtype,), shape=(batch, None, dim), device=device)
     num_keys = compressed_kv.shape[1]
     if indices is not None:
         if ks is not None or ke is not None:
             raise ValueError("give either indices or (ks, ke), not both")
         check_tensor("indices", indices, ndim=3, dtypes=(torch.int32,), shape=(batch, seq_len, None), device=device)
-        if check_indices:  # one host sync: callers passing their own selection skip it
-            check_index_range("indices", indices, num_keys, meaning=f"-1 = none; compressed_kv has {num_keys} rows")
-    elif ks is None and ke is None:
+        check_index_range("indices", indices, num_keys, meaning=f"-1 = none; compressed_kv has {num_keys} rows")
+        return None
+    if ks is None and ke is None:
         raise ValueError("compressed_kv needs indices or (ks, ke) to say which rows each query sees")
-    else:
-        check_ks_ke(ks, ke, batch=batch, queries=seq_len, num_keys=num_keys, device=device)
+    return check_ks_ke(ks, ke, batch=batch, queries=seq_len, num_keys=num_keys, device=device)
 
 
 def _check_kernel_limits(q, indices) -> None:
@@ -127,7 +128,6 @@ def sparse_window_attention(
     sink: torch.Tensor | None = None,
     scale: float,
     backend: str = "auto",
-    check_indices: bool = True,
     dropout_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Multi-query attention over each query's sliding window plus its compressed keys.
@@ -145,9 +145,6 @@ def sparse_window_attention(
         sink: fp32 [H] per-head sink logits (denominator only), or None.
         scale: softmax scale on q . k.
         backend: "auto" (kernels on CUDA, reference on CPU) | "tilelang" | "torch".
-        check_indices: read ``indices``' range on the host (one device sync per call) and reject
-            anything outside [-1, K); ``False`` for callers that selected the indices themselves
-            (the attention layer passes its indexer's selection), keeping the step free of syncs.
         dropout_p: dropout on the attention probabilities (the reference only: the kernels have
             none, so ``dropout_p > 0`` with ``backend="tilelang"`` is a ValueError).
 
@@ -155,13 +152,35 @@ def sparse_window_attention(
         out [B, S, H, D] in q's dtype and lse fp32 [B, S, H] (natural log, sink included; -inf
         for a query that sees nothing and has no sink, whose output and gradients are zero).
     """
-    _validate(q, raw_kv, window_start, window, compressed_kv, indices, ks, ke, sink, scale, check_indices)
+    ranges = _validate(q, raw_kv, window_start, window, compressed_kv, indices, ks, ke, sink, scale)
+    return attend(q, raw_kv, window_start, window, compressed_kv, indices=indices, ranges=ranges, sink=sink,
+                  scale=scale, backend=backend, dropout_p=check_dropout_p(dropout_p))  # fmt: skip
+
+
+def attend(
+    q: torch.Tensor,
+    raw_kv: torch.Tensor,
+    window_start: torch.Tensor,
+    window: int,
+    compressed_kv: torch.Tensor | None = None,
+    *,
+    indices: torch.Tensor | None = None,
+    ranges: KeyRanges | None = None,
+    sink: torch.Tensor | None = None,
+    scale: float,
+    backend: str = "auto",
+    dropout_p: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sparse_window_attention` on arguments known to be valid: ``indices`` the caller
+    selected itself (in [-1, K)) or ``ranges`` (the metadata's, made by the visibility rule),
+    every tensor made in the documented shapes and dtypes. Only the kernels' limits (shapes) are
+    checked, so a model step reads nothing back for it."""
+    ks, ke = (None, None) if ranges is None else (ranges.ks, ranges.ke)
     tensors = [t for t in (q, raw_kv, window_start, compressed_kv, indices, ks, ke, sink) if t is not None]
     backend = resolve_backend(backend, *tensors)
     if backend == "torch":
-        return window_compressed_attention_reference(
+        return attend_window_and_compressed(
             q, raw_kv, window_start, window, compressed_kv, indices=indices, ks=ks, ke=ke, sink=sink, scale=float(scale),
-            check_indices=False,  # checked in _validate (or skipped by the caller's choice)
             dropout_p=dropout_p,
         )
     if dropout_p:

@@ -4,6 +4,11 @@ One shared KV head (MQA): ``kv`` is both key and value, as in DeepSeek-V4. Each 
 the keys named by its row of ``indices`` (-1 = no key), so work and memory are
 O(S * M * D) instead of O(S * N). A learned per-head ``sink`` logit joins the softmax
 denominator only (it has no value), so a query that sees nothing returns zeros, never NaN.
+
+:func:`sparse_attention` and :func:`window_compressed_attention_reference` validate their
+arguments (the index range with one host read); :func:`attend_to_indices` and
+:func:`attend_window_and_compressed` are the same computations on inputs their callers made or
+validated, and check nothing.
 """
 
 from __future__ import annotations
@@ -37,7 +42,6 @@ def sparse_attention(
     bias: torch.Tensor | None = None,
     chunk_size: int | None = None,
     recompute: bool = True,
-    check_indices: bool = True,
     dropout_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attend each query to the keys at its indices.
@@ -52,8 +56,6 @@ def sparse_attention(
         chunk_size: queries per chunk (default: from a 256 MiB budget).
         recompute: under autograd, rebuild each chunk's gathered keys in backward instead of
             keeping them (activation checkpointing per chunk).
-        check_indices: read the index range on the host (one device sync) and reject anything
-            outside [-1, N); ``False`` for callers that built the indices themselves.
         dropout_p: dropout on the probabilities (each key's, after the softmax whose denominator
             holds the sink), scaled by ``1 / (1 - p)``; the recomputed backward replays the mask.
 
@@ -69,18 +71,42 @@ def sparse_attention(
     scale = check_finite_float("scale", scale)
     width, num_keys = indices.shape[-1], kv.shape[1]
     check_has_data("q", q)
-    if check_indices:
-        check_index_range("indices", indices, num_keys, meaning=f"-1 = no key; kv has {num_keys} keys")
+    check_index_range("indices", indices, num_keys, meaning=f"-1 = no key; kv has {num_keys} keys")
     if sink is not None:
         check_tensor("sink", sink, ndim=1, dtypes=FLOAT_DTYPES, shape=(heads,), device=q.device)
     if bias is not None:
         check_tensor("bias", bias, dtypes=FLOAT_DTYPES, shape=(batch, seq, width), device=q.device)
     if chunk_size is not None:
         check_positive_int("chunk_size", chunk_size)
+    dropout_p = check_dropout_p(dropout_p)
+    return attend_to_indices(q, kv, indices, sink, scale, bias=bias, chunk_size=chunk_size, recompute=recompute,
+                             dropout_p=dropout_p)  # fmt: skip
+
+
+def check_dropout_p(dropout_p) -> float:
     dropout_p = check_finite_float("dropout_p", dropout_p)
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if num_keys == 0:
+    return dropout_p
+
+
+def attend_to_indices(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sink: torch.Tensor | None,
+    scale: float,
+    *,
+    bias: torch.Tensor | None = None,
+    chunk_size: int | None = None,
+    recompute: bool = True,
+    dropout_p: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sparse_attention` on arguments its caller made or validated (indices in [-1, N)):
+    nothing is checked, so it reads nothing back."""
+    batch, seq, heads, dim = q.shape
+    width, scale = indices.shape[-1], float(scale)
+    if kv.shape[1] == 0:
         # Every index is -1 here; one zero row gives the gathers something to read (masked out).
         kv = torch.cat((kv, kv.new_zeros(batch, 1, dim)), dim=1)
 
@@ -173,7 +199,6 @@ def window_compressed_attention_reference(
     ke: torch.Tensor | None = None,
     sink: torch.Tensor | None = None,
     scale: float,
-    check_indices: bool = True,
     dropout_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The window + compressed attention contract, written as one index-list attention.
@@ -183,20 +208,42 @@ def window_compressed_attention_reference(
     index counts once per slot) or the range ``[ks, ke)``; one softmax over all of them with the
     sink in the denominator only. Returns (out [B, S, H, D] in q's dtype, lse fp32 [B, S, H]).
     Differentiable in q, raw_kv, compressed_kv and sink (autograd through the gather).
-    ``check_indices=False`` skips the host read of ``indices``' range (validated or built already);
-    ``dropout_p``: dropout on the probabilities (``sparse_attention``).
+    ``dropout_p``: dropout on the probabilities (``sparse_attention``). ``indices``' range is
+    checked (one host read).
     """
-    batch, seq_len = q.shape[:2]
+    if compressed_kv is not None and indices is not None:
+        check_index_range("indices", indices, compressed_kv.shape[1],
+                          meaning=f"-1 = none; compressed_kv has {compressed_kv.shape[1]} rows")  # fmt: skip
+    return attend_window_and_compressed(
+        q, raw_kv, window_start, window, compressed_kv, indices=indices, ks=ks, ke=ke, sink=sink, scale=scale,
+        dropout_p=check_dropout_p(dropout_p),
+    )
+
+
+def attend_window_and_compressed(
+    q: torch.Tensor,
+    raw_kv: torch.Tensor,
+    window_start: torch.Tensor,
+    window: int,
+    compressed_kv: torch.Tensor | None,
+    *,
+    indices: torch.Tensor | None = None,
+    ks: torch.Tensor | None = None,
+    ke: torch.Tensor | None = None,
+    sink: torch.Tensor | None = None,
+    scale: float,
+    dropout_p: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`window_compressed_attention_reference` on arguments its caller made or validated:
+    nothing is checked, so it reads nothing back (but the range form's widest row)."""
+    seq_len = q.shape[1]
     num_raw = raw_kv.shape[1]
     lists = [window_key_indices(window_start, window, seq_len, num_raw)]
     kv = raw_kv
     if compressed_kv is not None:
-        if indices is not None and check_indices:
-            check_index_range("indices", indices, compressed_kv.shape[1],
-                              meaning=f"-1 = none; compressed_kv has {compressed_kv.shape[1]} rows")  # fmt: skip
         selected = indices.long() if indices is not None else range_key_indices(ks, ke)
         lists.append(torch.where(selected >= 0, selected + num_raw, -1))
         kv = torch.cat((raw_kv, compressed_kv), dim=1)
     all_indices = torch.cat(lists, dim=-1)
-    # The window lists are built here and the compressed ones were checked above.
-    return sparse_attention(q, kv, all_indices, sink, scale, check_indices=False, dropout_p=dropout_p)
+    # The window lists are built here; the compressed ones are in range (checked or made).
+    return attend_to_indices(q, kv, all_indices, sink, scale, dropout_p=dropout_p)

@@ -10,7 +10,9 @@ from nemo_dsa._lazy import lazy_exports
 
 _EXPORTS = {
     "indexer_scores": "nemo_dsa.ops.v41_indexer.interface",
+    "indexer_scores_in_ranges": "nemo_dsa.ops.v41_indexer.interface",
     "v41_scores": "nemo_dsa.ops.v41_indexer.naive",
+    "v41_scores_in_ranges": "nemo_dsa.ops.v41_indexer.naive",
     "v41_scores_chunk_size": "nemo_dsa.ops.v41_indexer.naive",
     "v41_scores_tilelang": "nemo_dsa.ops.v41_indexer.kernels",
     "v41_scores_masked_tilelang": "nemo_dsa.ops.v41_indexer.kernels",

@@ -18,7 +18,7 @@ from nemo_dsa.ops.topk.block_kernels import SCORE_DTYPES as KERNEL_SCORE_DTYPES
 from nemo_dsa.ops.topk.block_kernels import block_maxima_tilelang
 from nemo_dsa.ops.topk.interface import select_topk
 from nemo_dsa.ops.topk.naive import check_candidate_arguments
-from nemo_dsa.visibility import visible_mask
+from nemo_dsa.visibility import KeyRanges, visible_mask
 
 _NEG_INF = float("-inf")
 # Transients of one row: (score-sized copies per key, bytes per block). The torch table holds the
@@ -86,23 +86,24 @@ def candidate_blocks(
     selection (:func:`nemo_dsa.ops.topk.select_topk`) and the block maxima (the TileLang kernel
     for CUDA fp32/bf16 scores unless "torch", the torch table otherwise).
     """
-    check_candidate_arguments(scores, ks, ke, block_size, topk_blocks)
-    return candidate_blocks_validated(scores, ks, ke, block_size, topk_blocks, budget_bytes=budget_bytes, backend=backend)
+    num_keys = check_candidate_arguments(scores, ks, ke, block_size, topk_blocks)[2]
+    ranges = KeyRanges(ks, ke, num_keys)  # checked just now
+    return candidate_blocks_in_ranges(scores, ranges, block_size, topk_blocks, budget_bytes=budget_bytes, backend=backend)
 
 
-def candidate_blocks_validated(
+def candidate_blocks_in_ranges(
     scores: torch.Tensor,
-    ks: torch.Tensor,
-    ke: torch.Tensor,
+    ranges: KeyRanges,
     block_size: int,
     topk_blocks: int,
     *,
     budget_bytes: int = DEFAULT_BUDGET_BYTES,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """:func:`candidate_blocks` for callers that checked the arguments (the fused selection,
-    per chunk): no ks/ke value check, whose host sync would drain the GPU queue every chunk."""
+    """:func:`candidate_blocks` on arguments known to be valid (the metadata's ranges, or a fused
+    selection chunk's): nothing is checked, so no host sync drains the GPU queue."""
     batch, queries, num_keys = scores.shape
+    ks, ke = ranges.ks, ranges.ke
     num_blocks = -(-num_keys // block_size)
     count = min(topk_blocks, num_blocks)
     out = torch.full((batch * queries, count), -1, dtype=torch.int32, device=scores.device)

@@ -14,7 +14,7 @@ import torch
 
 from nemo_dsa._checks import check_qkw
 from nemo_dsa.ops.chunking import DEFAULT_BUDGET_BYTES, query_chunk_size, query_chunks
-from nemo_dsa.visibility import check_ks_ke, visible_mask
+from nemo_dsa.visibility import KeyRanges, check_ks_ke, visible_mask
 
 
 def v41_scores_chunk_size(
@@ -41,7 +41,17 @@ def v41_scores(
 ) -> torch.Tensor:
     """V4.1 scores bf16 ``[B, S, K]`` from q [B,S,H,D], k [B,K,D], w [B,S,H] (all bf16), -inf outside [ks, ke)."""
     batch, queries, heads, _, num_keys = check_qkw(q, k, w, dtypes=((torch.bfloat16,),) * 3)
-    check_ks_ke(ks, ke, batch=batch, queries=queries, num_keys=num_keys, device=q.device)
+    ranges = check_ks_ke(ks, ke, batch=batch, queries=queries, num_keys=num_keys, device=q.device)
+    return v41_scores_in_ranges(q, k, w, ranges, budget_bytes=budget_bytes)
+
+
+@torch.no_grad()
+def v41_scores_in_ranges(
+    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, ranges: KeyRanges, *, budget_bytes: int = DEFAULT_BUDGET_BYTES
+) -> torch.Tensor:
+    """:func:`v41_scores` on ranges known to hold (nothing is checked)."""
+    batch, queries, heads, _ = q.shape
+    num_keys, ks, ke = k.shape[1], ranges.ks, ranges.ke
     scores = torch.full((batch, queries, num_keys), float("-inf"), dtype=torch.bfloat16, device=q.device)
     chunk = v41_scores_chunk_size(batch, queries, heads, num_keys, budget_bytes)
     for part in query_chunks(queries, chunk):

@@ -8,6 +8,10 @@ Imports run one way: the reference (``naive``) and the kernels (``kernels``) sco
 validates, dispatches (in :func:`_forward` / :func:`_backward` only), selects (``topk``, or the
 streamed ``fused_selection``) and holds the autograd functions. Importing the kernel module does
 not import TileLang (its factories do, when a kernel is built).
+
+The seed APIs and :func:`v4_indexer_bshd` validate every argument; :func:`v4_indexer_in_ranges`
+(the indexer layer's entry) takes the metadata's :class:`~nemo_dsa.visibility.KeyRanges` and
+tensors the layer made, and checks nothing.
 """
 
 from __future__ import annotations
@@ -20,8 +24,8 @@ from nemo_dsa.ops.fused_selection import interface as fused_selection
 from nemo_dsa.ops.topk.gather import gather_at_indices, pytorch_extract_topk_scores
 from nemo_dsa.ops.topk.interface import select_topk
 from nemo_dsa.ops.v4_indexer.kernels import kernel_refusal, v4_logits_tilelang, v4_topk_backward_tilelang
-from nemo_dsa.ops.v4_indexer.naive import v4_backward, v4_logits
-from nemo_dsa.visibility import causal_ks_ke, check_ks_ke
+from nemo_dsa.ops.v4_indexer.naive import v4_backward_in_ranges, v4_logits_in_ranges
+from nemo_dsa.visibility import KeyRanges, causal_ks_ke, check_ks_ke
 
 # pytorch_extract_topk_scores lives in topk.gather; it stays importable from here, the seed
 # API's module.
@@ -30,30 +34,32 @@ __all__ = [
     "V4IndexerFunction",
     "pytorch_extract_topk_scores",
     "v4_indexer_bshd",
+    "v4_indexer_in_ranges",
     "v4_lighting_indexer",
     "v4_lightning_indexer",
 ]
 
 
-def _forward(backend, q, k, w, ks, ke, topk, topk_indices):
+def _forward(backend, q, k, w, ranges: KeyRanges, topk, topk_indices):
     """(index_score fp32 [B, S, T], topk_indices int32 [B, S, T]) on BSHD tensors: the logits
     from the kernel or the reference, then selection (unless indices are given) and the gather."""
-    logits = v4_logits_tilelang(q, k, w, ks, ke) if backend == "tilelang" else v4_logits(q, k, w, ks, ke)
+    ks, ke = ranges.ks, ranges.ke
+    logits = v4_logits_tilelang(q, k, w, ks, ke) if backend == "tilelang" else v4_logits_in_ranges(q, k, w, ranges)
     if topk_indices is None:
         # Every finite logit lies in [ks, ke): the kernel selector reads only those keys (the
         # reference would mask a copy of the logits with the range, which changes nothing here).
-        ranges = dict(ks=ks, ke=ke) if backend == "tilelang" else {}
-        topk_indices = select_topk(logits, topk, order="score", backend=backend, **ranges)
+        read_only = dict(ks=ks, ke=ke) if backend == "tilelang" else {}
+        topk_indices = select_topk(logits, topk, order="score", backend=backend, **read_only)
     # Given indices were range-checked in _validate; selected ones are in range by construction.
     return gather_at_indices(logits, topk_indices), topk_indices
 
 
-def _backward(backend, q, k, w, ks, ke, topk_indices, grad_scores):
+def _backward(backend, q, k, w, ranges: KeyRanges, topk_indices, grad_scores):
     """(dq, dk, dw) through the gathered scores. The indices were checked (given) or produced
     (selected) in the forward, so neither path reads them on the host again."""
     if backend == "tilelang":
-        return v4_topk_backward_tilelang(q, k, w, topk_indices, grad_scores.float(), ks, ke, check_indices=False)
-    return v4_backward(q, k, w, ks, ke, topk_indices, grad_scores, check_indices=False)
+        return v4_topk_backward_tilelang(q, k, w, topk_indices, grad_scores.float(), ranges.ks, ranges.ke)
+    return v4_backward_in_ranges(q, k, w, ranges, topk_indices, grad_scores)
 
 
 def _check_layout(index_q, index_k, weights, *, seq_first: bool) -> tuple[int, int, int, int, int]:
@@ -69,23 +75,46 @@ def _check_layout(index_q, index_k, weights, *, seq_first: bool) -> tuple[int, i
     return sizes
 
 
-def _validate(q, k, w, compress_ratio, topk, topk_indices, ks, ke):
-    """Check every BSHD argument; returns (ks, ke) with the unpacked causal default filled in."""
+def _validate(q, k, w, compress_ratio, topk, topk_indices, ks, ke) -> KeyRanges:
+    """Check every BSHD argument; returns the ranges, the unpacked causal default filled in."""
     batch, queries, _, _, num_keys = _check_layout(q, k, w, seq_first=False)
     device = q.device
     check_positive_int("compress_ratio", compress_ratio, maximum=INT32_MAX)
     check_positive_int("topk", topk)
     if ks is None and ke is None:
-        ks, ke = causal_ks_ke(batch, queries, num_keys, compress_ratio, device)
+        ranges = KeyRanges(*causal_ks_ke(batch, queries, num_keys, compress_ratio, device), num_keys)
     else:
-        check_ks_ke(ks, ke, batch=batch, queries=queries, num_keys=num_keys, device=device)
+        ranges = check_ks_ke(ks, ke, batch=batch, queries=queries, num_keys=num_keys, device=device)
     if topk_indices is not None:
         count = min(topk, num_keys)
         check_tensor(
             "topk_indices", topk_indices, ndim=3, dtypes=(torch.int32,), shape=(batch, queries, count), device=device
         )
         check_index_range("topk_indices", topk_indices, num_keys)
-    return ks, ke
+    return ranges
+
+
+class _V4IndexerInRanges(torch.autograd.Function):
+    """The indexer on checked (or made) arguments: ``apply(q, k, w, ranges, topk, topk_indices,
+    backend, fused_topk)`` with a resolved backend. Gradients for q, k and w only."""
+
+    @staticmethod
+    def forward(ctx, q, k, w, ranges, topk, topk_indices, backend, fused_topk):
+        if resolve_fused_topk(fused_topk, backend) and topk_indices is None:
+            # Selection streamed over query chunks: no [B, S, K] logits are ever held.
+            index_score, topk_indices = fused_selection.v4_select_topk_in_ranges(q, k, w, ranges, topk, backend)
+        else:
+            index_score, topk_indices = _forward(backend, q, k, w, ranges, topk, topk_indices)
+        ctx.save_for_backward(q, k, w, ranges.ks, ranges.ke, topk_indices)
+        ctx.backend, ctx.num_keys = backend, ranges.num_keys
+        ctx.mark_non_differentiable(topk_indices)
+        return index_score, topk_indices
+
+    @staticmethod
+    def backward(ctx, grad_scores, grad_indices):
+        q, k, w, ks, ke, topk_indices = ctx.saved_tensors
+        dq, dk, dw = _backward(ctx.backend, q, k, w, KeyRanges(ks, ke, ctx.num_keys), topk_indices, grad_scores)
+        return dq, dk, dw, None, None, None, None, None
 
 
 class V4IndexerBSHDFunction(torch.autograd.Function):
@@ -98,22 +127,13 @@ class V4IndexerBSHDFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, w, compress_ratio, topk, topk_indices=None, ks=None, ke=None, backend="auto", fused_topk=None):
-        ks, ke = _validate(q, k, w, compress_ratio, topk, topk_indices, ks, ke)
+        ranges = _validate(q, k, w, compress_ratio, topk, topk_indices, ks, ke)
         backend = resolve_backend(backend, q, k, w, kernel_refusal=kernel_refusal(*q.shape[2:]))
-        if resolve_fused_topk(fused_topk, backend) and topk_indices is None:
-            # Selection streamed over query chunks: no [B, S, K] logits are ever held.
-            index_score, topk_indices = fused_selection.v4_select_topk_validated(q, k, w, ks, ke, topk, backend)
-        else:
-            index_score, topk_indices = _forward(backend, q, k, w, ks, ke, topk, topk_indices)
-        ctx.save_for_backward(q, k, w, ks, ke, topk_indices)
-        ctx.backend = backend
-        ctx.mark_non_differentiable(topk_indices)
-        return index_score, topk_indices
+        return _V4IndexerInRanges.forward(ctx, q, k, w, ranges, topk, topk_indices, backend, fused_topk)
 
     @staticmethod
     def backward(ctx, grad_scores, grad_indices):
-        q, k, w, ks, ke, topk_indices = ctx.saved_tensors
-        dq, dk, dw = _backward(ctx.backend, q, k, w, ks, ke, topk_indices, grad_scores)
+        dq, dk, dw, *_ = _V4IndexerInRanges.backward(ctx, grad_scores, grad_indices)
         return dq, dk, dw, None, None, None, None, None, None, None
 
 
@@ -171,6 +191,23 @@ def v4_indexer_bshd(
         descending score with ties to the smaller index, -1 padding.
     """
     return V4IndexerBSHDFunction.apply(q, k, w, compress_ratio, topk, topk_indices, ks, ke, backend, fused_topk)
+
+
+def v4_indexer_in_ranges(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    w: torch.Tensor,
+    ranges: KeyRanges,
+    topk: int,
+    *,
+    backend: str = "auto",
+    fused_topk: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`v4_indexer_bshd` for arguments known to be valid: ``ranges`` (the metadata's, made
+    by the visibility rule) and q/k/w the caller made in the documented shapes and dtypes.
+    Nothing is checked, so a model step reads nothing back for it."""
+    backend = resolve_backend(backend, q, k, w, kernel_refusal=kernel_refusal(*q.shape[2:]))
+    return _V4IndexerInRanges.apply(q, k, w, ranges, topk, None, backend, fused_topk)
 
 
 def v4_lighting_indexer(

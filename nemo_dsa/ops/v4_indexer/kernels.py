@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nemo_dsa._checks import check_index_range, check_qkw, check_tensor
+from nemo_dsa._checks import check_qkw, check_tensor
 from nemo_dsa.ops._pingpong import (
     BLOCK_K,
     CONSUMER_REGISTERS,
@@ -424,25 +424,21 @@ def v4_topk_backward_tilelang(
     grad_scores,
     ks: torch.Tensor | None = None,
     ke: torch.Tensor | None = None,
-    *,
-    check_indices: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ``sum(grad_scores * logits.gather(-1, topk_indices))`` w.r.t. q, k, w.
 
-    Args: q [B, S, H, D] bf16, k [B, K, D] bf16, w [B, S, H] fp32, topk_indices int32 [B, S, T]
-    in [-1, K), grad_scores fp32 [B, S, T]; ks/ke int32 [B, S] (optional, default: every key
-    visible) drop the gradient of indices outside the query's visible range, as the reference.
-    Returns dq bf16 [B, S, H, D], dk bf16 [B, K, D] (fp32 accumulation), dw fp32 [B, S, H].
-    ``check_indices=False`` skips the index-range check and its host sync, for indices validated
-    or produced already (the seed API's autograd backward): the kernel reads keys at them.
+    Args: q [B, S, H, D] bf16, k [B, K, D] bf16, w [B, S, H] fp32, topk_indices int32 [B, S, T],
+    grad_scores fp32 [B, S, T]; ks/ke int32 [B, S] (optional, default: every key visible). An
+    index outside the query's visible range or outside [0, K) carries no gradient and is never
+    read (:func:`dead_slots_to_zero_row`), so the launch is memory-safe for any index; the public
+    API validates them. Returns dq bf16 [B, S, H, D], dk bf16 [B, K, D] (fp32 accumulation), dw
+    fp32 [B, S, H].
     """
     batch, queries, heads, dim, num_keys = _check_qkw(q, k, w)
     check_tensor("topk_indices", topk_indices, ndim=3, dtypes=(torch.int32,), device=q.device)
     count = topk_indices.shape[-1]
     check_tensor("topk_indices", topk_indices, shape=(batch, queries, count))
     check_tensor("grad_scores", grad_scores, dtypes=(torch.float32,), shape=(batch, queries, count), device=q.device)
-    if check_indices:
-        check_index_range("topk_indices", topk_indices, num_keys)
     if (ks is None) != (ke is None):
         raise ValueError("ks and ke must be given together")
     if ks is None:

@@ -7,6 +7,10 @@ to fp32 and fp32 products and sums; -inf outside the query's visible range [ks, 
 Layout is BSHD: q [B, S, H, D], k [B, K, D], w [B, S, H], ks/ke int32 [B, S]. Both references
 loop over query chunks sized from a byte budget, so [S, H, K] is never materialised; float64
 inputs compute in float64 (used by the gradient checks), everything narrower in fp32.
+
+:func:`v4_logits` and :func:`v4_backward` validate their arguments; the ``*_in_ranges`` forms take
+the ranges as :class:`~nemo_dsa.visibility.KeyRanges` and check nothing (their callers' inputs
+were validated where they entered, or were made by the callers).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import torch
 from nemo_dsa._checks import check_index_range, check_qkw, check_tensor
 from nemo_dsa.ops.chunking import DEFAULT_BUDGET_BYTES, query_chunk_size, query_chunks
 from nemo_dsa.precision import ieee_fp32_matmul
-from nemo_dsa.visibility import check_ks_ke, visible_mask
+from nemo_dsa.visibility import KeyRanges, check_ks_ke, visible_mask
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
@@ -25,10 +29,9 @@ def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
-def _check_inputs(q, k, w, ks, ke) -> tuple[int, int, int, int, int]:
-    batch, queries, heads, dim, num_keys = check_qkw(q, k, w, dtypes=(FLOAT_DTYPES,) * 3)
-    check_ks_ke(ks, ke, batch=batch, queries=queries, num_keys=num_keys, device=q.device)
-    return batch, queries, heads, dim, num_keys
+def _check_inputs(q, k, w, ks, ke) -> KeyRanges:
+    batch, queries, _, _, num_keys = check_qkw(q, k, w, dtypes=(FLOAT_DTYPES,) * 3)
+    return check_ks_ke(ks, ke, batch=batch, queries=queries, num_keys=num_keys, device=q.device)
 
 
 def v4_logits_chunk_size(queries: int, heads: int, num_keys: int, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> int:
@@ -46,7 +49,15 @@ def v4_logits(
     budget_bytes: int = DEFAULT_BUDGET_BYTES,
 ) -> torch.Tensor:
     """V4 logits ``[B, S, K]`` (fp32; float64 for float64 inputs), -inf outside ``[ks, ke)``."""
-    batch, queries, heads, _, num_keys = _check_inputs(q, k, w, ks, ke)
+    return v4_logits_in_ranges(q, k, w, _check_inputs(q, k, w, ks, ke), budget_bytes=budget_bytes)
+
+
+def v4_logits_in_ranges(
+    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, ranges: KeyRanges, *, budget_bytes: int = DEFAULT_BUDGET_BYTES
+) -> torch.Tensor:
+    """:func:`v4_logits` on ranges known to hold (nothing is checked)."""
+    batch, queries, heads, _ = q.shape
+    num_keys, ks, ke = k.shape[1], ranges.ks, ranges.ke
     dtype = _compute_dtype(q, k, w)
     logits = torch.full((batch, queries, num_keys), float("-inf"), dtype=dtype, device=q.device)
     chunk = v4_logits_chunk_size(queries, heads, num_keys, budget_bytes)
@@ -85,7 +96,6 @@ def v4_backward(
     grad_scores: torch.Tensor,
     *,
     budget_bytes: int = DEFAULT_BUDGET_BYTES,
-    check_indices: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dw) of ``sum(grad_scores * logits.gather(-1, topk_indices))``.
 
@@ -93,17 +103,32 @@ def v4_backward(
     -inf), carries no gradient. With s = q_h . k_j and g the incoming gradient:
     dw_h = sum_t g_t relu(s_ht); dq_h = sum_t g_t w_h [s_ht > 0] k_jt; dk_j += the same terms with
     q_h in place of k_jt. Accumulates in fp32 (float64 for float64 inputs); returns dq in q's
-    dtype, dk in k's dtype, dw in w's dtype. ``check_indices=False`` skips the host read of the
-    index range, for callers whose indices were validated or produced already (the autograd
-    backward of the seed API).
+    dtype, dk in k's dtype, dw in w's dtype.
     """
-    batch, queries, heads, dim, num_keys = _check_inputs(q, k, w, ks, ke)
+    ranges = _check_inputs(q, k, w, ks, ke)
+    batch, queries = q.shape[:2]
     check_tensor("topk_indices", topk_indices, ndim=3, dtypes=(torch.int32, torch.int64), device=q.device)
     count = topk_indices.shape[-1]
     check_tensor("topk_indices", topk_indices, shape=(batch, queries, count))
     check_tensor("grad_scores", grad_scores, dtypes=FLOAT_DTYPES, shape=(batch, queries, count), device=q.device)
-    if check_indices:
-        check_index_range("topk_indices", topk_indices, num_keys)
+    check_index_range("topk_indices", topk_indices, ranges.num_keys)
+    return v4_backward_in_ranges(q, k, w, ranges, topk_indices, grad_scores, budget_bytes=budget_bytes)
+
+
+def v4_backward_in_ranges(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    w: torch.Tensor,
+    ranges: KeyRanges,
+    topk_indices: torch.Tensor,
+    grad_scores: torch.Tensor,
+    *,
+    budget_bytes: int = DEFAULT_BUDGET_BYTES,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`v4_backward` on ranges known to hold and indices in [-1, K) (nothing is checked:
+    the autograd backward's indices were checked or selected in its forward)."""
+    batch, queries, heads, dim = q.shape
+    ks, ke, count = ranges.ks, ranges.ke, topk_indices.shape[-1]
     dtype = _compute_dtype(q, k, w)
     dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
     dk = torch.zeros(k.shape, dtype=dtype, device=q.device)
