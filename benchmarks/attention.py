@@ -10,21 +10,16 @@ writes JSON (``--json``).
 
     python benchmarks/attention.py --seq 4096 16384 32768 65536 --json out.json
 
-``--variants balanced-lean/atomic balanced/key-major/staged`` times nemo_dsa once per kernel
-variant (forward schedule / how the window keys' dkv is summed [/ backward schedule], see
-``ops/sparse_attention/configs.py``);
-the first is the table's, the others are printed after it; without it, the defaults run. ``--parts`` also times the backward's
-pieces alone (the kernels asked for only some gradients), to show where its time goes.
+``--parts`` also times the backward's pieces alone (the kernels asked for only some gradients),
+to show where its time goes.
 """
 
 import argparse
-import contextlib
 import json
-import os
 
 import torch
 
-from nemo_dsa.ops.sparse_attention import sparse_window_attention
+from nemo_dsa.ops.sparse_attention import attend
 
 HEADS, DIM, WINDOW, TOPK, RATIO = 64, 512, 128, 512, 4
 
@@ -92,36 +87,6 @@ def peak_mib(fn) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-VARIANT_VARIABLES = ("NEMO_DSA_ATTN_FWD", "NEMO_DSA_WINDOW_DKV", "NEMO_DSA_ATTN_BWD")
-
-
-def parse_variant(name: str) -> tuple[str, str, str] | None:
-    """(forward schedule, window dkv, backward schedule) of "<fwd>/<window dkv>[/<bwd>]" (the
-    default backward if left out), or None if ``name`` is not one."""
-    from nemo_dsa.ops.sparse_attention import kernels
-
-    fields = name.split("/")
-    choices = (kernels.FWD_SCHEDULES, kernels.WINDOW_DKV_MODES, kernels.BWD_SCHEDULES)
-    if len(fields) not in (2, 3) or any(f not in c for f, c in zip(fields, choices)):
-        return None
-    return fields[0], fields[1], fields[2] if len(fields) == 3 else kernels.DEFAULT_BWD_SCHEDULE
-
-
-@contextlib.contextmanager
-def variant(name: str):
-    """Select a kernel variant (see :func:`parse_variant`) through the environment."""
-    saved = {k: os.environ.get(k) for k in VARIANT_VARIABLES}
-    os.environ.update(zip(VARIANT_VARIABLES, parse_variant(name)))
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
 def backward_parts(q, raw, comp, sink, indices, window_start, grad, iters: int) -> dict:
     """ms of the backward alone (forward saved once), asking the kernels for some gradients."""
     from nemo_dsa.ops.sparse_attention import kernels
@@ -129,34 +94,22 @@ def backward_parts(q, raw, comp, sink, indices, window_start, grad, iters: int) 
     inputs = kernels.KernelInputs(q, raw, window_start, WINDOW, comp, indices, None, None, sink, DIM**-0.5)
     out, lse = kernels.sparse_window_forward(inputs)
     parts = {
-        "all, window dkv by atomics": ("atomic", (True, True, True)),
-        "all, window dkv key-major": ("key-major", (True, True, True)),
-        "dq only (no dkv GEMMs, no atomics)": ("atomic", (True, False, False)),
-        "dq + compressed dkv (window dkv skipped)": ("atomic", (True, False, True)),
-        "window dkv key-major alone": ("key-major", (False, True, False)),
-        "delta alone": ("atomic", (False, False, False)),
+        "all": (True, True, True),
+        "dq only (no dkv GEMMs, no atomics)": (True, False, False),
+        "dq + compressed dkv (window dkv skipped)": (True, False, True),
+        "window dkv alone": (False, True, False),
+        "delta alone": (False, False, False),
     }
-    for schedule in kernels.BWD_SCHEDULES:
-        parts[f"all, {schedule} backward"] = (f"atomic/{schedule}", (True, True, True))
-        parts[f"dq only, {schedule} backward"] = (f"atomic/{schedule}", (True, False, False))
-    result = {}
-    for name, (window_dkv, (dq, d_raw, d_comp)) in parts.items():
-        with variant(f"{kernels.DEFAULT_FWD_SCHEDULE}/{window_dkv}"):
-            result[name] = median_ms(
-                lambda: kernels.sparse_window_backward(inputs, out, lse, grad, need_dq=dq, need_d_raw=d_raw, need_d_comp=d_comp),
-                iters,
-            )
-    return result
+    return {
+        name: median_ms(
+            lambda: kernels.sparse_window_backward(inputs, out, lse, grad, need_dq=dq, need_d_raw=d_raw, need_d_comp=d_comp),
+            iters,
+        )
+        for name, (dq, d_raw, d_comp) in parts.items()
+    }
 
 
-def default_variant() -> str:
-    from nemo_dsa.ops.sparse_attention import kernels
-
-    return f"{kernels.DEFAULT_FWD_SCHEDULE}/{kernels.DEFAULT_WINDOW_DKV}/{kernels.DEFAULT_BWD_SCHEDULE}"
-
-
-def run(seq: int, iters: int, variants: tuple[str, ...], ours_only: bool = False, parts: bool = False,
-        topk: int = TOPK) -> dict:
+def run(seq: int, iters: int, ours_only: bool = False, parts: bool = False, topk: int = TOPK) -> dict:
     from nemo_automodel.components.models.deepseek_v4.kernels.sparse_attention import sparse_attn_tilelang
 
     q, raw, comp, sink, indices, window_start = make_inputs(seq, topk=topk)
@@ -168,18 +121,16 @@ def run(seq: int, iters: int, variants: tuple[str, ...], ours_only: bool = False
     leaves = [t.clone().requires_grad_(True) for t in (q, raw, comp, sink)]
     kv_leaf, q_leaf, sink_leaf = kv_cat.clone().requires_grad_(True), q.clone().requires_grad_(True), sink.clone().requires_grad_(True)
 
-    # As the attention layer calls the op: its selection needs no range check (the public op's
-    # default reads the indices' range on the host, one sync a call; the built-in checks nothing).
+    # As the attention layer calls the op (``attend``): its own selection needs no range check
+    # (the public op reads the indices' range on the host, one sync a call; the built-in checks nothing).
     def ours_fwd():
         with torch.no_grad():
-            return sparse_window_attention(q, raw, window_start, WINDOW, comp, indices=indices, sink=sink, scale=scale,
-                                           check_indices=False)
+            return attend(q, raw, window_start, WINDOW, comp, indices=indices, sink=sink, scale=scale)
 
     def ours_fwd_bwd():
         for t in leaves:
             t.grad = None
-        out, _ = sparse_window_attention(leaves[0], leaves[1], window_start, WINDOW, leaves[2], indices=indices,
-                                         sink=leaves[3], scale=scale, check_indices=False)
+        out, _ = attend(leaves[0], leaves[1], window_start, WINDOW, leaves[2], indices=indices, sink=leaves[3], scale=scale)
         out.backward(grad)
 
     def builtin_fwd():
@@ -199,28 +150,17 @@ def run(seq: int, iters: int, variants: tuple[str, ...], ours_only: bool = False
         del ours_out, theirs_out
     cases = [("ours_fwd", ours_fwd, 4 * DIM), ("builtin_fwd", builtin_fwd, 4 * DIM),
              ("ours_fwd_bwd", ours_fwd_bwd, 14 * DIM), ("builtin_fwd_bwd", builtin_fwd_bwd, 14 * DIM)]
-    row["variant"] = variants[0]
     for name, fn, flop_per_pair in cases:
         if ours_only and name.startswith("builtin"):
             continue
         try:
-            with variant(variants[0]):
-                ms = median_ms(fn, iters)
-                row[name + "_ms"] = ms
-                row[name + "_tflops"] = pairs * flop_per_pair / ms / 1e9
-                row[name + "_peak_mib"] = peak_mib(fn)
+            ms = median_ms(fn, iters)
+            row[name + "_ms"] = ms
+            row[name + "_tflops"] = pairs * flop_per_pair / ms / 1e9
+            row[name + "_peak_mib"] = peak_mib(fn)
         except torch.cuda.OutOfMemoryError:
             row[name + "_ms"] = None
             torch.cuda.empty_cache()
-    print(json.dumps(row), flush=True)  # the table's row first: a variant that fails leaves it
-    row["other_variants"] = {}
-    for name in variants[1:]:
-        with variant(name):
-            fwd, fwd_bwd = median_ms(ours_fwd, iters), median_ms(ours_fwd_bwd, iters)
-        row["other_variants"][name] = {
-            "fwd_ms": fwd, "fwd_tflops": pairs * 4 * DIM / fwd / 1e9,
-            "fwd_bwd_ms": fwd_bwd, "fwd_bwd_tflops": pairs * 14 * DIM / fwd_bwd / 1e9,
-        }  # fmt: skip
     if parts:
         row["backward_parts_ms"] = backward_parts(q, raw, comp, sink, indices, window_start, grad, iters)
     for kind in ("fwd", "fwd_bwd"):
@@ -230,29 +170,19 @@ def run(seq: int, iters: int, variants: tuple[str, ...], ours_only: bool = False
 
 
 def main():
-    from nemo_dsa.ops.sparse_attention import kernels
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq", type=int, nargs="+", default=[4096, 16384, 32768, 65536])
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--json", default=None)
     parser.add_argument("--ours-only", action="store_true", help="skip the built-in (and its compile)")
-    parser.add_argument("--variants", nargs="+", default=None,
-                        help="<forward schedule>/<window dkv>[/<backward schedule>]: balanced|balanced-lean|alternating|alternating-lean"
-                             " / atomic|key-major / staged|transposed|transposed-ahead")
     parser.add_argument("--parts", action="store_true", help="also time the backward's pieces")
     parser.add_argument("--topk", type=int, default=TOPK,
                         help="compressed entries a query selects (0: window only): the forward's time against its"
                              " tile count separates the per-query cost from the per-tile cost")
     args = parser.parse_args()
-    args.variants = args.variants or [default_variant()]
-    for name in args.variants:
-        if parse_variant(name) is None:
-            parser.error(f"--variants: {name!r} is not <{'|'.join(kernels.FWD_SCHEDULES)}>/<{'|'.join(kernels.WINDOW_DKV_MODES)}>"
-                         f"[/<{'|'.join(kernels.BWD_SCHEDULES)}>]")
     rows = []
     for seq in args.seq:
-        rows.append(run(seq, args.iters, tuple(args.variants), args.ours_only, args.parts, args.topk))
+        rows.append(run(seq, args.iters, args.ours_only, args.parts, args.topk))
         print(json.dumps(rows[-1]), flush=True)
         torch.cuda.empty_cache()
     if args.json:
@@ -279,17 +209,9 @@ def print_table(rows: list[dict]) -> None:
             f"{f(r, 'ours_fwd_bwd_tflops', '.0f')} / {f(r, 'builtin_fwd_bwd_tflops', '.0f')} | "
             f"{f(r, 'ours_fwd_bwd_peak_mib', '.0f')} / {f(r, 'builtin_fwd_bwd_peak_mib', '.0f')} |"
         )
-    variants = [(r["seq"], name, v) for r in rows for name, v in r.get("other_variants", {}).items()]
-    if variants:
-        print(f"\nnemo_dsa variants (table: {rows[0]['variant']})\n| S | variant | fwd | TFLOP/s | fwd+bwd | TFLOP/s |")
-        print("|---|---|---|---|---|---|")
-        for seq, name, v in variants:
-            print(f"| {seq} | {name} | {v['fwd_ms']:.2f} ms | {v['fwd_tflops']:.0f} | {v['fwd_bwd_ms']:.1f} ms | {v['fwd_bwd_tflops']:.0f} |")
     for r in rows:
         if "backward_parts_ms" in r:
-            from nemo_dsa.ops.sparse_attention import kernels
-
-            print(f"\nbackward alone, S = {r['seq']} ({kernels.forward_schedule()} forward saved once):")
+            print(f"\nbackward alone, S = {r['seq']} (forward saved once):")
             for name, ms in r["backward_parts_ms"].items():
                 print(f"  {name}: {ms:.2f} ms")
 

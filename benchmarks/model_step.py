@@ -180,16 +180,9 @@ def main() -> None:
     parser.add_argument("--recompute", default=None,
                         help="the plugin's recompute parts, comma-separated (hyper_connections,norms,attention; "
                              "nemo_dsa.integrations.common.recompute); the built-in side is unchanged")  # fmt: skip
-    parser.add_argument("--fused-q-norm-rope", choices=["on", "off"], default=None,
-                        help="the plugin's V4 q norm + RoPE as one kernel or eager ops "
-                             "(layers.sparse_attention.FUSED_Q_NORM_ROPE; default: its value)")  # fmt: skip
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("model_step needs a CUDA GPU")
-    import nemo_dsa.layers.sparse_attention as attention_layer
-
-    if args.fused_q_norm_rope is not None:
-        attention_layer.FUSED_Q_NORM_ROPE = args.fused_q_norm_rope == "on"
     ratios = DEFAULT_RATIOS[args.family] if args.ratios is None else args.ratios
     config = model_config(args.family, ratios, args.vocab, args.experts)
     if args.recompute:
@@ -198,8 +191,7 @@ def main() -> None:
     rows = []
     profiles = []
     for seq in args.seq:
-        row = {"family": args.family, "S": seq, "fused_q_norm_rope": attention_layer.FUSED_Q_NORM_ROPE,
-               "activation_checkpointing": args.activation_checkpointing, "recompute": args.recompute}
+        row = {"family": args.family, "S": seq, "activation_checkpointing": args.activation_checkpointing, "recompute": args.recompute}
         weights = None
         for side in args.sides:
             model = build(side, config, weights)

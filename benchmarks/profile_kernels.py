@@ -8,8 +8,9 @@
 ``--clock-control none`` leaves the card's clocks as they are (ncu's default locks them to base).
 ``select``: the selection of one 4,096-row chunk of V4.1 scores (32 index heads of 128, R=1 or
 ``--ratio 2``, S=32,768, top-512 in index order, rows from ``--first-row``), the chunk the streamed
-selection hands it: the vector select (``--radix``: the radix select, ``-k regex:radix_select``); it
-prints the chunk's key statistics. ``attention``: the sparse attention forward and backward at
+selection hands it: the vector select (``--radix``: the radix select, ``-k regex:radix_select``, on
+a copy of the chunk 2 bytes off 16-byte alignment, the matrices it serves); it prints the chunk's
+key statistics. ``attention``: the sparse attention forward and backward at
 V4-Flash shapes (64 heads of 512, window 128 + top-512, S=32,768); ``-k regex:sparse_window_fwd``
 takes the forward. benchmarks/results/ (2026-12-01, 2026-12-03, 2026-12-06) has what these showed.
 """
@@ -27,7 +28,8 @@ def select_workload(launches: int, ratio: int = 1, radix: bool = False, first_ro
     from nemo_dsa.ops.topk import kernels
     from nemo_dsa.ops.v41_indexer.kernels import v41_scores_tilelang
 
-    q, _, k, w, _, ks, ke = _v41_inputs(32768, ratio)
+    q, _, k, w, _, ranges = _v41_inputs(32768, ratio)
+    ks, ke = ranges.ks, ranges.ke
     rows = slice(first_row, first_row + 4096)
     scores = v41_scores_tilelang(q[:, rows], k, w[:, rows], ks[:, rows], ke[:, rows]).reshape(-1, k.shape[1])
     chunk_ks, chunk_ke = ks[0, rows].contiguous(), ke[0, rows].contiguous()
@@ -36,7 +38,10 @@ def select_workload(launches: int, ratio: int = 1, radix: bool = False, first_ro
     top, cut = values.amax(-1), values.topk(TOPK, -1).values[:, -1]
     print(f"finite keys a row: {finite.sum(-1).float().mean().item():.0f}; "
           f"512th score / maximum: {(cut / top).median().item():.3f} (median)")  # fmt: skip
-    kernels.VECTOR_SELECT = not radix
+    if radix:  # a matrix the vector select cannot read in 16-byte vectors goes to the radix select
+        shifted = torch.empty(scores.numel() + 1, dtype=scores.dtype, device=scores.device)[1:]
+        scores = shifted.view(scores.shape).copy_(scores)
+    assert kernels.uses_vector_select(scores, "index") != radix
     for _ in range(launches):
         kernels.select_rows_tilelang(scores, TOPK, "index", chunk_ks, chunk_ke)
     torch.cuda.synchronize()

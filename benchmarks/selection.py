@@ -8,22 +8,19 @@
 Shapes: H=64 index heads, D=128, R=4, T=512, causal, B=1, K = S/4. Rows per S:
 - ``nemo_dsa scores only v4`` / ``v41``: the scoring kernel alone (the [S, K] matrix is its
   output), the yardstick of the "scores + top-k within 1.3x of scores only" target;
-- ``nemo_dsa stream v4`` / ``v41``: ``v4_select_topk`` / ``v41_select_topk`` (TileLang scorers,
-  chunked so that the selection transients fit ``--chunk-mib``);
+- ``nemo_dsa stream v4`` / ``v41``: ``v4_select_topk_in_ranges`` / ``v41_select_topk_in_ranges``
+  as the indexer layers call them (TileLang scorers, chunked so that the selection transients fit
+  ``--chunk-mib``; the ranges made once per S, as the metadata's are once per step);
 - ``nemo_dsa materialise v4`` / ``v41``: the full-matrix kernel, then ``select_topk`` (the
   TileLang radix select; ``--check`` also compares with the torch reference selection);
 - ``built-in v4`` / ``v41`` (nemo-automodel 0.7.0, imported here only): ``batched_indexer_fwd``
   logits / ``indexer_scores`` with a dense allowed mask, then ``torch.topk`` (no tie rule).
 ``--shapes v41``: the released DeepSeek-V4.1 indexer, H=32 index heads of D=128 (MXFP4-rounded q
 and k), T=512, causal, B=1, each ratio of ``--v41-ratios`` (1: K = S, 2: K = S/2), candidate
-blocks of 8, 2048 kept. Rows: the scores alone; streamed (the default selector: the vector
-select; the radix select instead, with its window below the row maximum; the radix select's generic
-passes alone); streamed reindex layers masked by candidate blocks (the default: the vector select
-reads the kept blocks from their list; the radix select instead, blocks applied through its map; its
-generic passes; the torch block mask over the scores); the streamed
-candidate-source layer (S <= 65,536); materialised (the default selector, the radix select);
-built-in ``indexer_scores`` + torch.topk
-(S <= ``--builtin-max-seq``).
+blocks of 8, 2048 kept. Rows: the scores alone; streamed (the vector select); streamed reindex
+layers masked by candidate blocks (the vector select reads the kept blocks from their list); the
+streamed candidate-source layer (S <= 65,536); materialised; built-in ``indexer_scores`` +
+torch.topk (S <= ``--builtin-max-seq``).
 Times are medians of CUDA-event timings after one warm-up call (compiles): "ms" synchronises
 before each call (so it holds the host's work before the first kernel), "queued ms" times calls
 enqueued back to back (the GPU's time, as inside a training step). "extra" memory is the
@@ -44,95 +41,62 @@ V41_HEADS, V41_BLOCK_SIZE, V41_TOPK_BLOCKS = 32, 8, 2048
 
 
 def _inputs(seq: int, w_dtype: torch.dtype, seed: int = 0):
-    from nemo_dsa.visibility import causal_ks_ke
+    from nemo_dsa.visibility import KeyRanges, causal_ks_ke
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     num_keys = seq // RATIO
     q = torch.randn(1, seq, HEADS, DIM, device="cuda", generator=g).bfloat16()
     k = torch.randn(1, num_keys, DIM, device="cuda", generator=g).bfloat16()
     w = (torch.randn(1, seq, HEADS, device="cuda", generator=g) * (DIM**-0.5 * HEADS**-0.5)).to(w_dtype)
-    ks, ke = causal_ks_ke(1, seq, num_keys, RATIO, q.device)
-    return q, k, w, ks, ke
+    return q, k, w, KeyRanges(*causal_ks_ke(1, seq, num_keys, RATIO, q.device), num_keys)
 
 
 def _v41_inputs(seq: int, ratio: int, seed: int = 0):
     """The V4.1 indexer's operands: MXFP4-rounded q [1, S, 32, 128] and k [1, K, 128], bf16 head
     weights, causal ranges; a second q / w for a reindex layer on the same keys."""
     from nemo_dsa.ops.quant import mxfp4_quant_dequant
-    from nemo_dsa.visibility import causal_ks_ke
+    from nemo_dsa.visibility import KeyRanges, causal_ks_ke
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     num_keys = seq // ratio
     q, q2 = (mxfp4_quant_dequant(torch.randn(1, seq, V41_HEADS, DIM, device="cuda", generator=g).bfloat16()) for _ in range(2))
     k = mxfp4_quant_dequant(torch.randn(1, num_keys, DIM, device="cuda", generator=g).bfloat16())
     w, w2 = ((torch.randn(1, seq, V41_HEADS, device="cuda", generator=g) * (DIM**-0.5 * V41_HEADS**-0.5)).bfloat16() for _ in range(2))
-    ks, ke = causal_ks_ke(1, seq, num_keys, ratio, q.device)
-    return q, q2, k, w, w2, ks, ke
+    return q, q2, k, w, w2, KeyRanges(*causal_ks_ke(1, seq, num_keys, ratio, q.device), num_keys)
 
 
 def _v41_rows(chunk_bytes: int):
     """name -> (fn(inputs, blocks, allowed) -> outputs, needs dense mask, longest S or None)."""
-    from unittest import mock
-
-    from nemo_dsa.ops.fused_selection import interface as fused
-    from nemo_dsa.ops.fused_selection import v41_select_topk
-    from nemo_dsa.ops.v41_indexer import candidates
-    from nemo_dsa.ops.topk import kernels as topk_kernels
+    from nemo_dsa.ops.fused_selection import v41_select_topk_in_ranges
     from nemo_dsa.ops.topk import select_topk
     from nemo_dsa.ops.v41_indexer.kernels import v41_scores_tilelang
 
     def stream(inputs, blocks, allowed, budget=chunk_bytes):
-        q, _, k, w, _, ks, ke = inputs
-        return v41_select_topk(q, k, w, ks, ke, TOPK, backend="tilelang", chunk_bytes=budget)
-
-    def radix_only(fn):  # the radix select instead of the vector select
-        def run(inputs, blocks, allowed):
-            with mock.patch.object(topk_kernels, "VECTOR_SELECT", False):
-                return fn(inputs, blocks, allowed)
-
-        return run
-
-    def stream_generic(inputs, blocks, allowed):
-        with mock.patch.dict(topk_kernels.TOP_WINDOW, {"bfloat16": False}):
-            return radix_only(stream)(inputs, blocks, allowed)
+        q, _, k, w, _, ranges = inputs
+        return v41_select_topk_in_ranges(q, k, w, ranges, TOPK, "tilelang", budget)
 
     def reindex(inputs, blocks, allowed):
-        _, q2, k, _, w2, ks, ke = inputs
-        return v41_select_topk(q2, k, w2, ks, ke, TOPK, candidate_block_size=V41_BLOCK_SIZE,
-                               candidate_blocks=blocks, backend="tilelang", chunk_bytes=chunk_bytes)  # fmt: skip
-
-    def reindex_generic(inputs, blocks, allowed):
-        with mock.patch.dict(topk_kernels.TOP_WINDOW, {"bfloat16": False}):
-            return radix_only(reindex)(inputs, blocks, allowed)
-
-    def reindex_torch_mask(inputs, blocks, allowed):
-        with mock.patch.object(fused, "SELECT_APPLIES_BLOCKS", False):
-            return reindex_generic(inputs, blocks, allowed)
+        _, q2, k, _, w2, ranges = inputs
+        return v41_select_topk_in_ranges(q2, k, w2, ranges, TOPK, "tilelang", chunk_bytes, candidate_block_size=V41_BLOCK_SIZE,
+                                         candidate_blocks=blocks, blocks_from_source=True)  # fmt: skip
 
     def source(inputs, blocks, allowed):
-        q, _, k, w, _, ks, ke = inputs
-        return v41_select_topk(q, k, w, ks, ke, TOPK, candidate_block_size=V41_BLOCK_SIZE,
-                               candidate_topk_blocks=V41_TOPK_BLOCKS, backend="tilelang", chunk_bytes=chunk_bytes)  # fmt: skip
-
-    def source_maxima(kernel: bool):
-        def run(inputs, blocks, allowed):
-            with mock.patch.object(candidates, "MAXIMA_KERNEL", kernel):
-                return source(inputs, blocks, allowed)
-
-        return run
+        q, _, k, w, _, ranges = inputs
+        return v41_select_topk_in_ranges(q, k, w, ranges, TOPK, "tilelang", chunk_bytes, candidate_block_size=V41_BLOCK_SIZE,
+                                         candidate_topk_blocks=V41_TOPK_BLOCKS)  # fmt: skip
 
     def scores(inputs, blocks, allowed):
-        q, _, k, w, _, ks, ke = inputs
-        return v41_scores_tilelang(q, k, w, ks, ke)
+        q, _, k, w, _, ranges = inputs
+        return v41_scores_tilelang(q, k, w, ranges.ks, ranges.ke)
 
     def full(inputs, blocks, allowed):
-        q, _, k, w, _, ks, ke = inputs
-        return select_topk(v41_scores_tilelang(q, k, w, ks, ke), TOPK, order="index", ks=ks, ke=ke)
+        q, _, k, w, _, ranges = inputs
+        return select_topk(v41_scores_tilelang(q, k, w, ranges.ks, ranges.ke), TOPK, order="index", ks=ranges.ks, ke=ranges.ke)
 
     def builtin(inputs, blocks, allowed):
         from nemo_automodel.components.models.deepseek_v41.indexer import indexer_scores
 
-        q, _, k, w, _, ks, ke = inputs
+        q, _, k, w, _, _ = inputs
         dense = indexer_scores(q, k, w, allowed)
         return torch.topk(dense, min(TOPK, k.shape[1]), dim=-1).indices.sort(dim=-1).values
 
@@ -140,17 +104,9 @@ def _v41_rows(chunk_bytes: int):
         "nemo_dsa scores only v41": (scores, False, None),
         "nemo_dsa stream v41": (stream, False, None),
         "nemo_dsa stream v41, 1 GiB chunks": (lambda *a: stream(*a, budget=2**30), False, None),
-        "nemo_dsa stream v41, radix select": (radix_only(stream), False, None),
-        "nemo_dsa stream v41, generic select": (stream_generic, False, None),
         "nemo_dsa stream v41 reindex": (reindex, False, None),
-        "nemo_dsa stream v41 reindex, radix select": (radix_only(reindex), False, None),
-        "nemo_dsa stream v41 reindex, generic select": (reindex_generic, False, None),
-        "nemo_dsa stream v41 reindex, torch block mask": (reindex_torch_mask, False, 32768),
         "nemo_dsa stream v41 candidate source": (source, False, 65536),
-        "nemo_dsa stream v41 candidate source, maxima kernel": (source_maxima(True), False, 65536),
-        "nemo_dsa stream v41 candidate source, torch maxima": (source_maxima(False), False, 65536),
         "nemo_dsa materialise v41": (full, False, 65536),
-        "nemo_dsa materialise v41, radix select": (radix_only(full), False, 65536),
         "built-in v41 + torch.topk": (builtin, True, None),
     }
 
@@ -162,15 +118,13 @@ def _row_matches(name: str, part: str) -> bool:
 
 def _run_v41(args, results: list) -> None:
     """The V4.1 indexer shapes: every row of ``_v41_rows`` per S and ratio."""
-    from nemo_dsa.ops.fused_selection import v41_select_topk
-
     rows = _v41_rows(args.chunk_mib * 2**20)
     for seq in args.sizes:
         for ratio in args.v41_ratios:
             inputs = _v41_inputs(seq, ratio)
-            q, _, k, w, _, ks, ke = inputs
-            blocks = v41_select_topk(q, k, w, ks, ke, TOPK, candidate_block_size=V41_BLOCK_SIZE,
-                                     candidate_topk_blocks=V41_TOPK_BLOCKS, backend="tilelang")[1]  # fmt: skip
+            q, _, k, w, _, ranges = inputs
+            ks, ke = ranges.ks, ranges.ke
+            blocks = rows["nemo_dsa stream v41 candidate source"][0](inputs, None, None)[1]
             allowed = None
             for name, (fn, dense, longest) in rows.items():
                 if args.v41_rows is not None and not any(_row_matches(name, part) for part in args.v41_rows):
@@ -193,28 +147,25 @@ def _run_v41(args, results: list) -> None:
             if args.check:
                 results.append(_v41_check(rows, inputs, blocks, seq, ratio))
                 print(json.dumps(results[-1]), flush=True)
-            del inputs, q, k, w, ks, ke, blocks
+            del inputs, q, k, w, ranges, ks, ke, blocks
             torch.cuda.empty_cache()
 
 
 def _v41_check(rows, inputs, blocks, seq: int, ratio: int) -> dict:
     """Streamed == materialised == the torch reference selection on the kernel's scores; the
-    generic passes, the torch block mask and the candidate-source layer's blocks agree too."""
+    reindex layer's and the candidate-source layer's blocks equal their references too."""
     from nemo_dsa.ops.topk import candidate_blocks_reference, select_topk_reference
     from nemo_dsa.ops.v41_indexer import blocks_to_mask
     from nemo_dsa.ops.v41_indexer.kernels import v41_scores_tilelang
 
-    q, q2, k, w, w2, ks, ke = inputs
+    q, q2, k, w, w2, ranges = inputs
+    ks, ke = ranges.ks, ranges.ke
     stream = rows["nemo_dsa stream v41"][0](inputs, blocks, None)
     same = {
         "streaming_equals_materialising": torch.equal(stream, rows["nemo_dsa materialise v41"][0](inputs, blocks, None)),
-        "radix_select_equal": torch.equal(stream, rows["nemo_dsa stream v41, radix select"][0](inputs, blocks, None)),
-        "generic_select_equal": torch.equal(stream, rows["nemo_dsa stream v41, generic select"][0](inputs, blocks, None)),
         "kernel_equals_reference": torch.equal(stream, select_topk_reference(v41_scores_tilelang(q, k, w, ks, ke), TOPK, order="index")),
     }  # fmt: skip
     reindex = rows["nemo_dsa stream v41 reindex"][0](inputs, blocks, None)
-    same["reindex_equals_torch_mask"] = torch.equal(reindex, rows["nemo_dsa stream v41 reindex, torch block mask"][0](inputs, blocks, None))
-    same["reindex_generic_equal"] = torch.equal(reindex, rows["nemo_dsa stream v41 reindex, generic select"][0](inputs, blocks, None))
     keep = blocks_to_mask(blocks, ks, ke, V41_BLOCK_SIZE, k.shape[1])
     masked = v41_scores_tilelang(q2, k, w2, ks, ke).masked_fill(~keep, float("-inf"))
     same["reindex_equals_reference"] = torch.equal(reindex, select_topk_reference(masked, TOPK, order="index"))
@@ -223,52 +174,55 @@ def _v41_check(rows, inputs, blocks, seq: int, ratio: int) -> dict:
         scores = v41_scores_tilelang(q, k, w, ks, ke)
         want = candidate_blocks_reference(scores, ks, ke, V41_BLOCK_SIZE, V41_TOPK_BLOCKS)
         same["candidate_blocks_equal_reference"] = torch.equal(source_blocks, want)
-        for variant in ("maxima kernel", "torch maxima"):
-            _, variant_blocks = rows[f"nemo_dsa stream v41 candidate source, {variant}"][0](inputs, blocks, None)
-            same[f"candidate_blocks_{variant.replace(' ', '_')}_equal"] = torch.equal(variant_blocks, want)
     return {"shape": "v41", "S": seq, "ratio": ratio, "row": "check", **same}
 
 
 def _rows(chunk_bytes: int):
-    """name -> (w dtype, needs dense mask, fn(q, k, w, ks, ke, allowed) -> outputs)."""
-    from nemo_dsa.ops.fused_selection import v4_select_topk, v41_select_topk
+    """name -> (w dtype, needs dense mask, fn(q, k, w, ranges, allowed) -> outputs)."""
+    from nemo_dsa.ops.fused_selection import v4_select_topk_in_ranges, v41_select_topk_in_ranges
     from nemo_dsa.ops.topk import pytorch_extract_topk_scores, select_topk
 
-    def stream_v4(q, k, w, ks, ke, allowed):
-        return v4_select_topk(q, k, w, ks, ke, TOPK, backend="tilelang", chunk_bytes=chunk_bytes)
+    def stream_v4(q, k, w, ranges, allowed):
+        return v4_select_topk_in_ranges(q, k, w, ranges, TOPK, "tilelang", chunk_bytes)
 
-    def stream_v41(q, k, w, ks, ke, allowed):
-        return v41_select_topk(q, k, w, ks, ke, TOPK, backend="tilelang", chunk_bytes=chunk_bytes)
+    def stream_v41(q, k, w, ranges, allowed):
+        return v41_select_topk_in_ranges(q, k, w, ranges, TOPK, "tilelang", chunk_bytes)
 
-    def scores_v4(q, k, w, ks, ke, allowed):
+    def scores_v4(q, k, w, ranges, allowed):
+        ks, ke = ranges.ks, ranges.ke
         from nemo_dsa.ops.v4_indexer.kernels import v4_logits_tilelang
 
         return v4_logits_tilelang(q, k, w, ks, ke)
 
-    def scores_v41(q, k, w, ks, ke, allowed):
+    def scores_v41(q, k, w, ranges, allowed):
+        ks, ke = ranges.ks, ranges.ke
         from nemo_dsa.ops.v41_indexer.kernels import v41_scores_tilelang
 
         return v41_scores_tilelang(q, k, w, ks, ke)
 
-    def full_v4(q, k, w, ks, ke, allowed):
+    def full_v4(q, k, w, ranges, allowed):
+        ks, ke = ranges.ks, ranges.ke
         from nemo_dsa.ops.v4_indexer.kernels import v4_logits_tilelang
 
         logits = v4_logits_tilelang(q, k, w, ks, ke)
         index = select_topk(logits, TOPK, ks=ks, ke=ke)
         return pytorch_extract_topk_scores(logits, index), index
 
-    def full_v41(q, k, w, ks, ke, allowed):
+    def full_v41(q, k, w, ranges, allowed):
+        ks, ke = ranges.ks, ranges.ke
         from nemo_dsa.ops.v41_indexer.kernels import v41_scores_tilelang
 
         return select_topk(v41_scores_tilelang(q, k, w, ks, ke), TOPK, order="index", ks=ks, ke=ke)
 
-    def builtin_v4(q, k, w, ks, ke, allowed):
+    def builtin_v4(q, k, w, ranges, allowed):
+        ks, ke = ranges.ks, ranges.ke
         from nemo_automodel.components.models.deepseek_v4.kernels.tilelang_indexer_fwd import batched_indexer_fwd
 
         logits = batched_indexer_fwd(q.transpose(0, 1), k.transpose(0, 1), w.transpose(0, 1).contiguous(), ks[0], ke[0])
         return torch.topk(logits, min(TOPK, k.shape[1]), dim=-1)
 
-    def builtin_v41(q, k, w, ks, ke, allowed):
+    def builtin_v41(q, k, w, ranges, allowed):
+        ks, ke = ranges.ks, ranges.ke
         from nemo_automodel.components.models.deepseek_v41.indexer import indexer_scores
 
         scores = indexer_scores(q, k, w, allowed)
@@ -354,7 +308,8 @@ def main() -> None:
         _run_v41(args, results)
     for seq in (args.sizes if "v4" in args.shapes else ()):
         for dtype in (torch.float32, torch.bfloat16):
-            q, k, w, ks, ke = _inputs(seq, dtype)
+            q, k, w, ranges = _inputs(seq, dtype)
+            ks, ke = ranges.ks, ranges.ke
             allowed = None
             for name, (w_dtype, dense, fn) in rows.items():
                 if w_dtype != dtype:
@@ -364,7 +319,7 @@ def main() -> None:
                     if dense and allowed is None:  # the built-in V4.1 API's input, not counted as extra
                         keys = torch.arange(k.shape[1], device="cuda")
                         allowed = (keys >= ks[..., None]) & (keys < ke[..., None])
-                    entry.update(_measure(fn, (q, k, w, ks, ke, allowed), args.reps))
+                    entry.update(_measure(fn, (q, k, w, ranges, allowed), args.reps))
                 except torch.OutOfMemoryError:
                     entry.update({"ms": None, "extra_mib": None, "note": "OOM"})
                 torch.cuda.empty_cache()
@@ -373,7 +328,7 @@ def main() -> None:
             if args.check:
                 stream = rows[f"nemo_dsa stream {'v4' if dtype == torch.float32 else 'v41'}"][2]
                 full = rows[f"nemo_dsa materialise {'v4' if dtype == torch.float32 else 'v41'}"][2]
-                a, b = stream(q, k, w, ks, ke, None), full(q, k, w, ks, ke, None)
+                a, b = stream(q, k, w, ranges, None), full(q, k, w, ranges, None)
                 same = all(torch.equal(x, y) for x, y in zip(a, b)) if isinstance(a, tuple) else torch.equal(a, b)
                 kernel_index = b[1] if isinstance(b, tuple) else b
                 del a, b
@@ -382,7 +337,7 @@ def main() -> None:
                                 "kernel_equals_reference": torch.equal(kernel_index, reference)})
                 print(json.dumps(results[-1]), flush=True)
                 del kernel_index, reference
-            del q, k, w, ks, ke, allowed
+            del q, k, w, ranges, ks, ke, allowed
             torch.cuda.empty_cache()
     with open(args.out, "w") as handle:
         json.dump({"heads": HEADS, "dim": DIM, "ratio": RATIO, "topk": TOPK, "chunk_mib": args.chunk_mib,

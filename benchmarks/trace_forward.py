@@ -1,9 +1,9 @@
-"""Where a block of the default sparse-attention forward spends its time: clock64 stamps.
+"""Where a block of the sparse-attention forward spends its time: clock64 stamps.
 
     python benchmarks/trace_forward.py --seq 32768        # on the GPU: prints the table
     python benchmarks/trace_forward.py --cuda stamped.cu  # anywhere: writes the stamped CUDA
 
-The default forward (``alternating-lean``, per-query indices, D = 512) is built with stamps
+The forward (per-query indices, D = 512) is built with stamps
 written into its generated CUDA by TileLang's post-processing hook: the first thread of each
 consumer warpgroup reads ``clock64`` at fixed points (the index row's barrier, Q in shared
 memory, each round's S and end, consumer 1's own P V, O staged for its TMA store) and
@@ -117,8 +117,6 @@ def build():
     register_cuda_postproc_callback(postproc)
     forward_module._postproc_registered = True  # keep this hook: it renumbers the barriers too
     config = forward_config(512, "indices")
-    if config.schedule != "alternating-lean":
-        raise RuntimeError(f"trace_forward stamps the alternating-lean forward, the default is {config.schedule}")
     kernel = compile_cubin(kernels.sparse_window_fwd_kernel(**config.kernel_kwargs()), pass_configs=config.pass_configs())
     if "trace_s" not in kernel.get_kernel_source():
         raise RuntimeError("trace_forward: the compiled forward carries no stamps (a cached unstamped build?)")
