@@ -137,16 +137,20 @@ def attention_flops(args, kwargs, output) -> float:
     keys = int((rows - first + 1).clamp_min(0).sum())
     if kwargs.get("indices") is not None:
         keys += int((kwargs["indices"] >= 0).sum())
-    elif kwargs.get("ks") is not None:
-        keys += visible_pairs(kwargs["ks"], kwargs["ke"])
+    elif kwargs.get("ranges") is not None:
+        keys += visible_pairs(kwargs["ranges"].ks, kwargs["ranges"].ke)
     return (4 + (10 if needs_grad(output) else 0)) * dim * heads * keys
 
 
 def scoring_flops(args, kwargs, output) -> float:
-    """Index scoring: 2 H D per visible (query, key) pair of the call's ks / ke."""
+    """Index scoring: 2 H D per visible (query, key) pair of the call's ranges (or ks / ke)."""
     q = args[0]
-    ks = kwargs["ks"] if "ks" in kwargs else args[3]
-    ke = kwargs["ke"] if "ke" in kwargs else args[4]
+    ranges = kwargs.get("ranges", args[3])
+    if hasattr(ranges, "ks"):  # a KeyRanges: the *_in_ranges entries the layers call
+        ks, ke = ranges.ks, ranges.ke
+    else:
+        ks = kwargs["ks"] if "ks" in kwargs else args[3]
+        ke = kwargs["ke"] if "ke" in kwargs else args[4]
     return 2.0 * q.shape[2] * q.shape[3] * visible_pairs(ks, ke)
 
 
@@ -155,22 +159,23 @@ FUNCTIONS = {
     "nemo_dsa.layers.sparse_attention": {
         "apply_rope": "RoPE & norms", "rope_angles": "RoPE & norms", "rms_normalize": "RoPE & norms",
         "head_rms_rope": "RoPE & norms", "fp8_quant_dequant": "quant-dequant (ops/quant)",
-        "nvfp4_quant_dequant": "quant-dequant (ops/quant)", "sparse_window_attention": "attention kernels",
-        "sparse_attention": "attention kernels",
+        "nvfp4_quant_dequant": "quant-dequant (ops/quant)", "attend": "attention kernels",
+        "attend_to_indices": "attention kernels",
     },
     "nemo_dsa.layers.compressor": {"apply_rope": "RoPE & norms", "rope_angles": "RoPE & norms"},
     "nemo_dsa.layers.indexer": {
         "apply_rope": "RoPE & norms", "rope_angles": "RoPE & norms", "mxfp4_quant_dequant": "quant-dequant (ops/quant)",
-        "v4_indexer_bshd": "indexer", "v4_logits": "indexer", "indexer_scores": "indexer",
-        "v4_select_full_precision": "indexer", "v41_scores_full_precision": "indexer",
+        "v4_indexer_in_ranges": "indexer", "v4_logits_in_ranges": "indexer", "indexer_scores_in_ranges": "indexer",
+        "candidate_blocks_in_ranges": "indexer", "v4_select_full_precision": "indexer",
+        "v41_scores_full_precision": "indexer",
     },
-    "nemo_dsa.ops.fused_selection.interface": {"v41_select_topk": "indexer"},
+    "nemo_dsa.ops.fused_selection.interface": {"v41_select_topk_in_ranges": "indexer"},
 }  # fmt: skip
 # Methods the layers call on a part's module instead of its forward.
 METHODS = {"hyper-connections": ("collapse", "expand"), "compressors": ("latent", "rotate"), "indexer": ("index_keys",)}
-FLOPS_OF = {"sparse_window_attention": attention_flops, "v4_indexer_bshd": scoring_flops, "v4_logits": scoring_flops,
-            "indexer_scores": scoring_flops, "v4_select_full_precision": scoring_flops,
-            "v41_scores_full_precision": scoring_flops, "v41_select_topk": scoring_flops}  # fmt: skip
+FLOPS_OF = {"attend": attention_flops, "v4_indexer_in_ranges": scoring_flops, "v4_logits_in_ranges": scoring_flops,
+            "indexer_scores_in_ranges": scoring_flops, "v4_select_full_precision": scoring_flops,
+            "v41_scores_full_precision": scoring_flops, "v41_select_topk_in_ranges": scoring_flops}  # fmt: skip
 
 
 def module_part(name: str, module: torch.nn.Module) -> str | None:
