@@ -58,7 +58,7 @@ def route_attention_through_the_kernel_function(monkeypatch) -> None:
     monkeypatch.setattr(kernels, "sparse_window_backward", reference_backward)
 
     def attention(q, raw_kv, window_start, window, compressed_kv=None, *, indices=None, ranges=None, sink=None,
-                  scale, backend="auto"):  # fmt: skip
+                  scale, backend="auto", dropout_p=0.0):  # fmt: skip
         ks, ke = (None, None) if ranges is None else (ranges.ks, ranges.ke)
         return SparseWindowAttentionFunction.apply(q, raw_kv, window_start, window, compressed_kv, indices, ks, ke, sink, scale)
 
