@@ -92,7 +92,7 @@ def test_dense_allowed_equals_the_reference_and_the_ranges(range_scorer_on_cpu, 
     for holes in (False, True):
         allowed = ragged_mask(batch, queries, num_keys, g, holes)
         got = kernels.v41_scores_masked_tilelang(q, k, w, allowed)
-        assert torch.equal(got, _scores_torch(q, k, w, allowed, None, None))
+        assert torch.equal(got, _scores_torch(q, k, w, allowed, None))
         assert torch.equal(torch.isneginf(got), ~allowed)
         if not holes:  # a range mask: the same scores as its ks / ke
             ks, ke = brute_ranges(allowed)
