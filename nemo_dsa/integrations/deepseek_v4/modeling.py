@@ -10,17 +10,14 @@ built-in's parameter names (see ``deepseek_v4.attention``), and the fp32 ``lm_he
 ``Fp32HeadLinear``: the same ``nn.Linear`` and parameter, its fp32 projection of the bf16 hidden
 state computed in exact bf16 products on the GPU (``integrations/common/lm_head.py``).
 
-The forward is this module's own: it builds nemo_dsa's ``AttentionMetadata`` once per forward,
-per compression ratio (ratio 1 for window-only layers), from what the trainer passes
-(``position_ids``, ``seq_lens`` / ``seq_lens_padded`` of nemo-automodel's THD collater,
-``cu_seqlens``, ``packed_seq_ids``, ``attention_mask`` / ``padding_mask``, and under context
-parallelism the shards and ``_dsv4_cp_group`` of the built-in's CP sharder), runs the built-in's
-blocks with it, and builds none of the built-in's dense [B, 1, S, S] masks (the MTP block still
-computes its small RoPE cos/sin tables, which nothing reads). Under CP the sharder's ``seq_lens``
-describe the documents before its compression padding, so the metadata comes from the per-rank
-``position_ids``, ``packed_seq_ids`` and ``padding_mask`` instead; the compression padding
-inside a document's id is padding to nemo_dsa (the built-in treats it as part of the document;
-real tokens see the same keys either way, since a query never sees tokens after itself).
+The outer forward is the built-in's: it calls its backbone ``self.model`` as the built-in does
+(forward hooks on ``model.model`` fire), then the MTP, the LM head and the pipeline stage outputs.
+The backbone is the built-in's module made a ``NemoDsaDeepseekV4Model`` (``backbone.py``), whose
+forward builds nemo_dsa's ``AttentionMetadata`` once per forward, per compression ratio, from what
+the trainer passes (one host read), runs the built-in's blocks with it, and builds none of the
+built-in's dense [B, 1, S, S] masks (the MTP block still computes its small RoPE cos/sin tables,
+which nothing reads). The MTP attends with the backbone's metadata, handed over in a
+``ForwardStateSlot``.
 
 Packed documents need not start on a multiple of the compression ratio: nemo_dsa's visibility
 rule is causal for every layout, where the built-in's per-document group numbering lets a query
@@ -66,14 +63,14 @@ from nemo_dsa.integrations.deepseek_v4.configuration import (
 from nemo_dsa.integrations.common.lm_head import Fp32HeadLinear, adopt_fp32_head, called_with_bf16
 from nemo_dsa.integrations.common.recompute import apply_recompute, pop_recompute_option
 from nemo_dsa.integrations.common.strict_loading import IDENTITY_KEY_MAPPING, StrictCheckpointLoading
-from nemo_dsa.integrations.deepseek_v4.pipeline import mtp_embeds_to_send, stage_inputs
+from nemo_dsa.integrations.deepseek_v4.backbone import ForwardStateSlot, NemoDsaDeepseekV4Model, moe_padding_mask
+from nemo_dsa.integrations.deepseek_v4.pipeline import checked_mtp_embeds, mtp_embeds_to_send
 from nemo_dsa.layers.shared_state import SharedLayerState
-from nemo_dsa.models.forward_context import ForwardState, forward_metadata, sequence_context
+from nemo_dsa.models.forward_context import ForwardState
 
 __all__ = ["ARCHITECTURE", "NemoDsaDeepseekV4ForCausalLM", "NemoDsaDeepseekV4Output", "dsa_config_from_deepseek_v4"]
 
 ARCHITECTURE = "NemoDsaDeepseekV4ForCausalLM"
-_VISION_INPUTS = ("pixel_values", "image_grid_hws", "n_images_per_sample", "vision_token_types")
 
 
 @dataclass
@@ -81,11 +78,6 @@ class NemoDsaDeepseekV4Output(DeepseekV4CausalLMOutput):
     """The built-in's output plus the summed indexer KL loss (None when disabled)."""
 
     indexer_aux_loss: torch.Tensor | None = None
-
-
-def _lengths_from_offsets(offsets: torch.Tensor) -> torch.Tensor:
-    lengths = offsets.diff(dim=-1)
-    return lengths.unsqueeze(0) if lengths.ndim == 1 else lengths
 
 
 class NemoDsaDeepseekV4ForCausalLM(StrictCheckpointLoading, DeepseekV4ForCausalLM):
@@ -126,6 +118,7 @@ class NemoDsaDeepseekV4ForCausalLM(StrictCheckpointLoading, DeepseekV4ForCausalL
         super().__init__(config, moe_config, backend, **kwargs)
         self.dsa_config = resolve_dsa_config(config, self.backend, options)
         self.config.architectures = [ARCHITECTURE]
+        NemoDsaDeepseekV4Model.adopt(self.model, self.dsa_config.compress_ratios)
         for block in self.model.layers.values():
             block.self_attn = self._nemo_dsa_attention(block.self_attn, block.layer_idx)
         for block in self.mtp.layers if self.mtp is not None else ():
@@ -143,39 +136,6 @@ class NemoDsaDeepseekV4ForCausalLM(StrictCheckpointLoading, DeepseekV4ForCausalL
     # forward
     # ------------------------------------------------------------------------------------------
 
-    def _metadata(self, input_ids, ctx, cp_active, *, position_ids, attention_mask, padding_mask, seq_lens,
-                  seq_lens_padded, cu_seqlens, cu_seqlens_padded, packed_seq_ids, input_checks=()) -> dict:  # fmt: skip
-        """``AttentionMetadata`` per distinct ratio (window-only layers use ratio 1), from one check
-        of the layout and ``input_checks`` (one host read per forward)."""
-        if attention_mask is not None and attention_mask.ndim != 2:
-            raise ValueError(f"attention_mask must be [B, S] (1 = token), got shape {tuple(attention_mask.shape)}")
-        if attention_mask is None and padding_mask is not None:
-            attention_mask = ~padding_mask.bool()
-        if packed_seq_ids is not None and attention_mask is not None:
-            # The built-in's CP sharder keeps compression padding inside a document's id.
-            packed_seq_ids = packed_seq_ids * attention_mask.to(packed_seq_ids.dtype)
-        if cp_active:
-            # The sharder's seq_lens count documents before its compression padding: the per-rank
-            # positions, document ids and padding describe the shards exactly.
-            seq_lens = seq_lens_padded = cu_seqlens = None
-        elif cu_seqlens_padded is not None:
-            seq_lens = _lengths_from_offsets(cu_seqlens) if cu_seqlens is not None else None
-            seq_lens_padded = _lengths_from_offsets(cu_seqlens_padded)
-            if seq_lens is None:
-                seq_lens = seq_lens_padded
-            cu_seqlens = None
-        elif seq_lens_padded is not None and seq_lens is None:
-            seq_lens = seq_lens_padded
-        if seq_lens_padded is not None and seq_lens is not None and seq_lens_padded.shape != seq_lens.shape:
-            seq_lens_padded = None
-        layout = dict(position_ids=position_ids, seq_lens=seq_lens, seq_lens_padded=seq_lens_padded,
-                      cu_seqlens=cu_seqlens, packed_seq_ids=packed_seq_ids, attention_mask=attention_mask)  # fmt: skip
-        batch, seq = input_ids.shape[:2]
-        return forward_metadata(
-            self.dsa_config.compress_ratios, ctx, batch_size=batch, seq_len=seq, device=input_ids.device,
-            extra_checks=input_checks, **layout,
-        )  # fmt: skip
-
     def forward(
         self,
         input_ids: torch.Tensor | None = None,
@@ -183,112 +143,72 @@ class NemoDsaDeepseekV4ForCausalLM(StrictCheckpointLoading, DeepseekV4ForCausalL
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         padding_mask: torch.Tensor | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        seq_lens: torch.Tensor | None = None,
-        seq_lens_padded: torch.Tensor | None = None,
-        cu_seqlens: torch.Tensor | None = None,
-        cu_seqlens_padded: torch.Tensor | None = None,
-        packed_seq_ids: torch.Tensor | None = None,
-        qkv_format: str | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         output_hidden_states: bool | None = None,
-        **kwargs: Any,
+        **attn_kwargs: Any,
     ) -> NemoDsaDeepseekV4Output:
         """Logits of the local shard ``[B, S, vocab]`` (and MTP hidden states when training).
 
-        Accepts the built-in's training inputs; ``labels`` and other recipe keys are ignored.
-        Vision inputs are refused. On a pipeline stage (some parts of the model cut away by
-        nemo-automodel) it takes and returns what the built-in's stages do
-        (``pipeline.py``): the previous stage's streams and the MTP embeddings in,
-        the stage's streams (or, on the last stage, logits) and the MTP tensors out.
+        The built-in's outer forward: the backbone ``self.model`` (``NemoDsaDeepseekV4Model``,
+        which builds the attention metadata) is called as the built-in calls it, then the MTP (on
+        the backbone's metadata), the LM head and the stage outputs. Accepts the built-in's
+        training inputs; ``labels`` and other recipe keys are ignored. Vision inputs are refused.
+        On a pipeline stage (some parts of the model cut away by nemo-automodel) it takes and
+        returns what the built-in's stages do (``pipeline.py``): the previous stage's streams and
+        the MTP embeddings in, the stage's streams (or, on the last stage, logits) and the MTP
+        tensors out.
         """
-        given_vision = [name for name in _VISION_INPUTS if kwargs.get(name) is not None]
-        if given_vision:
-            raise ValueError(f"{given_vision}: the nemo_dsa plugin runs the DeepSeek-V4 text model (no vision inputs)")
-        inputs = stage_inputs(self, input_ids, inputs_embeds, mtp_embed_inputs)
-        token_ids = inputs.token_ids
-        pipeline_stage = self._is_pipeline_parallel_stage()
-        thd = qkv_format == "thd"
-        input_checks = ()
-        if token_ids is not None:
-            vocab = self.config.vocab_size
-
-            def bad_ids():
-                raise ValueError(f"input_ids must be in [0, vocab_size={vocab})")
-
-            # Read on the host with the metadata's checks (one read per forward), before the embedding.
-            input_checks = (((token_ids < 0) | (token_ids >= vocab), bad_ids),)
-        if position_ids is not None and position_ids.ndim == 1:
-            position_ids = position_ids.unsqueeze(0)
         if output_hidden_states is None:
-            output_hidden_states = getattr(self.config, "output_hidden_states", False)
+            output_hidden_states = getattr(getattr(self, "config", None), "output_hidden_states", False)
+        pipeline_stage = self._is_pipeline_parallel_stage()
+        mtp_stage = pipeline_stage and self.mtp_config.enabled
+        thd = attn_kwargs.get("qkv_format") == "thd"
+        mtp_embeds = checked_mtp_embeds(self, mtp_embed_inputs)
+        use_mtp = self.mtp is not None and self.training
+        if use_mtp:
+            if pipeline_stage and not mtp_embeds:
+                raise ValueError("the last pipeline stage of a model with MTP needs the MTP embeddings (mtp_embed_inputs)")
+            if not pipeline_stage and (input_ids is None or attn_kwargs.get("inputs_embeds") is not None):
+                raise ValueError("MTP training needs input_ids (the next tokens' embeddings)")
 
-        # The sharder's group, else the one nemo-automodel's setup_cp_attention gave the layers.
-        cp_group = kwargs.get("_dsv4_cp_group") or kwargs.get("cp_group")
-        if cp_group is None:
-            cp_group = next((b.self_attn._cp_group for b in self.model.layers.values()), None)
-        ctx = sequence_context(cp_group)
-        # Every stage builds its own metadata from the keyword inputs that reach it.
-        metadata = self._metadata(
-            inputs.shape_ref, ctx, ctx.size > 1, position_ids=position_ids, attention_mask=attention_mask,
-            padding_mask=padding_mask, seq_lens=seq_lens, seq_lens_padded=seq_lens_padded, cu_seqlens=cu_seqlens,
-            cu_seqlens_padded=cu_seqlens_padded, packed_seq_ids=packed_seq_ids, input_checks=input_checks,
+        slot = ForwardStateSlot()
+        backbone_out = self.model(
+            input_ids, position_ids=position_ids, attention_mask=attention_mask, padding_mask=padding_mask,
+            return_hc_hidden=use_mtp, nemo_dsa_forward_slot=slot, **attn_kwargs,
         )  # fmt: skip
-        if inputs.streams is not None:
-            streams = inputs.streams
-        else:
-            embeds = self.model.embed_tokens(token_ids) if token_ids is not None else inputs.inputs_embeds
-            streams = embeds.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
-        # The MoE drops padding tokens from routing statistics as the built-in does.
-        moe_padding = padding_mask
-        if moe_padding is None and attention_mask is not None:
-            moe_padding = ~attention_mask.bool()
-
-        state = ForwardState(metadata, ctx, SharedLayerState())
-        for block in self.model.layers.values():
-            # Hash-routed layers read the token ids, which only the first stage has (the built-in
-            # keeps its hash layers there too).
-            streams = block(
-                streams, None, position_ids=position_ids, padding_mask=moe_padding, input_ids=token_ids,
-                nemo_dsa_forward=state,
-            )  # fmt: skip
-        hidden = streams
-        if self.model.hc_head is not None:
-            hidden = self.model.hc_head(hidden)
-        if self.model.norm is not None:
-            hidden = self.model.norm(hidden)
+        hidden, hc_hidden = backbone_out if use_mtp else (backbone_out, None)
+        aux_losses = slot.state.aux_losses if slot.state is not None else []
 
         mtp_hidden = None
-        if self.mtp_config.enabled and pipeline_stage and self.lm_head is None:
+        if mtp_stage and self.lm_head is None:
             # A stage before the last carries the MTP depths' embeddings on to the MTP.
-            mtp_hidden = list(mtp_embeds_to_send(self, inputs))
-        elif self.mtp is not None and self.training:
-            if pipeline_stage and not inputs.mtp_embeds:
-                raise ValueError("the last pipeline stage of a model with MTP needs the MTP embeddings (mtp_embed_inputs)")
-            if not pipeline_stage and token_ids is None:
-                raise ValueError("MTP training needs input_ids (the next tokens' embeddings)")
-            source = (
-                {"embed_inputs": inputs.mtp_embeds}
-                if inputs.mtp_embeds
-                else {"input_ids": token_ids, "embed_fn": self.model.embed_tokens}
-            )
-            mtp_state = ForwardState(metadata, ctx, SharedLayerState(), state.aux_losses)
+            mtp_hidden = list(mtp_embeds_to_send(self, input_ids, mtp_embeds))
+        elif use_mtp:
+            if position_ids is not None and position_ids.ndim == 1:
+                position_ids = position_ids.unsqueeze(0)
+            mtp_inputs = {"embed_inputs": mtp_embeds} if mtp_embeds else {
+                "input_ids": input_ids if input_ids.ndim == 2 else input_ids.unsqueeze(0),
+                "embed_fn": self.model.embed_tokens,
+            }  # fmt: skip
             mtp_hidden = self.mtp(
-                hidden_states=streams, position_ids=position_ids, attention_mask=None, padding_mask=moe_padding,
-                nemo_dsa_forward=mtp_state, **source,
+                hidden_states=hc_hidden, position_ids=position_ids, attention_mask=None,
+                padding_mask=moe_padding_mask(attention_mask, padding_mask),
+                nemo_dsa_forward=self._mtp_forward_state(slot, hc_hidden, position_ids, attention_mask, padding_mask,
+                                                         aux_losses, attn_kwargs),
+                **mtp_inputs,
             )  # fmt: skip
             # nemo-automodel keeps DeepSeek's LM head in fp32, and its MTP loss applies lm_head to
             # these states as they are: in a bf16 model they must arrive in the head's dtype
             # (0.7.0's built-in stops there: "expected mat1 and mat2 to have the same dtype").
             head_dtype = self.lm_head.weight.dtype
             mtp_hidden = [h.to(head_dtype) for h in mtp_hidden]
-        elif self.mtp_config.enabled and pipeline_stage:
+        elif mtp_stage:
             # The last stage outside training: the stage's outputs keep their number of tensors.
             mtp_hidden = [hidden.new_empty(hidden.shape) for _ in range(self.mtp_config.num_layers)]
 
         aux = None
-        if state.aux_losses:
-            aux = torch.stack([loss.reshape(()) for loss in state.aux_losses]).sum()
+        if aux_losses:
+            aux = torch.stack([loss.reshape(()) for loss in aux_losses]).sum()
             # On the stage's output (the final hidden state on the last stage), so the KL term
             # trains whether the trainer's loss reads the logits or (fused linear cross-entropy)
             # the hidden states; at the trainer's gradient for auxiliary losses (micro-batches
@@ -315,6 +235,19 @@ class NemoDsaDeepseekV4ForCausalLM(StrictCheckpointLoading, DeepseekV4ForCausalL
             mtp_loss_scaling_factor=self.mtp_config.loss_scaling_factor,
             indexer_aux_loss=aux,
         )
+
+    def _mtp_forward_state(self, slot, hc_hidden, position_ids, attention_mask, padding_mask, aux_losses,
+                           attn_kwargs) -> ForwardState:  # fmt: skip
+        """The MTP's ``ForwardState``: the backbone's metadata and sequence context (its own ratio-4
+        sources, the same list of indexer losses). A backbone that left none (its forward replaced)
+        costs the MTP a second check of the layout (one more host read)."""
+        state = slot.state
+        if state is None:
+            state = NemoDsaDeepseekV4Model.forward_state(
+                self.model, hc_hidden, position_ids=position_ids, attention_mask=attention_mask,
+                padding_mask=padding_mask, **attn_kwargs,
+            )  # fmt: skip
+        return ForwardState(state.metadata, state.ctx, SharedLayerState(), aux_losses)
 
     @torch.no_grad()
     def initialize_weights(
