@@ -289,7 +289,7 @@ def test_v41_candidate_source_and_reindex_equal_full_matrix(layout, block_size, 
 def test_candidate_source_checks_ks_ke_once_not_per_chunk(monkeypatch, small_tiles):
     """The candidate blocks of each chunk skip the ks/ke value check the call already made: a
     check of the chunk's fresh slices is a host sync per chunk (measured on the H200: the layer's
-    queue drained 16 times, 30 ms queued for 15 ms of kernels, docs/performance.md v14)."""
+    queue drained 16 times, 30 ms queued for 15 ms of kernels)."""
     batch, queries, heads, dim = 1, 389, 2, 16
     ks, ke, num_keys = _layout("causal", batch, queries, 4, seed=13)
     q, k, w = indexer_inputs(batch, queries, heads, dim, num_keys, seed=14, w_dtype=torch.bfloat16, quantised=True)

@@ -238,7 +238,7 @@ def test_block_maxima_kernel_equals_brute_force(dtype, block_size):
     assert bool(torch.isfinite(got).any())
 
 
-# The vector select (docs/performance.md v31): bf16 rows in index order, read in 16-byte vectors.
+# The vector select: bf16 rows in index order, read in 16-byte vectors.
 VECTOR_KINDS = ["continuous", "quantised", "signed", "nonpositive", "spread", "special", "mostly_inf"]
 
 
