@@ -247,6 +247,55 @@ def test_v4_configs_the_builtin_takes(overrides):
         assert rel(plugin(ids).logits, builtin(ids).logits) < RTOL
 
 
+@pytest.mark.parametrize("mtp", [0, 1])
+def test_v4_without_main_layers(mtp):
+    """No main layers (``num_hidden_layers=0, compress_ratios=[]``), which the built-in builds: with
+    no attention at all the plugin builds no nemo_dsa module config and still equals the built-in on
+    padded, packed (``cu_seqlens``) and plain batches; with an MTP layer that layer is nemo_dsa's and
+    the training forward's MTP hidden states equal the built-in's."""
+    builtin, plugin = _pair(tiny_config(num_hidden_layers=0, compress_ratios=[], num_hash_layers=0,
+                                        num_nextn_predict_layers=mtp))  # fmt: skip
+    assert (plugin.dsa_config is None) == (mtp == 0)
+    gen = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, builtin.config.vocab_size, (2, 19), generator=gen)
+    mask = torch.ones(2, 19, dtype=torch.long)
+    mask[1, 13:] = 0
+    cu = torch.tensor([0, 5, 19], dtype=torch.int32)
+    packed = dict(position_ids=torch.cat([torch.arange(5), torch.arange(14)]).unsqueeze(0), qkv_format="thd",
+                  cu_seqlens=cu, cu_seqlens_padded=cu)  # fmt: skip
+    with torch.no_grad():
+        assert rel(plugin(ids).logits, builtin(ids).logits) < RTOL
+        got, want = plugin(ids, attention_mask=mask).logits, builtin(ids, attention_mask=mask).logits
+        assert rel(got[0], want[0]) < RTOL and rel(got[1, :13], want[1, :13]) < RTOL
+        assert rel(plugin(ids[:1], **packed).logits, builtin(ids[:1], **packed).logits) < RTOL
+    if mtp:
+        plugin.train(), builtin.train()
+        got, want = plugin(ids).mtp_per_depth_h, builtin(ids).mtp_per_depth_h
+        assert len(got) == len(want) == 1 and rel(got[0], want[0]) < RTOL
+
+
+def test_v4_without_layers_still_checks_options_and_inputs():
+    """A model with no attention layers still refuses a bad nemo_dsa option and bad batch layouts
+    (the forward checks the layout as always); an attention layer cannot be built on its config;
+    the small LM's own config keeps refusing zero layers."""
+    config = tiny_config(num_hidden_layers=0, compress_ratios=[], num_hash_layers=0, num_nextn_predict_layers=0)
+    with pytest.raises(ValueError, match="backend"):
+        NemoDsaDeepseekV4ForCausalLM(config, backend=backend(), indexer_backend="cuda-magic")
+    with pytest.raises(ValueError, match="no attention layers"):
+        NemoDsaDeepseekV4Attention(config, 0, backend())
+    _, plugin = _pair(config)
+    ids = torch.randint(0, config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(3))
+    with pytest.raises(ValueError, match="vocab_size"):
+        plugin(ids + config.vocab_size)
+    bad_offsets = torch.tensor([0, 3, 9], dtype=torch.int32)  # covers 9 of 8 tokens
+    with pytest.raises(ValueError):
+        plugin(ids, qkv_format="thd", cu_seqlens=bad_offsets, cu_seqlens_padded=bad_offsets)
+    from nemo_dsa.models.dsa_lm.configuration import DSAModelConfig
+
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        DSAModelConfig(num_hidden_layers=0, compress_ratios=())
+
+
 def test_v4_attention_dropout_in_training_only():
     """``attention_dropout`` reaches nemo_dsa's attention: eval (and p = 0) is the built-in's
     forward; training draws masks (two steps differ, gradients finite), replayed by recompute."""

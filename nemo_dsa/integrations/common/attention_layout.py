@@ -55,6 +55,8 @@ class CoreAttention(nn.Module):
 
     def __init__(self, dsa_config, layer_idx: int, module_map: dict, tensor_map: dict, builtin_class: str) -> None:
         super().__init__()
+        if dsa_config is None:
+            raise ValueError(f"layer_idx={layer_idx}: the config has no attention layers (num_hidden_layers=0)")
         self.layer_idx = layer_idx
         self.compress_ratio = int(dsa_config.compress_ratios[layer_idx])
         core = DSASparseAttention(dsa_config, layer_idx)

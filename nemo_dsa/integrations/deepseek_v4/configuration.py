@@ -30,8 +30,9 @@ OPTION_DEFAULTS = {
 ATTN_TO_NEMO_DSA_BACKEND = {"tilelang": "tilelang", "torch": "torch"}
 
 
-def dsa_config_from_deepseek_v4(config, **options: Any) -> DSAModelConfig:
-    """nemo_dsa's module config for every attention layer of ``config``, MTP layers included.
+def dsa_config_from_deepseek_v4(config, **options: Any) -> DSAModelConfig | None:
+    """nemo_dsa's module config for every attention layer of ``config``, MTP layers included
+    (None when it has none: nothing runs nemo_dsa there).
 
     The layers are numbered as the built-in numbers them (MTP depth d is layer
     ``num_hidden_layers + d``, window-only unless ``compress_ratios`` lists it), so
@@ -39,10 +40,10 @@ def dsa_config_from_deepseek_v4(config, **options: Any) -> DSAModelConfig:
     (``scoring``, ``indexer_kl_coef`` ...); None leaves the default.
     """
     overrides = {k: v for k, v in options.items() if v is not None}
-    return DSAModelConfig.from_hf_config(config, include_mtp_layers=True, **overrides)
+    return DSAModelConfig.from_hf_config_or_none(config, include_mtp_layers=True, **overrides)
 
 
-def resolve_dsa_config(config, backend: Any, kwargs: dict) -> DSAModelConfig:
+def resolve_dsa_config(config, backend: Any, kwargs: dict) -> DSAModelConfig | None:
     """``dsa_config_from_deepseek_v4`` with the options popped from ``kwargs`` (else the config's)
     and the kernels ``backend.attn`` names (see the module docstring)."""
     options = {}

@@ -118,7 +118,8 @@ class NemoDsaDeepseekV4ForCausalLM(StrictCheckpointLoading, DeepseekV4ForCausalL
         super().__init__(config, moe_config, backend, **kwargs)
         self.dsa_config = resolve_dsa_config(config, self.backend, options)
         self.config.architectures = [ARCHITECTURE]
-        NemoDsaDeepseekV4Model.adopt(self.model, self.dsa_config.compress_ratios)
+        # A model without attention layers (dsa_config None) still checks each forward's layout.
+        NemoDsaDeepseekV4Model.adopt(self.model, self.dsa_config.compress_ratios if self.dsa_config else ())
         for block in self.model.layers.values():
             block.self_attn = self._nemo_dsa_attention(block.self_attn, block.layer_idx)
         for block in self.mtp.layers if self.mtp is not None else ():

@@ -20,16 +20,17 @@ OPTIONS = ("indexer_backend", "attention_backend", "fused_topk")
 ATTN_TO_NEMO_DSA_BACKEND = {"tilelang": "tilelang", "torch": "torch"}
 
 
-def dsa_config_from_deepseek_v41(config, **options: Any) -> DSAModelConfig:
-    """nemo_dsa's module config for every attention layer of ``config`` (its ``text_config``).
+def dsa_config_from_deepseek_v41(config, **options: Any) -> DSAModelConfig | None:
+    """nemo_dsa's module config for every attention layer of ``config`` (its ``text_config``;
+    None when it has none: nothing runs nemo_dsa there).
 
     ``options`` are ``DSAModelConfig`` fields (``backend``, ``attention_backend``, ``fused_topk``);
     None leaves the default."""
     overrides = {k: v for k, v in options.items() if v is not None}
-    return DSAModelConfig.from_hf_config(config, **overrides)
+    return DSAModelConfig.from_hf_config_or_none(config, **overrides)
 
 
-def resolve_dsa_config(config, backend: Any, kwargs: dict) -> DSAModelConfig:
+def resolve_dsa_config(config, backend: Any, kwargs: dict) -> DSAModelConfig | None:
     """``dsa_config_from_deepseek_v41`` with the options popped from ``kwargs`` (else the config's)
     and the kernels ``backend.attn`` names (see the module docstring)."""
     options = {name: kwargs.pop(name, None) for name in OPTIONS}

@@ -272,5 +272,22 @@ class DSAModelConfig:
         fields.update(overrides)
         return cls(**fields)
 
+    @classmethod
+    def from_hf_config_or_none(cls, hf_config, *, include_mtp_layers: bool = False, **overrides) -> "DSAModelConfig | None":
+        """``from_hf_config``, or None for an HF model without attention layers.
+
+        A DeepSeek model with no layers (main and, with ``include_mtp_layers``, MTP) is valid to
+        nemo-automodel (the embedding and the head) and runs no nemo_dsa attention, so it
+        has no module config; a small LM with no layers is not, and ``DSAModelConfig`` keeps
+        refusing it. ``overrides`` are still checked, as on a one window-layer model, so a bad
+        option is an error whatever the layer count.
+        """
+        fields = dsa_fields_from_hf(hf_config, include_mtp_layers=include_mtp_layers)
+        fields.update(overrides)
+        if fields["num_hidden_layers"] == 0:
+            cls(**{**fields, "num_hidden_layers": 1, "compress_ratios": (0,)})
+            return None
+        return cls(**fields)
+
     def to_dict(self) -> dict:
         return asdict(self)
