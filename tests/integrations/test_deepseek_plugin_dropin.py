@@ -402,3 +402,43 @@ def test_v41_attention_alone_matches_the_builtin_layer(v41_models, layer):
         got = alone.eval()(hidden, position_ids=positions, state=DeepseekV41AttentionState(), attention_mask=mask)
     assert rel(got.hidden_states, expected.hidden_states) < RTOL
     assert isinstance(NemoDsaDeepseekV41ForCausalLM(builtin.config, backend=v41_backend()), DeepseekV41ForCausalLM)
+
+
+def test_v41_rotary_emb_describes_the_builtin_rope():
+    """``attn.rotary_emb`` gives the built-in's RoPE parameters on every layer: plain RoPE on
+    window-only layers, YaRN on compressed ones."""
+    from nemo_automodel.components.models.deepseek_v41.attention import DeepseekV41Attention
+    from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41TextConfig
+    from test_released_v41_attention import hf_config
+
+    yarn = {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 48, "beta_fast": 24, "beta_slow": 2}
+    text = DeepseekV41TextConfig(**{**hf_config().to_dict(), "rope_scaling": yarn, "compress_rope_theta": 40000.0})
+    seen = set()
+    for layer in range(text.num_hidden_layers):
+        ours = NemoDsaDeepseekV41Attention(text, layer, v41_backend()).rotary_emb
+        with torch.device("meta"):
+            theirs = DeepseekV41Attention(text, layer, v41_backend()).rotary_emb
+        fields = ("dim", "theta", "factor", "original_length", "beta_fast", "beta_slow")
+        assert {f: getattr(ours, f) for f in fields} == {f: getattr(theirs, f) for f in fields}, layer
+        seen.add(ours.original_length > 0)
+    assert seen == {True, False}  # both kinds of layer were compared
+
+
+def test_v41_reused_state_of_other_tokens_is_refused(v41_models):
+    """A layer handed the state an earlier layer built for other tokens (another batch size or
+    length) raises a ValueError naming the state, where shapes would otherwise clash."""
+    from nemo_automodel.components.models.deepseek_v41.attention import DeepseekV41AttentionState
+
+    builtin, _ = v41_models
+    text = builtin.config.text_config
+    first = NemoDsaDeepseekV41Attention(text, 1, v41_backend()).eval()
+    later = NemoDsaDeepseekV41Attention(text, 2, v41_backend()).eval()
+    gen = torch.Generator().manual_seed(12)
+    with torch.no_grad():
+        state = first(torch.randn(2, 12, text.hidden_size, generator=gen), position_ids=torch.arange(12)[None],
+                      state=DeepseekV41AttentionState()).state  # fmt: skip
+        later(torch.randn(2, 12, text.hidden_size, generator=gen), position_ids=torch.arange(12)[None], state=state)
+        for batch, seq in ((1, 12), (2, 10)):
+            with pytest.raises(ValueError, match="state: .*different batch or sequence"):
+                later(torch.randn(batch, seq, text.hidden_size, generator=gen), position_ids=torch.arange(seq)[None],
+                      state=state)  # fmt: skip

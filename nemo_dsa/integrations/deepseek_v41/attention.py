@@ -60,6 +60,21 @@ class DsaV41ForwardState:
     metadata: dict  # compression ratio (1 for window-only layers) -> AttentionMetadata
     ctx: Any  # nemo_dsa SequenceContext
     shared: SharedLayerState  # the latest kv source's compressed KV, index keys, selection
+    batch_size: int  # the [B, S] of the tokens the metadata describes: a later layer of the
+    seq_len: int  # forward must attend over the same tokens
+
+
+@dataclass(frozen=True)
+class RotaryParameters:
+    """A layer's RoPE as the built-in's ``attn.rotary_emb`` describes it: rotary ``dim`` and
+    ``theta``; YaRN ``factor``, ``original_length`` (0 = no YaRN), ``beta_fast``, ``beta_slow``."""
+
+    dim: int
+    theta: float
+    factor: float
+    original_length: int
+    beta_fast: float
+    beta_slow: float
 
 
 @dataclass(frozen=True)
@@ -119,6 +134,16 @@ class NemoDsaDeepseekV41Attention(CoreAttention):
         self.cp_group = cp_mesh.get_group()
 
     @property
+    def rotary_emb(self) -> RotaryParameters:
+        """The RoPE this layer applies (YaRN on compressed layers only, as in the release)."""
+        scaling = self._core.rope_scaling or {}
+        return RotaryParameters(
+            dim=self._core.rope_dim, theta=float(self._core.rope_theta), factor=float(scaling.get("factor", 1.0)),
+            original_length=int(scaling.get("original_max_position_embeddings", 0)),
+            beta_fast=float(scaling.get("beta_fast", 32)), beta_slow=float(scaling.get("beta_slow", 1)),
+        )  # fmt: skip
+
+    @property
     def attn_sink(self) -> nn.Parameter:
         """The per-head fp32 sink logits (the built-in's accessor)."""
         return self.sinks_param.weight
@@ -137,6 +162,11 @@ class NemoDsaDeepseekV41Attention(CoreAttention):
         previous attention's (module docstring)."""
         if not isinstance(state, DsaV41ForwardState):  # the forward's first attention layer, or a layer alone
             state = self._own_forward_state(hidden_states, position_ids, attention_mask, packed_seq_ids, cp_group)
+        elif tuple(hidden_states.shape[:2]) != (state.batch_size, state.seq_len):
+            raise ValueError(
+                f"state: built by an earlier layer for a different batch or sequence ([B, S] = "
+                f"[{state.batch_size}, {state.seq_len}]), got hidden_states of [B, S] = {list(hidden_states.shape[:2])}"
+            )
         shared = SharedLayerState(source=state.shared.source)
         out, aux = self.call_core(hidden_states, state.metadata[max(self.compress_ratio, 1)], state.ctx, shared)
         if aux is not None:
@@ -159,7 +189,7 @@ class NemoDsaDeepseekV41Attention(CoreAttention):
             self.dsa_config.compress_ratios, self.cp_group if cp_group is None else cp_group, batch_size=batch,
             seq_len=seq, device=hidden_states.device, **layout,
         )  # fmt: skip
-        return DsaV41ForwardState(forward.metadata, forward.ctx, forward.shared)
+        return DsaV41ForwardState(forward.metadata, forward.ctx, forward.shared, batch, seq)
 
     @torch.no_grad()
     def reset_parameters(self, init_std: float = 0.02) -> None:
