@@ -18,19 +18,25 @@ from concurrent.futures import ProcessPoolExecutor
 KINDS = ("v4_fwd", "v4_bwd", "v41", "select", "vector", "attention")
 
 
-def _jobs(heads: list[int], dims: list[int], counts: list[int]) -> list[tuple]:
+def _jobs(heads: list[int], dims: list[int], counts: list[int], block_sizes: list[int]) -> list[tuple]:
     import torch
 
-    from nemo_dsa.ops.topk.kernels import select_config
+    from nemo_dsa.ops.topk.kernels import selection_builds
 
     scorers = [(kind, h, d) for kind in ("v4_fwd", "v4_bwd", "v41") for h in heads for d in dims]
-    # The radix select for both dtypes and orders (V4 sorts fp32 by score; the other pairs serve
-    # the generic select_topk, bf16 index order only on a matrix the vector select cannot read
-    # in 16-byte vectors), and the vector select of V4.1 (bf16, index order), plain and masked by
-    # candidate blocks of 8 keys (reindex layers).
-    configs = {select_config(dtype, count, order) for dtype in (torch.float32, torch.bfloat16)
-               for order in ("score", "index") for count in counts}
-    selectors = [("select", c) for c in sorted(configs, key=str)] + [("vector", 0), ("vector", 8)]
+    # The selects a caller of each top-k can choose at any sequence length (``selection_builds``,
+    # the set ``ops.warm_up`` builds on a first step): the radix select for both dtypes and orders
+    # (V4 sorts fp32 by score, sized by the top-k; the other pairs serve the generic select_topk),
+    # and for V4.1 (bf16, index order) the vector select and the radix select (which one runs
+    # depends on the scores' alignment), plain and masked by candidate blocks (reindex layers).
+    builds = set()
+    for count in counts:
+        for dtype in (torch.float32, torch.bfloat16):
+            for order in ("score", "index"):
+                masks = [0, *block_sizes] if dtype == torch.bfloat16 and order == "index" else [0]
+                builds.update(selection_builds(dtype, count, order, masks))
+    selectors = [("vector" if build.factory.__name__ == "vector_select_kernel" else "select", build)
+                 for build in sorted(builds, key=lambda b: b.name())]
     # The sparse-attention kernels (forward, backward, delta) of every head dim/mode.
     from nemo_dsa.ops.sparse_attention.kernels import KERNEL_DIMS, dispatched_configs
 
@@ -43,18 +49,10 @@ def _compile(job: tuple) -> str:
     from nemo_dsa.ops._tilelang import compile_cubin
 
     start = time.perf_counter()
-    if kind == "select":
-        from dataclasses import asdict
-
-        from nemo_dsa.ops.topk.kernels import SELECT_PASS_CONFIGS, radix_select_kernel
-
-        compile_cubin(radix_select_kernel(**asdict(job[1])), pass_configs=SELECT_PASS_CONFIGS)
-        return f"select  {job[1]} {time.perf_counter() - start:5.1f} s"
-    if kind == "vector":
-        from nemo_dsa.ops.topk.vector_kernels import vector_select_kernel
-
-        compile_cubin(vector_select_kernel(block_size=job[1]))
-        return f"vector select block_size={job[1]} {time.perf_counter() - start:5.1f} s"
+    if kind in ("select", "vector"):
+        build = job[1]
+        compile_cubin(build.factory(**dict(build.config)), pass_configs=dict(build.pass_configs))
+        return f"{build.name()} {time.perf_counter() - start:5.1f} s"
     if kind == "attention":
         from nemo_dsa.ops.sparse_attention import kernels
 
@@ -86,10 +84,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dims", type=int, nargs="+", default=list(SUPPORTED_DIMS), choices=SUPPORTED_DIMS,
                         help="the indexers' head dims (the attention kernels' come from their own table)")
     parser.add_argument("--counts", type=int, nargs="+", default=[512], help="top-k sizes the selector serves")
+    parser.add_argument("--block-sizes", type=int, nargs="+", default=[8],
+                        help="V4.1 candidate block sizes (the reindex layers' masked selects)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--kinds", nargs="+", default=None, choices=KINDS, help="only these kernel kinds (default: all)")
     args = parser.parse_args(argv)
-    jobs = [job for job in _jobs(args.heads, args.dims, args.counts) if args.kinds is None or job[0] in args.kinds]
+    jobs = [job for job in _jobs(args.heads, args.dims, args.counts, args.block_sizes) if args.kinds is None or job[0] in args.kinds]
     start = time.perf_counter()
     with ProcessPoolExecutor(args.workers) as pool:
         for line in pool.map(_compile, jobs):

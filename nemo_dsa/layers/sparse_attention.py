@@ -100,12 +100,13 @@ from nemo_dsa.layers.indexer_loss import indexer_kl_loss
 from nemo_dsa.layers.norm import RMSNorm, rms_normalize
 from nemo_dsa.layers.rope import apply_rope, rope_angles
 from nemo_dsa.layers.shared_state import SharedLayerState, SourceState
-from nemo_dsa.ops.dispatch import report_reference_fallback
+from nemo_dsa.ops.dispatch import report_reference_fallback, resolve_backend
 from nemo_dsa.ops.head_norm_rope import head_rms_rope, kernels_support
 from nemo_dsa.ops.quant import fp8_quant_dequant, nvfp4_quant_dequant
 from nemo_dsa.ops.sparse_attention import attend, attend_to_indices
 from nemo_dsa.ops.sparse_attention.interface import _check_kernel_limits
 from nemo_dsa.ops.sparse_attention.naive import window_key_indices
+from nemo_dsa.ops.warm_up import model_builds, warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -274,11 +275,24 @@ class DSASparseAttention(KeepsFP32Parameters):
         if dropout_p and backend != "torch":
             _log_dropout_reference_once(backend)
             backend = "torch"
+        self._warm_up_kernels(q, attention=backend == "tilelang")
         # The layer made every input (the metadata's ranges, its indexer's selection): unchecked.
         return attend(
             q, raw_kv, window_start, self.window, compressed_kv, sink=self.attn_sink, scale=self.scale, backend=backend,
             dropout_p=dropout_p, **kwargs,
         )  # fmt: skip
+
+    def _warm_up_kernels(self, q: torch.Tensor, *, attention: bool) -> None:
+        """Build, on the first CUDA forward, every TileLang kernel this layer's selection and
+        attention can choose at any sequence length (``ops.warm_up``), so that no later length
+        compiles one; once per process and device."""
+        cfg = self.config
+        selections = self.indexer is not None and resolve_backend(cfg.backend, q) == "tilelang"
+        if not (attention or selections):
+            return
+        masked = cfg.scoring == "v41" and cfg.candidate_source_layer_id >= 0
+        warm_up(model_builds(cfg.scoring, cfg.index_topk, self.head_dim, cfg.candidate_block_size if masked else None,
+                             selections=selections, attention=attention))  # fmt: skip
 
     def _attend_with_index_bias(self, q, raw_kv, window_start, compressed_kv, compressed_indices, selection):
         """The straight-through variant: the selected groups' logits get ``score - score.detach()``."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 # Every kernel targets Hopper: TVM's plain "cuda" means sm_50, and string targets with options
@@ -124,3 +125,29 @@ def compile_cached(factory: Callable[..., Any], *, pass_configs: dict | None = N
             kernel = compile_cubin(factory(**config), pass_configs=pass_configs)
             _compile_cache[key] = kernel
     return kernel
+
+
+@dataclass(frozen=True)
+class KernelBuild:
+    """One entry of the compile cache as a value: a factory and its configuration.
+
+    The wrappers choose their kernel as a ``KernelBuild`` and compile it through :meth:`compile`,
+    so a warm-up (``ops.warm_up``) and the tests can name the builds a call selects without
+    compiling anything.
+    """
+
+    factory: Callable[..., Any]
+    config: tuple  # sorted (name, value) pairs: the factory's keyword arguments
+    pass_configs: tuple = ()  # sorted (name, value) pairs
+
+    @classmethod
+    def of(cls, factory: Callable[..., Any], *, pass_configs: dict | None = None, **config) -> KernelBuild:
+        return cls(factory, tuple(sorted(config.items())), tuple(sorted(_pass_configs(pass_configs).items())))
+
+    def name(self) -> str:
+        """The factory and its configuration, readable (for logs and test messages)."""
+        return f"{self.factory.__qualname__}({', '.join(f'{k}={v!r}' for k, v in self.config)})"
+
+    def compile(self):
+        """The compiled kernel, through :func:`compile_cached` (built once per device)."""
+        return compile_cached(self.factory, pass_configs=dict(self.pass_configs), **dict(self.config))

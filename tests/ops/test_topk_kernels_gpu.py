@@ -105,6 +105,26 @@ def test_kernel_equals_reference_on_ranges(dtype, order, kind, count, width):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["continuous", "quantised", "special"])
+# A short sequence keeps fewer keys than its top-k: the sort built for the top-k (capacity) holds
+# them in its first slots, and a row narrower than T (count == width) too.
+@pytest.mark.parametrize("count,width,capacity", [(1, 40, 512), (37, 90, 512), (100, 100, 512), (300, 700, 2048),
+                                                  (129, 4000, 8192), (2048, 2048, 4096)])
+def test_sort_sized_by_capacity_equals_reference(dtype, kind, count, width, capacity):
+    rows = 45
+    seed = zlib.crc32(f"{dtype}{kind}{count}{capacity}".encode()) % 1000
+    ks, ke = _ranges(rows, width, seed)
+    scores = _mask_outside(_rows(kind, rows, width, dtype, seed), ks, ke)
+    build = topk_kernels.select_build(dtype, count, "score", capacity=capacity)
+    assert dict(build.config)["slots"] == topk_kernels.sort_slots(capacity) > topk_kernels.sort_slots(count)
+    index, picked = select_rows_tilelang(scores, count, "score", ks, ke, out=_poisoned(rows, count, dtype),
+                                         capacity=capacity)  # fmt: skip
+    want_index, want_picked = _expected(scores, count, "score")
+    assert torch.equal(index, want_index)
+    assert torch.equal(picked, want_picked)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_whole_rows_offset_and_count_equal_to_width(dtype):
     rows, width = 33, 129
     scores = _rows("quantised", rows, width, dtype, 5)

@@ -150,7 +150,7 @@ def v4_select_topk_in_ranges(
             scores[:, chunk.rows] = value.view(batch, -1, count)
 
     targets = (lambda chunk: (indices[0, chunk.rows], scores[0, chunk.rows])) if batch == 1 else None
-    select_chunks(chunks, score_chunk, emit, count, "score", chunk_bytes, on_gpu, targets)
+    select_chunks(chunks, score_chunk, emit, count, "score", chunk_bytes, on_gpu, targets, capacity=topk)
     return scores, indices
 
 

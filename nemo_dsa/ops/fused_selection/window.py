@@ -58,7 +58,7 @@ def _globalise(scores, chosen, key_start: int, count: int) -> tuple[torch.Tensor
 
 def select_chunks(
     chunks, score_chunk, emit, count: int, order: str, chunk_bytes: int, on_gpu: bool, targets=None,
-    *, block_size: int = 0, blocks_in_source_form: bool = False,
+    *, block_size: int = 0, blocks_in_source_form: bool = False, capacity: int | None = None,
 ) -> None:
     """Score and select every chunk, ``emit(chunk, index, values)`` its global results.
 
@@ -70,7 +70,8 @@ def select_chunks(
     window-local ks/ke [B, rows] and, on the GPU only, None or kept candidate blocks [B, rows, NBk]
     of ``block_size`` keys that the select applies itself (keys outside them count as -inf;
     ``blocks_in_source_form``: as a candidate-source call returned them, see ``select_rows_tilelang``).
-    On the GPU (``on_gpu``) the TileLang select decides
+    ``capacity``: the caller's top-k, which sizes the TileLang select's build (a window narrower
+    than ``count`` reuses it; ``select_rows_tilelang``). On the GPU (``on_gpu``) the TileLang select decides
     every row exactly, reading only [ks, ke). Otherwise the loop runs select_rows and never waits
     for the device: rows it flags (ties beyond its candidates, NaN/+inf) are collected, and after
     the loop (one host sync) only the chunks holding any are scored again (same tiles, so the
@@ -92,7 +93,7 @@ def select_chunks(
             }  # fmt: skip
             index, values = select_rows_tilelang(
                 scores, take, order, local_ks.reshape(-1), local_ke.reshape(-1), offset=chunk.key_start, out=out,
-                **masking,
+                capacity=capacity, **masking,
             )  # fmt: skip
             if out is None:
                 emit(chunk, *_pad_columns(index, values, count))

@@ -72,5 +72,5 @@ def select_topk(
         return torch.full((*scores.shape[:-1], count), -1, dtype=torch.int32, device=scores.device)
     flat = scores.reshape(rows, num_keys)
     ranges = (ks.reshape(rows), ke.reshape(rows)) if ks is not None else (None, None)
-    index, _ = select_rows_tilelang(flat, count, order, *ranges)
+    index, _ = select_rows_tilelang(flat, count, order, *ranges, capacity=topk)
     return index.view(*scores.shape[:-1], count)

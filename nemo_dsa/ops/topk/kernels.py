@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from nemo_dsa._checks import check_positive_int, check_tensor
-from nemo_dsa.ops._tilelang import compile_cached, tilelang
+from nemo_dsa.ops._tilelang import KernelBuild, tilelang
 from nemo_dsa.ops.topk.rows import ORDERS
 from nemo_dsa.ops.topk.vector_kernels import MASK_BLOCKS, vector_select_kernel
 
@@ -83,8 +83,10 @@ SELECT_PASS_CONFIGS = {"tl.disable_safe_memory_legalize": True}
 
 
 # The sort widths a kernel is built for: T is a runtime size, so one build serves every T up to
-# its width (no compile per T: streamed windows narrower than T select fewer keys). Index order
-# does not sort, so one build (MIN_SLOTS) serves every T.
+# its width. Callers size the build by their top-k (``capacity``), not by the T of a call, so a
+# short sequence (fewer keys than top-k) or a streamed window narrower than T reuses the build of
+# a long one: no compile at a new length. Index order does not sort, so one build (MIN_SLOTS)
+# serves every T.
 MIN_SLOTS = 128
 
 
@@ -131,6 +133,40 @@ def dispatched_configs() -> list[SelectConfig]:
     widths = {"score": [MIN_SLOTS << i for i in range((MAX_COUNT // MIN_SLOTS).bit_length())], "index": [MIN_SLOTS]}
     return [
         SelectConfig(dtype, slots, order) for dtype in SCORE_BITS for order in ORDERS for slots in widths[order]
+    ]  # fmt: skip
+
+
+def select_build(
+    score_dtype: torch.dtype, count: int, order: str, block_size: int = 0, *, capacity: int | None = None,
+    vector: bool = False,
+) -> KernelBuild:
+    """The kernel :func:`select_rows_tilelang` runs to keep ``count`` keys per row.
+
+    ``capacity``: the most keys this caller's rows ever keep (its top-k; default ``count``). A
+    score-order sort is built for it rather than for ``count``: the sort keeps the selected keys
+    in its first ``count`` slots whatever its width (the rest hold empty keys, which sort last),
+    so the indices are the same and a call with fewer keys than top-k needs no build of its own.
+    ``vector``: the vector select (:func:`uses_vector_select`) instead of the radix select.
+    """
+    if vector:
+        return KernelBuild.of(vector_select_kernel, block_size=block_size)
+    if capacity is not None:
+        check_positive_int("capacity", capacity)
+    sized = count if capacity is None else max(count, min(capacity, MAX_COUNT))
+    config = select_config(score_dtype, sized, order, block_size)
+    return KernelBuild.of(radix_select_kernel, pass_configs=SELECT_PASS_CONFIGS, **asdict(config))
+
+
+def selection_builds(score_dtype: torch.dtype, topk: int, order: str, block_sizes=(0,)) -> list[KernelBuild]:
+    """Every build :func:`select_rows_tilelang` can choose for a caller of top-``topk`` (its
+    ``capacity``) at any sequence length: the radix select sized by ``topk`` and, for bf16 index
+    order, the vector select too (which of the two runs depends on the scores' alignment, so on
+    the length), for each candidate-block size in ``block_sizes`` (0: unmasked)."""
+    check_positive_int("topk", topk)
+    vectors = (False, True) if score_dtype == torch.bfloat16 and order == "index" else (False,)
+    return [
+        select_build(score_dtype, 1, order, block_size, capacity=topk, vector=vector)
+        for block_size in block_sizes for vector in vectors
     ]  # fmt: skip
 
 
@@ -598,6 +634,7 @@ def select_rows_tilelang(
     blocks: torch.Tensor | None = None,
     block_size: int = 0,
     blocks_in_source_form: bool = False,
+    capacity: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact top-``count`` of every row of ``scores [N, W]`` on the GPU (count <= W).
 
@@ -610,6 +647,7 @@ def select_rows_tilelang(
     (:func:`fits_block_mask`). ``blocks_in_source_form``: the caller vouches that every list is as a
     candidate-source call returns it (ascending, then -1), which the vector select then reads without
     checking. bf16 rows in index order go to the vector select (:func:`uses_vector_select`).
+    ``capacity``: the caller's top-k, which sizes the build (:func:`select_build`; default ``count``).
     """
     check_tensor("scores", scores, ndim=2, dtypes=(torch.float32, torch.bfloat16))
     if (blocks is None) != (block_size == 0):
@@ -642,12 +680,11 @@ def select_rows_tilelang(
     check_tensor("out[1]", picked, dtypes=(scores.dtype,), shape=(rows, count), device=scores.device)
     if rows:
         scores, ks, ke, blocks = scores.contiguous(), ks.contiguous(), ke.contiguous(), blocks.contiguous()
-        if uses_vector_select(scores, order):
-            vector = compile_cached(vector_select_kernel, block_size=block_size)
-            vector(scores, ks, ke, index, picked, offset, blocks, int(blocks_in_source_form))
+        vector = uses_vector_select(scores, order)
+        kernel = select_build(scores.dtype, count, order, block_size, capacity=capacity, vector=vector).compile()
+        if vector:
+            kernel(scores, ks, ke, index, picked, offset, blocks, int(blocks_in_source_form))
         else:
-            config = select_config(scores.dtype, count, order, block_size)
-            kernel = compile_cached(radix_select_kernel, pass_configs=SELECT_PASS_CONFIGS, **asdict(config))
             kernel(scores, ks, ke, index, picked, offset, blocks)
     return index, picked
 
