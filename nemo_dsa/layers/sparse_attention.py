@@ -132,6 +132,7 @@ class DSASparseAttention(KeepsFP32Parameters):
         self.window = config.sliding_window
         self.scale = self.head_dim**-0.5
         self.eps = config.rms_norm_eps
+        self._warmed: set[tuple] = set()  # (device, attention, selections) whose kernels are built
         self.rope_theta, self.rope_scaling = config.rope_parameters(compressed=self.ratio > 0)
         hidden = config.hidden_size
         self.wq_a = nn.Linear(hidden, config.q_lora_rank, bias=False)
@@ -290,9 +291,13 @@ class DSASparseAttention(KeepsFP32Parameters):
         selections = self.indexer is not None and resolve_backend(cfg.backend, q) == "tilelang"
         if not (attention or selections):
             return
+        done = (q.device, attention, selections)
+        if done in self._warmed:  # every later forward: no builds to name
+            return
         masked = cfg.scoring == "v41" and cfg.candidate_source_layer_id >= 0
         warm_up(model_builds(cfg.scoring, cfg.index_topk, self.head_dim, cfg.candidate_block_size if masked else None,
                              selections=selections, attention=attention))  # fmt: skip
+        self._warmed.add(done)
 
     def _attend_with_index_bias(self, q, raw_kv, window_start, compressed_kv, compressed_indices, selection):
         """The straight-through variant: the selected groups' logits get ``score - score.detach()``."""

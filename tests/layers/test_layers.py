@@ -502,11 +502,14 @@ def test_layer_attention_uses_its_own_backend_field(monkeypatch, attention_backe
         seen.append(backend)
         return op(*args, backend="torch", **kwargs)
 
+    warmed = []  # the kernels' warm-up needs a real device: recorded instead
     monkeypatch.setattr(layer_module, "_on_cuda", lambda *tensors: True)  # as if the tensors were on CUDA
     monkeypatch.setattr(layer_module, "attend", recording_op)
+    monkeypatch.setattr(layer_module, "warm_up", warmed.append)
     x = torch.randn(1, 32, cfg.hidden_size, dtype=torch.bfloat16)
     out, _ = run(layer, x, packed_ids([[32]], 32))
     assert seen == [expected] and torch.isfinite(out).all()
+    assert [bool(b.attention) for b in warmed] == ([True] if expected == "tilelang" else [])
 
 
 def test_attention_backend_config_is_checked():

@@ -45,3 +45,16 @@ def test_layers_without_kernels_warm_nothing(monkeypatch):
     assert _warmed(monkeypatch, config, 1, attention=False, indexer_backend="torch") == []
     window_only = _warmed(monkeypatch, config, 0, attention=True)
     assert window_only == [model_builds("v4", config.index_topk, config.head_dim, selections=False)]
+
+
+def test_a_layer_names_its_builds_once(monkeypatch):
+    calls = []
+    monkeypatch.setattr(sparse_attention, "warm_up", calls.append)
+    monkeypatch.setattr(sparse_attention, "resolve_backend", lambda backend, *tensors, **kw: "tilelang")
+    config = tiny_config()
+    layer = DSASparseAttention(config, 1)
+    q = torch.randn(1, 5, config.num_attention_heads, config.head_dim)
+    for _ in range(3):
+        layer._warm_up_kernels(q, attention=True)
+    layer._warm_up_kernels(q, attention=False)  # another choice of backends: its own set
+    assert [bool(b.attention) for b in calls] == [True, False]
