@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--kinds", nargs="+", default=None, choices=KINDS, help="only these kernel kinds (default: all)")
     args = parser.parse_args(argv)
-    jobs = [job for job in _jobs(args.heads, args.dims, args.counts, args.block_sizes) if args.kinds is None or job[0] in args.kinds]
+    jobs = _jobs(args.heads, args.dims, args.counts, args.block_sizes)
+    jobs = [job for job in jobs if args.kinds is None or job[0] in args.kinds]
     start = time.perf_counter()
     with ProcessPoolExecutor(args.workers) as pool:
         for line in pool.map(_compile, jobs):

@@ -54,7 +54,9 @@ def model_builds(
     else:
         # Reindex layers mask in the select when the row's blocks fit its block map, and select
         # unmasked (the mask applied to the scores) when a long row's do not.
-        blocks = (0,) if candidate_block_size is None else (0, check_positive_int("candidate_block_size", candidate_block_size))
+        blocks = (0,)
+        if candidate_block_size is not None:
+            blocks = (0, check_positive_int("candidate_block_size", candidate_block_size))
         builds = selection_builds(torch.bfloat16, topk, "index", blocks)
     dim = kernel_dim(attention_dim)
     configs = tuple(forward_config(dim, mode) for mode in MODES) + tuple(backward_config(dim, mode) for mode in MODES)

@@ -32,8 +32,8 @@ def test_v4_indexer_layer_warms_its_selection_and_attention(monkeypatch, attenti
 
 
 def test_v41_masked_layers_warm_both_selects_per_mask(monkeypatch):
-    config = tiny_config(scoring="v41", kv_source_layer_ids=(1,), index_source_layer_ids=(1, 3),
-                         candidate_source_layer_id=1, candidate_block_size=2, candidate_topk_blocks=2, index_topk=4)  # fmt: skip
+    config = tiny_config(scoring="v41", kv_source_layer_ids=(1,), index_source_layer_ids=(1, 3), index_topk=4,
+                         candidate_source_layer_id=1, candidate_block_size=2, candidate_topk_blocks=2)
     calls = _warmed(monkeypatch, config, 3, attention=True)
     assert calls == [model_builds("v41", 4, config.head_dim, 2)]
     assert len(calls[0].selections) == 4  # vector and radix select, unmasked and in blocks of 2
