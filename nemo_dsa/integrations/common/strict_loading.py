@@ -124,16 +124,27 @@ def _is_adapter_tensor(name: str) -> bool:
     return ".lora_" in name or leaf.startswith("lora_")
 
 
+def _whole_on_meta(value: torch.Tensor) -> torch.Tensor:
+    """A plain meta tensor with ``value``'s global shape and dtype.
+
+    Under expert parallelism or FSDP a rank's parameters are DTensors holding only its shard, and
+    the adapter converts a DTensor's local experts only; the checkpoint holds the whole model, so
+    the keys and shapes it must have are those the adapter writes for the unsharded tensor (every
+    rank's experts, the full dimensions)."""
+    return torch.empty(tuple(value.shape), dtype=value.dtype, device="meta")
+
+
 def expected_hf_tensors(model: torch.nn.Module, adapter) -> dict[str, tuple[str, tuple[int, ...], bool]]:
-    """``{checkpoint key: (model tensor, shape, floating)}`` that ``adapter`` writes for ``model``
-    (converted on the meta device: names, shapes and dtypes only). Low-rank adapters added by
-    PEFT are not part of a base checkpoint (nemo-automodel initialises them, or loads them from
-    the adapter checkpoint)."""
+    """``{checkpoint key: (model tensor, shape, floating)}`` that ``adapter`` writes for the whole
+    ``model`` (converted on the meta device from global shapes: names, shapes and dtypes only, the
+    same on every rank however the model is sharded). Low-rank adapters added by PEFT are not part
+    of a base checkpoint (nemo-automodel initialises them, or loads them from the adapter
+    checkpoint)."""
     expected: dict[str, tuple[str, tuple[int, ...], bool]] = {}
     for name, value in model.state_dict().items():
         if name.endswith("_extra_state") or _is_adapter_tensor(name):
             continue
-        for hf_key, hf_value in adapter.convert_single_tensor_to_hf(name, torch.empty_like(value, device="meta")):
+        for hf_key, hf_value in adapter.convert_single_tensor_to_hf(name, _whole_on_meta(value)):
             expected[hf_key] = (name, tuple(hf_value.shape), hf_value.is_floating_point())
     return expected
 
@@ -287,7 +298,7 @@ def strict_names_for(model: torch.nn.Module, adapter, where: dict[str, Path]) ->
     def name_of(native: str) -> str:
         value = state.get(native)
         keys = [] if value is None else [
-            k for k, _ in adapter.convert_single_tensor_to_hf(native, torch.empty_like(value, device="meta"))
+            k for k, _ in adapter.convert_single_tensor_to_hf(native, _whole_on_meta(value))
         ]  # fmt: skip
         if not keys:
             return f"checkpoint tensor for {native}"
