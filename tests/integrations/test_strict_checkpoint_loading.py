@@ -13,6 +13,7 @@ own behaviour.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -206,3 +207,55 @@ def test_the_v41_plugin_loads_strictly(tmp_path):
         save_file(broken, str(tmp_path / "model.safetensors"))
         with pytest.raises(ValueError, match=message):
             load_hf_checkpoint(plugin, tmp_path)
+
+
+def _check_on_expert_parallel_rank(rank: int, world_size: int, paths: dict) -> dict:
+    """Each rank's plugin holds only its own experts (DTensors sharded on the expert axis of an
+    ``ep`` mesh, as expert parallelism leaves them) and checks every checkpoint in ``paths``:
+    ``{name: None (accepted) or the error}``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
+    plugin = fresh_plugin()
+    sharded = 0
+    for module in plugin.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if name in ("gate_and_up_projs", "down_projs"):
+                local = distribute_tensor(param.detach(), mesh, [Shard(0)])
+                setattr(module, name, torch.nn.Parameter(local, requires_grad=param.requires_grad))
+                sharded += 1
+    assert sharded >= 2 * 2, sharded  # both expert stacks of the routed layers
+    own = [k for k, v in plugin.state_dict().items() if k.endswith("gate_and_up_projs")]
+    assert plugin.state_dict()[own[0]].to_local().shape[0] == 4 // world_size
+    results = {}
+    for name, path in paths.items():
+        try:
+            plugin.check_checkpoint_source(path)
+            results[name] = None
+        except ValueError as err:
+            results[name] = str(err)
+    return results
+
+
+def test_expert_parallel_ranks_check_against_the_whole_model(good, tmp_path):
+    """On 2 gloo ranks, each holding 2 of the 4 experts: the complete checkpoint passes on both,
+    and an expert of either rank missing or misshapen is a named ValueError on both."""
+    from _cp_spawn import run_on_ranks
+
+    expert = "layers.2.ffn.experts.{}.w2.weight"
+    paths = {"good": str(good[0])}
+    for owner in (0, 3):  # experts 0-1 live on rank 0, 2-3 on rank 1
+        key = expert.format(owner)
+        (tmp_path / f"missing{owner}").mkdir()
+        (tmp_path / f"shape{owner}").mkdir()
+        paths[f"missing{owner}"] = str(broken_copy(good, tmp_path / f"missing{owner}", lambda t, k=key: t.pop(k)))
+        paths[f"shape{owner}"] = str(broken_copy(
+            good, tmp_path / f"shape{owner}", lambda t, k=key: t.update({k: t[k][:, :-1].clone()})
+        ))  # fmt: skip
+    for results in run_on_ranks(_check_on_expert_parallel_rank, 2, paths):
+        assert results["good"] is None, results["good"]
+        for owner in (0, 3):
+            key = expert.format(owner).replace(".", r"\.")
+            assert re.search(f"lacks {key}", results[f"missing{owner}"]), results[f"missing{owner}"]
+            assert re.search(f"{key} has shape", results[f"shape{owner}"]), results[f"shape{owner}"]
