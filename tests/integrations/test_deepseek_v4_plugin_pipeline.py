@@ -45,7 +45,10 @@ pytestmark = pytest.mark.slow
 STAGES = 2
 SEQ = 160  # 40 ratio-4 groups (top-k 6 of them), one ratio-128 group
 IGNORE = -100
-# Pipelined and unpipelined runs of one model do the same arithmetic per micro-batch.
+# Pipelined and unpipelined runs of one model do the same arithmetic per micro-batch; only the
+# order of some fp32 sums differs (gradients accumulate per micro-batch on the stages, in one
+# backward unpipelined), which the hyper-connection mixers' gradients amplify: they are bounded by
+# the model's own movement under ATTENTION_NOISE (hc_floor), as against the built-in.
 SAME_RUN_RTOL = 1e-6
 FROZEN = "compressor.indexer."  # nemo-automodel's recipe freezes the V4 indexer (both models)
 
@@ -229,19 +232,24 @@ def hc_floor(model, batch: dict, labels: torch.Tensor, clean: dict) -> float:
     return floor
 
 
-def assert_same_run(pipe: dict, ref: dict) -> dict:
-    """The pipelined run equals the unpipelined one: every loss and gradient to 1e-6 relative."""
+def assert_same_run(pipe: dict, ref: dict, floor: float) -> dict:
+    """The pipelined run equals the unpipelined one: every loss and gradient to 1e-6 relative, the
+    HC mixers' gradients to max(1e-6, 2 * floor) with ``floor`` the model's ``hc_floor``."""
     assert pipe["grads"].keys() == ref["grads"].keys()
     assert not any(FROZEN in n for n in pipe["grads"]) and pipe["grads"]
+    hc_bound = max(SAME_RUN_RTOL, 2 * floor)
     worst = {"loss_max_abs": float((pipe["losses"] - ref["losses"]).abs().max()), "grad_max_abs": 0.0,
-             "grad_max_rel": 0.0}  # fmt: skip
+             "grad_max_rel": 0.0, "hc_max_rel": 0.0, "hc_bound": hc_bound}  # fmt: skip
     assert rel(pipe["losses"], ref["losses"]) <= SAME_RUN_RTOL, (pipe["losses"], ref["losses"])
     for name, g in ref["grads"].items():
         worst["grad_max_abs"] = max(worst["grad_max_abs"], float((pipe["grads"][name] - g).abs().max()))
         if g.any():
             err = rel(pipe["grads"][name], g)
-            worst["grad_max_rel"] = max(worst["grad_max_rel"], err)
-            assert err <= SAME_RUN_RTOL, f"{name}: rel {err:.3g}"
+            hc = any(m in name for m in HC_MIXERS)
+            key = "hc_max_rel" if hc else "grad_max_rel"
+            worst[key] = max(worst[key], err)
+            allowed = hc_bound if hc else SAME_RUN_RTOL
+            assert err <= allowed, f"{name}: rel {err:.3g} > {allowed:.3g}"
         else:
             assert not pipe["grads"][name].any(), name
     return worst
@@ -287,16 +295,17 @@ def test_pipelined_rows_with_mtp_equal_unpipelined_and_builtin():
     plugin = build("plugin", {}, state)
     ref = unpipelined(plugin, batch, labels)
     assert set(ref["grads"]) == expected_grads(plugin) and any(n.startswith("mtp.") for n in ref["grads"])
-    same = assert_same_run(plugin_pp, ref)
+    same = assert_same_run(plugin_pp, ref, hc_floor(plugin, batch, labels, ref))
     print("rows+mtp: plugin pp losses", plugin_pp["losses"].tolist(), "unpipelined", ref["losses"].tolist(), same)
 
     builtin = build("builtin", {}, state)
     builtin_ref = unpipelined(builtin, batch, labels)
-    assert_same_run(builtin_pp, builtin_ref)
     floor = hc_floor(builtin, batch, labels, builtin_ref)
+    builtin_same = assert_same_run(builtin_pp, builtin_ref, floor)
     loss_rel = rel(plugin_pp["losses"], builtin_pp["losses"])
     worst = assert_gradients_match(builtin_pp["grads"], plugin_pp["grads"], floor)
-    print("rows+mtp: builtin pp losses", builtin_pp["losses"].tolist(), "loss rel", loss_rel, "grads", worst)
+    print("rows+mtp: builtin pp losses", builtin_pp["losses"].tolist(), builtin_same, "loss rel", loss_rel,
+          "grads", worst)  # fmt: skip
     assert loss_rel <= 1e-5
 
     # Validation through the schedule's forward-only pass (the last stage keeps its MTP outputs'
@@ -329,15 +338,16 @@ def test_pipelined_packs_equal_unpipelined_and_builtin():
     plugin_mtp = build("plugin", {}, mtp_state)
     ref = unpipelined(plugin_mtp, batch, labels)
     assert any(n.startswith("mtp.") for n in ref["grads"])
-    same = assert_same_run(plugin_mtp_pp, ref)
+    same = assert_same_run(plugin_mtp_pp, ref, hc_floor(plugin_mtp, batch, labels, ref))
     print("packs+mtp: plugin pp losses", plugin_mtp_pp["losses"].tolist(), "unpipelined", ref["losses"].tolist(), same)
 
     plugin = build("plugin", no_mtp, state)
-    same = assert_same_run(plugin_pp, unpipelined(plugin, batch, labels))
+    plugin_ref = unpipelined(plugin, batch, labels)
+    same = assert_same_run(plugin_pp, plugin_ref, hc_floor(plugin, batch, labels, plugin_ref))
     builtin = build("builtin", no_mtp, state)
     builtin_ref = unpipelined(builtin, batch, labels)
-    assert_same_run(builtin_pp, builtin_ref)
     floor = hc_floor(builtin, batch, labels, builtin_ref)
+    assert_same_run(builtin_pp, builtin_ref, floor)
     loss_rel = rel(plugin_pp["losses"], builtin_pp["losses"])
     worst = assert_gradients_match(builtin_pp["grads"], plugin_pp["grads"], floor)
     print("packs: plugin pp losses", plugin_pp["losses"].tolist(), same, "builtin pp", builtin_pp["losses"].tolist(),
