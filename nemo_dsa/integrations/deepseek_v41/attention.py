@@ -37,6 +37,7 @@ from torch import nn
 from nemo_dsa.integrations.common.attention_layout import CoreAttention, adopt_builtin_layout
 from nemo_dsa.integrations.deepseek_v41.configuration import resolve_dsa_config
 from nemo_dsa.layers.norm import RMSNorm
+from nemo_dsa.layers.rope import rope_angles
 from nemo_dsa.layers.shared_state import SharedLayerState
 from nemo_dsa.models.forward_context import build_forward_state
 
@@ -55,26 +56,29 @@ V41_BUILTIN_TO_NEMO_TENSORS = {"sinks_param": "attn_sink"}
 
 @dataclass(frozen=True)
 class DsaV41ForwardState:
-    """nemo_dsa's state of one V4.1 forward, as the built-in blocks thread it from layer to layer."""
+    """nemo_dsa's state of one V4.1 forward, as the built-in blocks thread it from layer to layer.
+
+    It reads as the built-in's ``DeepseekV41AttentionState`` where callers look: ``compressed_kv``
+    (the latest kv source's rotated, cache-rounded compressed KV ``[B, K, head_dim]``),
+    ``index_keys`` ``[B, K, index_head_dim]``, ``topk_indices`` (compressed-relative ``[B, S, topk]``,
+    -1 = nothing) and ``compression_ratio`` (0 until a kv source ran)."""
 
     metadata: dict  # compression ratio (1 for window-only layers) -> AttentionMetadata
     ctx: Any  # nemo_dsa SequenceContext
     shared: SharedLayerState  # the latest kv source's compressed KV, index keys, selection
-    batch_size: int  # the [B, S] of the tokens the metadata describes: a later layer of the
-    seq_len: int  # forward must attend over the same tokens
+    compression_ratio: int = 0  # the latest kv source's ratio; a consumer of another ratio is refused
 
+    @property
+    def compressed_kv(self) -> torch.Tensor | None:
+        return None if self.shared.source is None else self.shared.source.compressed_kv
 
-@dataclass(frozen=True)
-class RotaryParameters:
-    """A layer's RoPE as the built-in's ``attn.rotary_emb`` describes it: rotary ``dim`` and
-    ``theta``; YaRN ``factor``, ``original_length`` (0 = no YaRN), ``beta_fast``, ``beta_slow``."""
+    @property
+    def index_keys(self) -> torch.Tensor | None:
+        return None if self.shared.source is None else self.shared.source.selection.index_keys
 
-    dim: int
-    theta: float
-    factor: float
-    original_length: int
-    beta_fast: float
-    beta_slow: float
+    @property
+    def topk_indices(self) -> torch.Tensor | None:
+        return None if self.shared.source is None else self.shared.source.selection.topk_indices
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,36 @@ class NemoDsaV41AttentionOutput:
     state: DsaV41ForwardState
 
 
+def _check_backend(backend, attention_dropout: float) -> None:
+    """The built-in's backend contract, refused with the built-in's words (``torch`` also selects
+    nemo_dsa's torch kernels)."""
+    if backend.attn not in ("eager", "sdpa", "tilelang", "torch"):
+        raise ValueError(
+            f"DeepSeek V4.1 attention supports backend.attn='eager', 'sdpa', or 'tilelang' (got {backend.attn!r})"
+        )
+    if backend.attn == "tilelang" and attention_dropout:
+        raise ValueError(
+            f"The TileLang sparse attention backend requires attention_dropout=0 (got {attention_dropout})"
+        )
+    if backend.linear != "torch" or backend.rms_norm not in ("torch_fp32", "te"):
+        raise ValueError(
+            "DeepSeek V4.1 attention requires torch linear layers and torch_fp32 or te RMSNorm "
+            f"(got backend.linear={backend.linear!r}, backend.rms_norm={backend.rms_norm!r})"
+        )
+
+
+class RotaryAngles(nn.Module):
+    """The layer's RoPE as the built-in's ``rotary_emb``: ``dim``, ``theta``, and
+    ``forward(position_ids)`` -> fp32 angles ``[..., dim // 2]`` (YaRN-blended on compressed layers)."""
+
+    def __init__(self, dim: int, theta: float, scaling) -> None:
+        super().__init__()
+        self.dim, self.theta, self.scaling = dim, theta, scaling
+
+    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
+        return rope_angles(position_ids, self.dim, self.theta, self.scaling)
+
+
 class NemoDsaDeepseekV41Attention(CoreAttention):
     """Drop-in ``attn`` of a DeepSeek-V4.1 block that computes with nemo_dsa (see module docstring)."""
 
@@ -92,6 +126,8 @@ class NemoDsaDeepseekV41Attention(CoreAttention):
         from nemo_automodel.components.models.common import BackendConfig
 
         backend = backend or BackendConfig()
+        text = getattr(config, "text_config", None) or config
+        _check_backend(backend, float(getattr(text, "attention_dropout", 0.0) or 0.0))
         standalone = dsa_config is None
         if standalone:
             dsa_config = resolve_dsa_config(config, backend, options)
@@ -100,7 +136,6 @@ class NemoDsaDeepseekV41Attention(CoreAttention):
         super().__init__(
             dsa_config, layer_idx, V41_BUILTIN_TO_NEMO_MODULES, V41_BUILTIN_TO_NEMO_TENSORS, "DeepseekV41Attention"
         )
-        text = getattr(config, "text_config", None) or config
         self.dsa_config = dsa_config
         self.backend = backend
         self.cp_group = None
@@ -111,6 +146,7 @@ class NemoDsaDeepseekV41Attention(CoreAttention):
         self.attention_dropout = float(getattr(text, "attention_dropout", 0.0) or 0.0)
         self.is_kv_source = layer_idx in text.kv_source_layer_ids
         self.is_index_source = layer_idx in text.index_source_layer_ids
+        self.rotary_emb = RotaryAngles(self._core.rope_dim, self._core.rope_theta, self._core.rope_scaling)
         for absent in ("compressor", "indexer"):
             if not hasattr(self, absent):
                 setattr(self, absent, None)  # as the built-in's layers without them
@@ -160,7 +196,24 @@ class NemoDsaDeepseekV41Attention(CoreAttention):
     ) -> NemoDsaV41AttentionOutput:
         """Attend over ``hidden_states [B, S, hidden]`` (the local shard under CP); ``state``: the
         previous attention's (module docstring)."""
-        if not isinstance(state, DsaV41ForwardState):  # the forward's first attention layer, or a layer alone
+        batch, seq = hidden_states.shape[:2]
+        consumer = self.compress_ratio > 0 and self.compressor is None
+        if consumer and (getattr(state, "compressed_kv", None) is None or state.compression_ratio != self.compress_ratio):
+            raise ValueError(
+                f"layer {self.layer_idx} (compression ratio {self.compress_ratio}) reuses a kv source: a CSA2 consumer "
+                "requires a preceding Full layer with the same compression ratio"
+            )
+        fresh = not isinstance(state, DsaV41ForwardState)  # the forward's first attention layer, or a layer alone
+        if not fresh:
+            meta = state.metadata[max(self.compress_ratio, 1)]
+            if (meta.batch_size, meta.seq_len) != (batch, seq):
+                if consumer:
+                    raise ValueError(
+                        f"layer {self.layer_idx}: CSA2 state belongs to a different batch or sequence "
+                        f"(state [{meta.batch_size}, {meta.seq_len}], hidden_states [{batch}, {seq}])"
+                    )
+                fresh = True  # a kv source or window layer starts its own forward, as the built-in's
+        if fresh:
             state = self._own_forward_state(hidden_states, position_ids, attention_mask, packed_seq_ids, cp_group)
         elif tuple(hidden_states.shape[:2]) != (state.batch_size, state.seq_len):
             raise ValueError(
@@ -171,7 +224,10 @@ class NemoDsaDeepseekV41Attention(CoreAttention):
         out, aux = self.call_core(hidden_states, state.metadata[max(self.compress_ratio, 1)], state.ctx, shared)
         if aux is not None:
             raise ValueError("the V4.1 indexer is frozen: no indexer loss exists (indexer_kl_coef must be 0)")
-        return NemoDsaV41AttentionOutput(out, replace(state, shared=shared))
+        if shared.source is state.shared.source:  # nothing new to hand on: the same state, as the built-in
+            return NemoDsaV41AttentionOutput(out, state)
+        ratio = self.compress_ratio if self.compressor is not None else state.compression_ratio
+        return NemoDsaV41AttentionOutput(out, replace(state, shared=shared, compression_ratio=ratio))
 
     def _own_forward_state(self, hidden_states, position_ids, attention_mask, packed_seq_ids, cp_group):
         batch, seq = hidden_states.shape[:2]
