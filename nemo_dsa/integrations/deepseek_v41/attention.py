@@ -107,6 +107,35 @@ def _check_backend(backend, attention_dropout: float) -> None:
         )
 
 
+def _check_layout(position_ids, attention_mask, packed_seq_ids, batch: int, seq: int, cp_group) -> None:
+    """The built-in's input contract, refused in its words: ``position_ids`` ``[B|1, S]``, on rows
+    the contiguous global positions (no packing by position resets: packs come with
+    ``packed_seq_ids``); a binary right-padding ``attention_mask [B, S]``."""
+    if tuple(position_ids.shape) not in ((1, seq), (batch, seq)):
+        raise ValueError(
+            f"DeepSeek V4.1 position_ids must have shape [batch, sequence] or [1, sequence] (got {tuple(position_ids.shape)})"
+        )
+    if packed_seq_ids is None:
+        rank = 0 if cp_group is None else torch.distributed.get_rank(cp_group)
+        expected = torch.arange(seq, device=position_ids.device) + rank * seq
+        if not torch.equal(position_ids, expected.expand_as(position_ids)):
+            raise ValueError(
+                "DeepSeek V4.1 attention supports only contiguous zero-based full-sequence position_ids "
+                "(packed documents come with packed_seq_ids)"
+            )
+    elif tuple(packed_seq_ids.shape) != (batch, seq):
+        raise ValueError(f"packed_seq_ids must have shape [batch, local_sequence] (got {tuple(packed_seq_ids.shape)})")
+    if attention_mask is None:
+        return
+    if tuple(attention_mask.shape) != (batch, seq):
+        raise ValueError(f"DeepSeek V4.1 attention_mask must have shape [batch, sequence] (got {tuple(attention_mask.shape)})")
+    if not torch.all((attention_mask == 0) | (attention_mask == 1)):
+        raise ValueError("DeepSeek V4.1 attention_mask must contain only zero and one")
+    valid = attention_mask.bool()
+    if packed_seq_ids is None and torch.any(valid[:, 1:] & ~valid[:, :-1]):
+        raise ValueError("DeepSeek V4.1 compression supports right padding only (attention_mask has a 0 before a 1)")
+
+
 class RotaryAngles(nn.Module):
     """The layer's RoPE as the built-in's ``rotary_emb``: ``dim``, ``theta``, and
     ``forward(position_ids)`` -> fp32 angles ``[..., dim // 2]`` (YaRN-blended on compressed layers)."""
@@ -231,6 +260,8 @@ class NemoDsaDeepseekV41Attention(CoreAttention):
 
     def _own_forward_state(self, hidden_states, position_ids, attention_mask, packed_seq_ids, cp_group):
         batch, seq = hidden_states.shape[:2]
+        group = self.cp_group if cp_group is None else cp_group
+        _check_layout(position_ids, attention_mask, packed_seq_ids, batch, seq, group)
         if position_ids.shape[0] != batch:
             position_ids = position_ids.expand(batch, -1)
         if packed_seq_ids is not None:
