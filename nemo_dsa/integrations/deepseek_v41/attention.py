@@ -28,7 +28,7 @@ the compressed KV and index keys and read the previous rank's window tail.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -67,6 +67,10 @@ class DsaV41ForwardState:
     ctx: Any  # nemo_dsa SequenceContext
     shared: SharedLayerState  # the latest kv source's compressed KV, index keys, selection
     compression_ratio: int = 0  # the latest kv source's ratio; a consumer of another ratio is refused
+    candidate_block_size: int = 1  # compressed positions per candidate block (the config's)
+    # Dense views made on first read (``candidates``), shared by the states of one forward so that a
+    # view of the same tensors is one object, as the built-in hands the same tensor on.
+    views: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def compressed_kv(self) -> torch.Tensor | None:
@@ -79,6 +83,26 @@ class DsaV41ForwardState:
     @property
     def topk_indices(self) -> torch.Tensor | None:
         return None if self.shared.source is None else self.shared.source.selection.topk_indices
+
+    @property
+    def candidates(self) -> torch.Tensor | None:
+        """The candidate source's kept blocks as the built-in's mask ``bool [B, S, K]``: the visible
+        compressed positions ``[ks, ke)`` of each query whose block (counted from ``ks``) was kept."""
+        source = self.shared.source
+        blocks = None if source is None else source.candidate_blocks
+        if blocks is None:
+            return None
+        cached = self.views.get("candidates")
+        if cached is None or cached[0] is not blocks:
+            meta = self.metadata[source.ratio]
+            keys = torch.arange(source.compressed_kv.shape[1], device=blocks.device)
+            ks, ke = meta.ks.long().unsqueeze(-1), meta.ke.long().unsqueeze(-1)
+            visible = (keys >= ks) & (keys < ke)
+            block_of_key = torch.div(keys - ks, self.candidate_block_size, rounding_mode="floor")
+            kept = (block_of_key.unsqueeze(-1) == blocks.long().unsqueeze(-2)).any(-1)
+            cached = (blocks, visible & kept)
+            self.views["candidates"] = cached
+        return cached[1]
 
 
 @dataclass(frozen=True)
@@ -276,7 +300,9 @@ class NemoDsaDeepseekV41Attention(CoreAttention):
             self.dsa_config.compress_ratios, self.cp_group if cp_group is None else cp_group, batch_size=batch,
             seq_len=seq, device=hidden_states.device, **layout,
         )  # fmt: skip
-        return DsaV41ForwardState(forward.metadata, forward.ctx, forward.shared, batch, seq)
+        return DsaV41ForwardState(
+            forward.metadata, forward.ctx, forward.shared, candidate_block_size=self.dsa_config.candidate_block_size
+        )
 
     @torch.no_grad()
     def reset_parameters(self, init_std: float = 0.02) -> None:
