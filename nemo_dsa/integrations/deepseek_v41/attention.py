@@ -85,6 +85,19 @@ class DsaV41ForwardState:
         return None if self.shared.source is None else self.shared.source.selection.topk_indices
 
     @property
+    def compressed_valid(self) -> torch.Tensor | None:
+        """``bool [B, K]``: compressed positions whose R tokens are all real ones of one document,
+        on the global compressed axis (gathered over the CP group)."""
+        if self.shared.source is None:
+            return None
+        cached = self.views.get(("compressed_valid", self.compression_ratio))
+        if cached is None:
+            local = self.metadata[self.compression_ratio].group_valid
+            cached = self.ctx.gather_sequence(local.to(torch.uint8), 1).bool()
+            self.views[("compressed_valid", self.compression_ratio)] = cached
+        return cached
+
+    @property
     def candidates(self) -> torch.Tensor | None:
         """The candidate source's kept blocks as the built-in's mask ``bool [B, S, K]``: the visible
         compressed positions ``[ks, ke)`` of each query whose block (counted from ``ks``) was kept."""
