@@ -298,6 +298,14 @@ class NemoDsaDeepseekV41Attention(CoreAttention):
     def _own_forward_state(self, hidden_states, position_ids, attention_mask, packed_seq_ids, cp_group):
         batch, seq = hidden_states.shape[:2]
         group = self.cp_group if cp_group is None else cp_group
+        cp_size = 1 if group is None else torch.distributed.get_world_size(group)
+        straddling = sorted({r for r in self.dsa_config.compress_ratios if r > 1 and seq % r})
+        if cp_size > 1 and straddling:
+            # Every layer's metadata is built here, so a ratio of any layer that splits a group across ranks is refused.
+            raise ValueError(
+                f"DeepSeek V4.1 CP shards must contain complete compression groups: local length {seq} is not a "
+                f"multiple of compression ratio(s) {straddling}"
+            )
         _check_layout(position_ids, attention_mask, packed_seq_ids, batch, seq, group)
         if position_ids.shape[0] != batch:
             position_ids = position_ids.expand(batch, -1)
