@@ -174,12 +174,18 @@ def _check_layout(position_ids, attention_mask, packed_seq_ids, batch: int, seq:
 
 
 class RotaryAngles(nn.Module):
-    """The layer's RoPE as the built-in's ``rotary_emb``: ``dim``, ``theta``, and
-    ``forward(position_ids)`` -> fp32 angles ``[..., dim // 2]`` (YaRN-blended on compressed layers)."""
+    """The layer's RoPE as the built-in's ``rotary_emb`` describes and computes it: ``dim``,
+    ``theta``; YaRN ``factor``, ``original_length`` (0 = no YaRN), ``beta_fast``, ``beta_slow``
+    (YaRN on compressed layers only, as in the release); ``forward(position_ids)`` -> fp32 angles
+    ``[..., dim // 2]``. It holds no tensors (nothing to save or shard)."""
 
     def __init__(self, dim: int, theta: float, scaling) -> None:
         super().__init__()
-        self.dim, self.theta, self.scaling = dim, theta, scaling
+        self.dim, self.theta, self.scaling = dim, float(theta), scaling
+        yarn = scaling or {}
+        self.factor = float(yarn.get("factor", 1.0))
+        self.original_length = int(yarn.get("original_max_position_embeddings", 0))
+        self.beta_fast, self.beta_slow = float(yarn.get("beta_fast", 32)), float(yarn.get("beta_slow", 1))
 
     def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
         return rope_angles(position_ids, self.dim, self.theta, self.scaling)
@@ -236,16 +242,6 @@ class NemoDsaDeepseekV41Attention(CoreAttention):
         self.cp_group = cp_mesh.get_group()
 
     @property
-    def rotary_emb(self) -> RotaryParameters:
-        """The RoPE this layer applies (YaRN on compressed layers only, as in the release)."""
-        scaling = self._core.rope_scaling or {}
-        return RotaryParameters(
-            dim=self._core.rope_dim, theta=float(self._core.rope_theta), factor=float(scaling.get("factor", 1.0)),
-            original_length=int(scaling.get("original_max_position_embeddings", 0)),
-            beta_fast=float(scaling.get("beta_fast", 32)), beta_slow=float(scaling.get("beta_slow", 1)),
-        )  # fmt: skip
-
-    @property
     def attn_sink(self) -> nn.Parameter:
         """The per-head fp32 sink logits (the built-in's accessor)."""
         return self.sinks_param.weight
@@ -275,17 +271,13 @@ class NemoDsaDeepseekV41Attention(CoreAttention):
             if (meta.batch_size, meta.seq_len) != (batch, seq):
                 if consumer:
                     raise ValueError(
-                        f"layer {self.layer_idx}: CSA2 state belongs to a different batch or sequence "
-                        f"(state [{meta.batch_size}, {meta.seq_len}], hidden_states [{batch}, {seq}])"
+                        f"state: the CSA2 state an earlier layer built belongs to a different batch or sequence "
+                        f"([B, S] = [{meta.batch_size}, {meta.seq_len}]), got hidden_states of [B, S] = [{batch}, {seq}] "
+                        f"(layer {self.layer_idx}, which reuses it)"
                     )
                 fresh = True  # a kv source or window layer starts its own forward, as the built-in's
         if fresh:
             state = self._own_forward_state(hidden_states, position_ids, attention_mask, packed_seq_ids, cp_group)
-        elif tuple(hidden_states.shape[:2]) != (state.batch_size, state.seq_len):
-            raise ValueError(
-                f"state: built by an earlier layer for a different batch or sequence ([B, S] = "
-                f"[{state.batch_size}, {state.seq_len}]), got hidden_states of [B, S] = {list(hidden_states.shape[:2])}"
-            )
         shared = SharedLayerState(source=state.shared.source)
         out, aux = self.call_core(hidden_states, state.metadata[max(self.compress_ratio, 1)], state.ctx, shared)
         if aux is not None:
