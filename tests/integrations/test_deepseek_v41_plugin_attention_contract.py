@@ -76,7 +76,8 @@ def test_state_fields_and_outputs_match_the_builtin(rows, length, real):
             if ref_field is None or (name == "candidates" and ref_field.numel() == 0):
                 continue
             assert mine_field is not None, (layer_idx, name)
-            if name in ("compressed_kv", "index_keys"):  # groups holding padding are never attended: their values are free
+            # Groups holding padding are never attended: their values are free.
+            if name in ("compressed_kv", "index_keys"):
                 valid = ref_state.compressed_valid
                 torch.testing.assert_close(state.compressed_valid, valid, atol=0, rtol=0)
                 mine_field, ref_field = mine_field[valid], ref_field[valid]

@@ -12,10 +12,12 @@ Cross-layer state: the built-in's blocks hand each attention the state the previ
 returned. The first attention of a forward receives the model's empty built-in state and builds
 nemo_dsa's per-forward state from the block's inputs (``position_ids``, ``attention_mask``,
 ``packed_seq_ids``, ``cp_group``: one ``AttentionMetadata`` per compression ratio and the sequence
-context); every attention returns a
-new state object holding a fresh ``SharedLayerState`` with the latest kv source, so no state a
-layer received is changed afterwards (activation recomputation replays a layer on the state it
-first saw, as with the built-in's immutable state).
+context). An attention that makes a new kv source or selection returns a new state object holding
+a fresh ``SharedLayerState``; one with nothing new (window-only and reuse layers) returns the state
+it received, so no state a layer received is changed afterwards (activation recomputation replays
+a layer on the state it first saw, as with the built-in's immutable state). The state reads as the
+built-in's where callers look (``DsaV41ForwardState``); what it holds for padding (groups with a
+padding token, queries that are padding) is never attended and may differ from the built-in's.
 
 Context parallelism: the built-in's own CP sharder (``prepare_model_inputs_for_cp``: documents
 aligned to the compression multiple, the row padded to ``cp_size * lcm(ratios)``, contiguous
@@ -150,7 +152,8 @@ def _check_layout(position_ids, attention_mask, packed_seq_ids, batch: int, seq:
     ``packed_seq_ids``); a binary right-padding ``attention_mask [B, S]``."""
     if tuple(position_ids.shape) not in ((1, seq), (batch, seq)):
         raise ValueError(
-            f"DeepSeek V4.1 position_ids must have shape [batch, sequence] or [1, sequence] (got {tuple(position_ids.shape)})"
+            "DeepSeek V4.1 position_ids must have shape [batch, sequence] or [1, sequence] "
+            f"(got {tuple(position_ids.shape)})"
         )
     if packed_seq_ids is None:
         rank = 0 if cp_group is None else torch.distributed.get_rank(cp_group)
@@ -165,7 +168,9 @@ def _check_layout(position_ids, attention_mask, packed_seq_ids, batch: int, seq:
     if attention_mask is None:
         return
     if tuple(attention_mask.shape) != (batch, seq):
-        raise ValueError(f"DeepSeek V4.1 attention_mask must have shape [batch, sequence] (got {tuple(attention_mask.shape)})")
+        raise ValueError(
+            f"DeepSeek V4.1 attention_mask must have shape [batch, sequence] (got {tuple(attention_mask.shape)})"
+        )
     if not torch.all((attention_mask == 0) | (attention_mask == 1)):
         raise ValueError("DeepSeek V4.1 attention_mask must contain only zero and one")
     valid = attention_mask.bool()
@@ -260,7 +265,8 @@ class NemoDsaDeepseekV41Attention(CoreAttention):
         previous attention's (module docstring)."""
         batch, seq = hidden_states.shape[:2]
         consumer = self.compress_ratio > 0 and self.compressor is None
-        if consumer and (getattr(state, "compressed_kv", None) is None or state.compression_ratio != self.compress_ratio):
+        has_source = getattr(state, "compressed_kv", None) is not None
+        if consumer and (not has_source or state.compression_ratio != self.compress_ratio):
             raise ValueError(
                 f"layer {self.layer_idx} (compression ratio {self.compress_ratio}) reuses a kv source: a CSA2 consumer "
                 "requires a preceding Full layer with the same compression ratio"
@@ -272,7 +278,8 @@ class NemoDsaDeepseekV41Attention(CoreAttention):
                 if consumer:
                     raise ValueError(
                         f"state: the CSA2 state an earlier layer built belongs to a different batch or sequence "
-                        f"([B, S] = [{meta.batch_size}, {meta.seq_len}]), got hidden_states of [B, S] = [{batch}, {seq}] "
+                        f"([B, S] = [{meta.batch_size}, {meta.seq_len}]), "
+                        f"got hidden_states of [B, S] = [{batch}, {seq}] "
                         f"(layer {self.layer_idx}, which reuses it)"
                     )
                 fresh = True  # a kv source or window layer starts its own forward, as the built-in's
