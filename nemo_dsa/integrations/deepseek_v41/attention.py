@@ -146,36 +146,51 @@ def _check_backend(backend, attention_dropout: float) -> None:
         )
 
 
-def _check_layout(position_ids, attention_mask, packed_seq_ids, batch: int, seq: int, cp_group) -> None:
+def _refusal(message: str):
+    def raise_error():
+        raise ValueError(message)
+
+    return raise_error
+
+
+def _layout_checks(position_ids, attention_mask, packed_seq_ids, batch: int, seq: int, cp_group) -> list:
     """The built-in's input contract, refused in its words: ``position_ids`` ``[B|1, S]``, on rows
     the contiguous global positions (no packing by position resets: packs come with
-    ``packed_seq_ids``); a binary right-padding ``attention_mask [B, S]``."""
+    ``packed_seq_ids``); a binary right-padding ``attention_mask [B, S]``. Shapes are checked here;
+    the value checks come back as ``(bad, raise_error)`` pairs for the metadata's one host read."""
     if tuple(position_ids.shape) not in ((1, seq), (batch, seq)):
         raise ValueError(
             "DeepSeek V4.1 position_ids must have shape [batch, sequence] or [1, sequence] "
             f"(got {tuple(position_ids.shape)})"
         )
+    checks = []
     if packed_seq_ids is None:
         rank = 0 if cp_group is None else torch.distributed.get_rank(cp_group)
         expected = torch.arange(seq, device=position_ids.device) + rank * seq
-        if not torch.equal(position_ids, expected.expand_as(position_ids)):
-            raise ValueError(
-                "DeepSeek V4.1 attention supports only contiguous zero-based full-sequence position_ids "
-                "(packed documents come with packed_seq_ids)"
-            )
+        checks.append((
+            (position_ids != expected.expand_as(position_ids)).any(),
+            _refusal("DeepSeek V4.1 attention supports only contiguous zero-based full-sequence position_ids "
+                     "(packed documents come with packed_seq_ids)"),
+        ))  # fmt: skip
     elif tuple(packed_seq_ids.shape) != (batch, seq):
         raise ValueError(f"packed_seq_ids must have shape [batch, local_sequence] (got {tuple(packed_seq_ids.shape)})")
     if attention_mask is None:
-        return
+        return checks
     if tuple(attention_mask.shape) != (batch, seq):
         raise ValueError(
             f"DeepSeek V4.1 attention_mask must have shape [batch, sequence] (got {tuple(attention_mask.shape)})"
         )
-    if not torch.all((attention_mask == 0) | (attention_mask == 1)):
-        raise ValueError("DeepSeek V4.1 attention_mask must contain only zero and one")
-    valid = attention_mask.bool()
-    if packed_seq_ids is None and torch.any(valid[:, 1:] & ~valid[:, :-1]):
-        raise ValueError("DeepSeek V4.1 compression supports right padding only (attention_mask has a 0 before a 1)")
+    checks.append((
+        ((attention_mask != 0) & (attention_mask != 1)).any(),
+        _refusal("DeepSeek V4.1 attention_mask must contain only zero and one"),
+    ))  # fmt: skip
+    if packed_seq_ids is None:
+        valid = attention_mask.bool()
+        checks.append((
+            (valid[:, 1:] & ~valid[:, :-1]).any(),
+            _refusal("DeepSeek V4.1 compression supports right padding only (attention_mask has a 0 before a 1)"),
+        ))  # fmt: skip
+    return checks
 
 
 class RotaryAngles(nn.Module):
@@ -305,7 +320,9 @@ class NemoDsaDeepseekV41Attention(CoreAttention):
                 f"DeepSeek V4.1 CP shards must contain complete compression groups: local length {seq} is not a "
                 f"multiple of compression ratio(s) {straddling}"
             )
-        _check_layout(position_ids, attention_mask, packed_seq_ids, batch, seq, group)
+        # Read with the metadata's own flags (one host read), so they must sit on its device.
+        checks = [(bad.to(hidden_states.device), refuse)
+                  for bad, refuse in _layout_checks(position_ids, attention_mask, packed_seq_ids, batch, seq, group)]  # fmt: skip
         if position_ids.shape[0] != batch:
             position_ids = position_ids.expand(batch, -1)
         if packed_seq_ids is not None:
@@ -318,7 +335,7 @@ class NemoDsaDeepseekV41Attention(CoreAttention):
             layout = {"position_ids": position_ids, "attention_mask": None if attention_mask is None else attention_mask.long()}
         forward = build_forward_state(
             self.dsa_config.compress_ratios, self.cp_group if cp_group is None else cp_group, batch_size=batch,
-            seq_len=seq, device=hidden_states.device, **layout,
+            seq_len=seq, device=hidden_states.device, extra_checks=checks, **layout,
         )  # fmt: skip
         return DsaV41ForwardState(
             forward.metadata, forward.ctx, forward.shared, candidate_block_size=self.dsa_config.candidate_block_size
