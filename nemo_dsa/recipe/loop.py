@@ -490,8 +490,8 @@ def split_sizes(documents, tokenizer, stream, val_batches: list, val_percent: in
 
 def describe_sizes(sizes: dict[str, int]) -> str:
     return (f"data: {sizes['train_documents']:,} training documents ({sizes['train_tokens']:,} tokens), "
-            f"{sizes['val_documents']:,} validation documents ({sizes['val_tokens']:,} tokens, "
-            f"{sizes['val_tokens_evaluated']:,} of them in the validation batches)")
+            f"{sizes['val_documents']:,} validation documents ({sizes['val_tokens']:,} tokens; "
+            f"the validation batches evaluate {sizes['val_tokens_evaluated']:,})")
 
 
 class RunFinished(ValueError):
