@@ -44,19 +44,6 @@ def attention_block(block, family: str):
     return block.self_attn if family == "v4" else block.attn
 
 
-def redraw_attention_(model, family: str, seed: int) -> None:
-    """Attention weights large enough that attention decides the loss (norm scales near 1), and
-    an LM head of unit-size logits, so the loss is far from the uniform log(vocab)."""
-    gen = torch.Generator().manual_seed(seed)
-    marker = ".self_attn." if family == "v4" else ".attn."
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if marker in name:
-                noise = torch.randn(p.shape, generator=gen)
-                p.copy_(1 + 0.1 * noise if "norm" in name and p.ndim == 1 else noise * (0.5 if p.ndim == 1 else 0.15))
-        model.lm_head.weight.copy_(torch.randn(model.lm_head.weight.shape, generator=gen))
-
-
 def build_sides(family: str):
     """(plugin, built-in) as the benchmark builds them: the plugin first, its weights into the built-in."""
     config = sides.model_config(family, sides.DEFAULT_RATIOS[family], VOCAB, 2, dtype="float32", **TINY[family])
