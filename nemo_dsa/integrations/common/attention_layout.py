@@ -53,6 +53,14 @@ class CoreAttention(nn.Module):
     (handed to ``core`` per call). Shared by the DeepSeek-V4 and V4.1 plugins.
     """
 
+    @classmethod
+    def replacing(cls, builtin: nn.Module, config, layer_idx: int, backend, dsa_config) -> "CoreAttention":
+        """The replacement of a built-in attention: same parameter names, shapes, dtypes and device."""
+        device = next(builtin.parameters()).device
+        with torch.device(device):
+            attention = cls(config, layer_idx, backend, dsa_config=dsa_config)
+        return adopt_builtin_layout(builtin, attention, layer_idx)
+
     def __init__(self, dsa_config, layer_idx: int, module_map: dict, tensor_map: dict, builtin_class: str) -> None:
         super().__init__()
         if dsa_config is None:

@@ -148,13 +148,6 @@ class NemoDsaDeepseekV4Attention(CoreAttention):
                 builtin = DeepseekV4Attention(config, layer_idx, backend)
             adopt_builtin_layout(builtin, self, layer_idx)
 
-    @classmethod
-    def replacing(cls, builtin: nn.Module, config, layer_idx: int, backend: Any, dsa_config) -> "NemoDsaDeepseekV4Attention":
-        """The replacement of a built-in attention: same parameter names, shapes, dtypes and device."""
-        device = next(builtin.parameters()).device
-        with torch.device(device):
-            attention = cls(config, layer_idx, backend, dsa_config=dsa_config)
-        return adopt_builtin_layout(builtin, attention, layer_idx)
 
     def _container(self, dotted: str) -> nn.Module:
         if dotted == "compressor":

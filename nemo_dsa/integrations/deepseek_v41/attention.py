@@ -249,13 +249,6 @@ class NemoDsaDeepseekV41Attention(CoreAttention):
                 builtin = DeepseekV41Attention(text, layer_idx, backend)
             adopt_builtin_layout(builtin, self, layer_idx)
 
-    @classmethod
-    def replacing(cls, builtin: nn.Module, config, layer_idx: int, backend: Any, dsa_config) -> "NemoDsaDeepseekV41Attention":
-        """The replacement of a built-in attention: same parameter names, shapes, dtypes and device."""
-        device = next(builtin.parameters()).device
-        with torch.device(device):
-            attention = cls(config, layer_idx, backend, dsa_config=dsa_config)
-        return adopt_builtin_layout(builtin, attention, layer_idx)
 
     def setup_cp_attention(self, cp_mesh) -> None:
         """nemo-automodel's CP hook: the group that calls without ``cp_group`` use."""
