@@ -180,6 +180,8 @@ def main() -> None:
     parser.add_argument("--recompute", default=None,
                         help="the plugin's recompute parts, comma-separated (hyper_connections,norms,attention; "
                              "nemo_dsa.integrations.common.recompute); the built-in side is unchanged")  # fmt: skip
+    parser.add_argument("--hc-backend", default=None, choices=["auto", "triton", "torch"],
+                        help="the plugin's hyper_connection_backend (default: the plugin's default)")  # fmt: skip
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("model_step needs a CUDA GPU")
@@ -187,6 +189,8 @@ def main() -> None:
     config = model_config(args.family, ratios, args.vocab, args.experts)
     if args.recompute:
         config.recompute = args.recompute  # read by the plugin's constructor, ignored by the built-in
+    if args.hc_backend:
+        config.hyper_connection_backend = args.hc_backend  # likewise
     torch.manual_seed(0)
     rows = []
     profiles = []

@@ -529,6 +529,8 @@ def main(argv=None) -> None:
     parser.add_argument("--peak-tflops", type=float, default=None, help="compute peak (default 770 on CUDA)")
     parser.add_argument("--peak-tbs", type=float, default=None, help="HBM peak TB/s (default by card name)")
     parser.add_argument("--out", default=None, help="JSON file (the table goes next to it as .md)")
+    parser.add_argument("--hc-backend", default=None, choices=["auto", "triton", "torch"],
+                        help="the plugin's hyper_connection_backend (default: the plugin's default)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.exit(2, "step_profile: --device cuda needs a CUDA GPU (or --device cpu --tiny)\n")
@@ -543,6 +545,8 @@ def main(argv=None) -> None:
         overrides = TINY_OVERRIDES[family] if args.tiny else {}
         config = model_config(family, DEFAULT_RATIOS[family], vocab, args.experts,
                               dtype="float32" if args.tiny else "bfloat16", **overrides)  # fmt: skip
+        if args.hc_backend:
+            config.hyper_connection_backend = args.hc_backend  # read by the plugin's constructor only
         build_kwargs = {"device": args.device, "dtype": dtype, "attn": "sdpa" if args.device == "cpu" else "tilelang"}
         torch.manual_seed(0)
         sides, weights, profile = {}, None, None

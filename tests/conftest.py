@@ -16,6 +16,11 @@ if "TILELANG_CACHE_DIR" not in os.environ or "HYPOTHESIS_STORAGE_DIRECTORY" not 
     os.environ.setdefault("TILELANG_CACHE_DIR", os.path.join(_SESSION_DIR, "tilelang"))
     os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", os.path.join(_SESSION_DIR, "hypothesis"))
 
+# Without a GPU, Triton kernels run in Triton's interpreter (the same kernels, on the CPU): the
+# hyper-connection tests check their arithmetic that way. Set before anything imports a kernel.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 try:
     from hypothesis.configuration import set_hypothesis_home_dir
 except ImportError:  # hypothesis is a dev dependency; the tests that use it import it themselves

@@ -36,7 +36,9 @@ indexer's and the window + compressed attention's kernels: ``auto`` | ``tilelang
 of ``tilelang`` / ``torch`` selects both unless they are given; an unset ``attention_backend``
 follows the indexer's), ``fused_topk`` and ``recompute`` (parts recomputed in the backward instead
 of kept: ``hyper_connections``, ``norms``, ``attention``; a list or a comma-separated string,
-default none; see ``nemo_dsa.integrations.common.recompute``).
+default none; see ``nemo_dsa.integrations.common.recompute``) and ``hyper_connection_backend``
+(``auto`` | ``triton`` | ``torch``: the blocks' hyper-connections on nemo_dsa's fused kernels or
+in nemo-automodel's torch arithmetic; ``integrations/common/hyper_connections.py``).
 Enabled indexer KL losses reach the backward through the final hidden state (zero in the
 forward), with the gradient nemo-automodel's trainer gives auxiliary losses under gradient
 accumulation and CP (``nemo_dsa.integrations.common.aux_loss``), and are reported as ``indexer_aux_loss``.
@@ -61,8 +63,10 @@ from nemo_dsa.integrations.deepseek_v4.configuration import (
     resolve_dsa_config,
 )
 from nemo_dsa.integrations.common.lm_head import Fp32HeadLinear, adopt_fp32_head, called_with_bf16
+from nemo_dsa.integrations.common.hyper_connections import pop_hc_backend_option
 from nemo_dsa.integrations.common.recompute import apply_recompute, pop_recompute_option
 from nemo_dsa.integrations.common.strict_loading import IDENTITY_KEY_MAPPING, StrictCheckpointLoading
+from nemo_dsa.integrations.deepseek_v4.block import adopt_hyper_connections
 from nemo_dsa.integrations.deepseek_v4.backbone import ForwardStateSlot, NemoDsaDeepseekV4Model, moe_padding_mask
 from nemo_dsa.integrations.deepseek_v4.pipeline import checked_mtp_embeds, mtp_embeds_to_send
 from nemo_dsa.layers.shared_state import SharedLayerState
@@ -115,7 +119,9 @@ class NemoDsaDeepseekV4ForCausalLM(StrictCheckpointLoading, DeepseekV4ForCausalL
             raise ValueError("vision_n_layers must be 0: the nemo_dsa plugin supports the DeepSeek-V4 text model")
         options = {name: kwargs.pop(name) for name in list(kwargs) if name in OPTION_DEFAULTS}
         recompute = pop_recompute_option(kwargs, config)
+        hc_backend = pop_hc_backend_option(kwargs, config)
         super().__init__(config, moe_config, backend, **kwargs)
+        self.hyper_connection_backend = hc_backend
         self.dsa_config = resolve_dsa_config(config, self.backend, options)
         self.config.architectures = [ARCHITECTURE]
         # A model without attention layers (dsa_config None) still checks each forward's layout.
@@ -126,6 +132,7 @@ class NemoDsaDeepseekV4ForCausalLM(StrictCheckpointLoading, DeepseekV4ForCausalL
             block.self_attn = self._nemo_dsa_attention(block.self_attn, block.layer_idx)
         adopt_fp32_head(self)
         mtp_blocks = list(self.mtp.layers) if self.mtp is not None else []
+        adopt_hyper_connections([*self.model.layers.values(), *mtp_blocks], self.hyper_connection_backend)
         apply_recompute(self.model, [*self.model.layers.values(), *mtp_blocks], recompute, "v4")
         self._init_strict_loading()
 

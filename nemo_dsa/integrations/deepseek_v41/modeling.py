@@ -30,9 +30,11 @@ import torch
 from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
 from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
 
+from nemo_dsa.integrations.deepseek_v41.hyper_connection import adopt_hyper_connections
 from nemo_dsa.integrations.deepseek_v41.attention import NemoDsaDeepseekV41Attention
 from nemo_dsa.integrations.deepseek_v41.configuration import OPTIONS, dsa_config_from_deepseek_v41, resolve_dsa_config
 from nemo_dsa.integrations.common.lm_head import Fp32HeadLinear, adopt_fp32_head, announce_bf16_hidden
+from nemo_dsa.integrations.common.hyper_connections import pop_hc_backend_option
 from nemo_dsa.integrations.common.recompute import apply_recompute, pop_recompute_option
 from nemo_dsa.integrations.common.strict_loading import StrictCheckpointLoading
 
@@ -54,11 +56,14 @@ class NemoDsaDeepseekV41ForCausalLM(StrictCheckpointLoading, DeepseekV41ForCausa
             raise TypeError(f"config must be a DeepseekV41Config, got {type(config).__name__}")
         options = {name: kwargs.pop(name) for name in list(kwargs) if name in OPTIONS}
         recompute = pop_recompute_option(kwargs, config)
+        hc_backend = pop_hc_backend_option(kwargs, config)
         super().__init__(config, moe_config, backend, **kwargs)
+        self.hyper_connection_backend = hc_backend
         self.dsa_config = resolve_dsa_config(config, self.backend, options)
         self.config.architectures = [ARCHITECTURE]
         for name, block in self.model.layers.items():
             block.attn = self._nemo_dsa_attention(block.attn, int(name))
+        adopt_hyper_connections(self.model.layers.values(), hc_backend)
         adopt_fp32_head(self)
         announce_bf16_hidden(self.model, self.lm_head)
         apply_recompute(self.model, self.model.layers.values(), recompute, "v41")
