@@ -3,11 +3,13 @@ off the fp32 bits, argument checks and the straight-through gradient."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 
 from nemo_dsa._checks import check_tensor, is_positive_int
+from nemo_dsa.ops.quant.fused import fused_quant_dequant, uses_kernel
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -42,12 +44,19 @@ class _StraightThrough(torch.autograd.Function):
 
 
 def straight_through_quant_dequant(
-    x: torch.Tensor, block_size: int, quant_dequant: Callable[[torch.Tensor, int], torch.Tensor]
+    x: torch.Tensor,
+    block_size: int,
+    reference: Callable[[torch.Tensor, int], torch.Tensor],
+    fmt: str,
+    backend: str,
 ) -> torch.Tensor:
-    """``quant_dequant(x, block_size)`` after checking both arguments; its gradient is the identity."""
+    """``fmt``'s quantize-dequantize of ``x`` (its fused kernel or ``reference(x, block_size)``, as
+    ``backend`` says) after checking the arguments; its gradient is the identity."""
     check_tensor("x", x, dtypes=FLOAT_DTYPES)
     if x.ndim < 1:
         raise ValueError(f"x must have a channel dimension, got shape {tuple(x.shape)}")
     if not is_positive_int(block_size):
         raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
-    return _StraightThrough.apply(x, quant_dequant, block_size)
+    if uses_kernel(backend, x, block_size):
+        return _StraightThrough.apply(x, functools.partial(fused_quant_dequant, fmt=fmt), block_size)
+    return _StraightThrough.apply(x, reference, block_size)

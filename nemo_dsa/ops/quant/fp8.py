@@ -40,6 +40,7 @@ def _quant_dequant(x: torch.Tensor, block_size: int) -> torch.Tensor:
     return from_channel_blocks(out, x)
 
 
-def fp8_quant_dequant(x: torch.Tensor, block_size: int = BLOCK) -> torch.Tensor:
-    """FP8 E4M3 quantize-dequantize ``x [..., C]`` per ``block_size`` channels (module docstring)."""
-    return straight_through_quant_dequant(x, block_size, _quant_dequant)
+def fp8_quant_dequant(x: torch.Tensor, block_size: int = BLOCK, *, backend: str = "auto") -> torch.Tensor:
+    """FP8 E4M3 quantize-dequantize ``x [..., C]`` per ``block_size`` channels (module docstring),
+    on the fused kernel or the reference above (``backend``: ``ops/quant/fused.py``)."""
+    return straight_through_quant_dequant(x, block_size, _quant_dequant, "fp8", backend)

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from nemo_dsa._checks import check_tensor
-from nemo_dsa.ops.quant.blocks import FLOAT_DTYPES, power_of_two_ceil
+from nemo_dsa.ops.quant.blocks import power_of_two_ceil, straight_through_quant_dequant
 
 BLOCK = 32
 E2M1_MAX = 6.0
@@ -55,20 +54,12 @@ def _quant_dequant(x: torch.Tensor) -> torch.Tensor:
     return out.reshape(padded.shape)[..., :channels].to(x.dtype)
 
 
-class _MXFP4QuantDequant(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        return _quant_dequant(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad  # straight-through estimator
-
-
-def mxfp4_quant_dequant(x: torch.Tensor) -> torch.Tensor:
+def mxfp4_quant_dequant(x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     """MXFP4 quantize-dequantize ``x [..., C]`` in its own dtype, blocks of 32 channels (a shorter
-    last block as if zero-filled); identity gradient."""
-    check_tensor("x", x, dtypes=FLOAT_DTYPES)
-    if x.ndim < 1:
-        raise ValueError(f"x must have at least 1 dimension (the channels), got shape {tuple(x.shape)}")
-    return _MXFP4QuantDequant.apply(x)
+    last block as if zero-filled); identity gradient. On the fused kernel or the reference above
+    (``backend``: ``ops/quant/fused.py``)."""
+    return straight_through_quant_dequant(x, BLOCK, _reference, "mxfp4", backend)
+
+
+def _reference(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    return _quant_dequant(x)

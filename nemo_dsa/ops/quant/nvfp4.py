@@ -51,6 +51,7 @@ def _quant_dequant(x: torch.Tensor, block_size: int) -> torch.Tensor:
     return from_channel_blocks(out, x)
 
 
-def nvfp4_quant_dequant(x: torch.Tensor, block_size: int = BLOCK) -> torch.Tensor:
-    """NVFP4 quantize-dequantize ``x [..., C]`` per ``block_size`` channels (module docstring)."""
-    return straight_through_quant_dequant(x, block_size, _quant_dequant)
+def nvfp4_quant_dequant(x: torch.Tensor, block_size: int = BLOCK, *, backend: str = "auto") -> torch.Tensor:
+    """NVFP4 quantize-dequantize ``x [..., C]`` per ``block_size`` channels (module docstring),
+    on the fused kernel or the reference above (``backend``: ``ops/quant/fused.py``)."""
+    return straight_through_quant_dequant(x, block_size, _quant_dequant, "nvfp4", backend)
