@@ -1,6 +1,7 @@
 import atexit
 import os
 import shutil
+import sys
 import tempfile
 
 import pytest
@@ -15,6 +16,12 @@ if "TILELANG_CACHE_DIR" not in os.environ or "HYPOTHESIS_STORAGE_DIRECTORY" not 
     atexit.register(shutil.rmtree, _SESSION_DIR, ignore_errors=True)
     os.environ.setdefault("TILELANG_CACHE_DIR", os.path.join(_SESSION_DIR, "tilelang"))
     os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", os.path.join(_SESSION_DIR, "hypothesis"))
+
+# Child processes (subprocess, multiprocessing spawn / forkserver workers) import the shared test
+# code (tests/_support) and test modules by name: they get the test folders pytest put on sys.path.
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+_TEST_PATHS = [p for p in sys.path if os.path.abspath(p) == _TESTS or os.path.abspath(p).startswith(_TESTS + os.sep)]
+os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([*_TEST_PATHS, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]))
 
 try:
     from hypothesis.configuration import set_hypothesis_home_dir
