@@ -6,11 +6,11 @@ import random
 
 import pytest
 import torch
-from _oracles import oracle_batch
+from _support.oracles import oracle_batch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from helpers import indexer_inputs
+from _support.helpers import indexer_inputs
 from nemo_dsa.metadata import AttentionMetadata, build_attention_metadata
 from nemo_dsa.ops.v4_indexer import v4_indexer_bshd
 from nemo_dsa.visibility import check_ks_ke

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import dense_visibility, ERROR_SIZES, error_v4_inputs, full_visibility, generator, packed_ks_ke, random_ks_ke
+from _support.helpers import dense_visibility, ERROR_SIZES, error_v4_inputs, full_visibility, generator, packed_ks_ke, random_ks_ke
 from nemo_dsa.ops.v41_indexer import candidate_blocks
 from nemo_dsa.ops.v41_indexer import indexer_scores, v41_scores
 from nemo_dsa.ops.v4_indexer import v4_lighting_indexer, v4_logits

@@ -105,7 +105,7 @@ from nemo_dsa.ops.head_norm_rope import head_rms_rope, kernels_support
 from nemo_dsa.ops.quant import fp8_quant_dequant, nvfp4_quant_dequant
 from nemo_dsa.ops.sparse_attention import attend, attend_to_indices
 from nemo_dsa.ops.sparse_attention.interface import _check_kernel_limits
-from nemo_dsa.ops.sparse_attention.naive import window_key_indices
+from nemo_dsa.ops.sparse_attention.naive import dense_probabilities, range_key_indices, window_key_indices
 from nemo_dsa.ops.warm_up import model_builds, warm_up
 
 logger = logging.getLogger(__name__)
@@ -152,6 +152,7 @@ class DSASparseAttention(KeepsFP32Parameters):
             Compressor(
                 hidden, self.head_dim, self.ratio, self.rope_dim, self.rope_theta, config.rms_norm_eps,
                 self.rope_scaling, overlap=config.compressor_overlap, ape=config.compressor_ape,
+                rope_arithmetic=config.rope_arithmetic,
             )
             if owns_compressed_kv
             else None
@@ -171,7 +172,9 @@ class DSASparseAttention(KeepsFP32Parameters):
         meta,
         ctx: SequenceContext | None = None,
         shared: SharedLayerState | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        *,
+        probabilities: bool = False,
+    ) -> tuple[torch.Tensor, ...]:
         """Attend.
 
         Args:
@@ -181,17 +184,21 @@ class DSASparseAttention(KeepsFP32Parameters):
             ctx: the sequence context (``LocalContext()`` when None).
             shared: the forward's ``SharedLayerState``, through which kv-source layers pass compressed
                 KV, index keys and selections to later ``reindex``/``reuse`` layers (needed for those).
+            probabilities: also return the attention probabilities (``_attend_with_probabilities``),
+                computed on the reference path; off, nothing of them is computed.
 
         Returns:
             ``(out [B, S, hidden], aux_loss)``; aux_loss is the weighted indexer KL loss (a
-            scalar) on V4 selecting layers with ``indexer_kl_coef > 0``, else None.
+            scalar) on V4 selecting layers with ``indexer_kl_coef > 0``, else None. With
+            ``probabilities``, ``(out, aux_loss, probs [B, H, S, S * cp_size + K])``.
         """
         ctx = ctx if ctx is not None else LocalContext()
         shared = shared if shared is not None else SharedLayerState()
-        angles = rope_angles(meta.local_positions, self.rope_dim, self.rope_theta, self.rope_scaling)
+        arithmetic = self.config.rope_arithmetic
+        angles = rope_angles(meta.local_positions, self.rope_dim, self.rope_theta, self.rope_scaling, arithmetic)
         query_latent = self.q_norm(self.wq_a(x))
         q = self._queries(query_latent, angles)
-        kv = apply_rope(self.kv_norm(self.wkv(x)), angles)
+        kv = apply_rope(self.kv_norm(self.wkv(x)), angles, arithmetic=arithmetic)
         if self.config.window_kv_quant == "fp8":
             kv = fp8_quant_dequant(kv, FP8_BLOCK)
 
@@ -201,14 +208,19 @@ class DSASparseAttention(KeepsFP32Parameters):
         if self.ratio > 0:
             compressed_kv, compressed_indices, selection = self._compressed(x, query_latent, angles, meta, ctx, shared)
             compressed_kv = compressed_kv.to(q.dtype)  # attended, and the KL target, in q's precision
-        out, lse = self._attend(q, raw_kv, meta, history, compressed_kv, compressed_indices, selection)
+        if probabilities:
+            out, lse, probs = self._attend_with_probabilities(
+                q, raw_kv, meta, ctx, history, compressed_kv, compressed_indices, selection
+            )
+        else:
+            out, lse = self._attend(q, raw_kv, meta, history, compressed_kv, compressed_indices, selection)
         out = self._output_projection(out, angles)
         aux = None
         if self._trains_with_kl(selection):
             aux = self.config.indexer_kl_coef * indexer_kl_loss(
                 q, compressed_kv, compressed_indices, selection.index_score, lse, self.scale, ctx
             )
-        return out, aux
+        return (out, aux, probs) if probabilities else (out, aux)
 
     # -- pieces -------------------------------------------------------------------------------
 
@@ -222,7 +234,8 @@ class DSASparseAttention(KeepsFP32Parameters):
         V4-Flash-shaped step). Without the norm nothing keeps that q (RoPE's
         backward needs only its angles), so nothing is recomputed."""
         if not self.config.q_head_rms:
-            return apply_rope(self.wq_b(query_latent).unflatten(-1, (self.n_heads, self.head_dim)), angles)
+            q = self.wq_b(query_latent).unflatten(-1, (self.n_heads, self.head_dim))
+            return apply_rope(q, angles, arithmetic=self.config.rope_arithmetic)
         if torch.is_grad_enabled():
             return checkpoint(
                 self._normalized_queries, query_latent, angles, use_reentrant=False, preserve_rng_state=False
@@ -233,8 +246,8 @@ class DSASparseAttention(KeepsFP32Parameters):
         q = self.wq_b(query_latent).unflatten(-1, (self.n_heads, self.head_dim))
         # On CUDA one TileLang kernel each way (ops/head_norm_rope) instead of ~10 eager passes.
         if q.is_cuda and q.dtype == torch.bfloat16 and kernels_support(self.head_dim, self.rope_dim):
-            return head_rms_rope(q, angles, self.eps, backend="tilelang")
-        return apply_rope(rms_normalize(q, self.eps), angles)
+            return head_rms_rope(q, angles, self.eps, backend="tilelang", arithmetic=self.config.rope_arithmetic)
+        return apply_rope(rms_normalize(q, self.eps), angles, arithmetic=self.config.rope_arithmetic)
 
     def _output_projection(self, out: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
         """The attention output ``[B, S, H, head_dim]``, its rotary channels rotated back, ->
@@ -245,7 +258,7 @@ class DSASparseAttention(KeepsFP32Parameters):
         heads = out.shape[-2:]
 
         def rotate_back(flat: torch.Tensor) -> torch.Tensor:
-            return apply_rope(flat.unflatten(-1, heads), angles, inverse=True).flatten(2)
+            return apply_rope(flat.unflatten(-1, heads), angles, inverse=True, arithmetic=self.config.rope_arithmetic).flatten(2)
 
         if self.config.o_lora_rank > 0 and not angles.requires_grad:
             return self.wo_b(self.wo_a(out.flatten(2), rotate_back))
@@ -282,6 +295,34 @@ class DSASparseAttention(KeepsFP32Parameters):
             q, raw_kv, window_start, self.window, compressed_kv, sink=self.attn_sink, scale=self.scale, backend=backend,
             dropout_p=dropout_p, **kwargs,
         )  # fmt: skip
+
+    def _attend_with_probabilities(self, q, raw_kv, meta, ctx, history, compressed_kv, compressed_indices, selection):
+        """``_attend``'s attention on the reference path, with its probabilities laid out densely:
+        ``[B, H, S, S * cp_size + K]`` in q's dtype, a column for every token of the whole
+        sequence (its global position) and then every compressed row, the sink left out (a row
+        sums to 1 minus the sink's share), after the dropout the output used. The same keys,
+        logits (the straight-through term included) and softmax as ``_attend``'s."""
+        seq, num_raw = q.shape[1], raw_kv.shape[1]
+        window_indices = window_key_indices(document_window_start(meta, history), self.window, seq, num_raw)
+        first_row_position = ctx.rank * seq - (num_raw - seq)  # global position of raw row 0
+        indices, columns = [window_indices], [torch.where(window_indices >= 0, window_indices + first_row_position, -1)]
+        keys, bias = raw_kv, None
+        if compressed_kv is not None:
+            ranges = meta.key_ranges
+            selected = compressed_indices.long() if compressed_indices is not None else range_key_indices(ranges.ks, ranges.ke)
+            indices.append(torch.where(selected >= 0, selected + num_raw, -1))
+            columns.append(torch.where(selected >= 0, selected + seq * ctx.size, -1))
+            keys = torch.cat((raw_kv, compressed_kv), dim=1)
+            if self._straight_through(selection):
+                score = selection.index_score.masked_fill(compressed_indices < 0, 0.0)
+                bias = F.pad(score - score.detach(), (window_indices.shape[-1], 0))
+        dropout_p = self.config.attention_dropout if self.training else 0.0
+        out, lse, slot_probs = attend_to_indices(
+            q, keys, torch.cat(indices, dim=-1), self.attn_sink, self.scale, bias=bias, dropout_p=dropout_p,
+            return_probabilities=True,
+        )  # fmt: skip
+        width = seq * ctx.size + (0 if compressed_kv is None else compressed_kv.shape[1])
+        return out, lse, dense_probabilities(slot_probs, torch.cat(columns, dim=-1), width).to(q.dtype)
 
     def _warm_up_kernels(self, q: torch.Tensor, *, attention: bool) -> None:
         """Build, on the first CUDA forward, every TileLang kernel this layer's selection and

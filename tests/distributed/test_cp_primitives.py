@@ -13,7 +13,7 @@ import traceback
 import pytest
 import torch
 
-from _cp_spawn import run_on_ranks
+from _support.cp_spawn import run_on_ranks
 from nemo_dsa.distributed import cp_padded_length, cp_shard_multiple, shard_batch
 from nemo_dsa.metadata import build_attention_metadata
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import skip_without_automodel
+from _support.helpers import skip_without_automodel
 
 try:
     from nemo_automodel.components.moe.parallelizer import apply_ac
@@ -23,7 +23,7 @@ except ImportError as error:
     skip_without_automodel(error)
 
 from nemo_dsa.integrations import side_by_side as sides
-from tiny_side_by_side import SEQ, TINY, VOCAB, redraw_attention_
+from _support.tiny_side_by_side import SEQ, TINY, VOCAB, redraw_attention_
 
 WRAPPED = "._checkpoint_wrapped_module"
 

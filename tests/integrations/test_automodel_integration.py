@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import skip_without_automodel
+from _support.helpers import skip_without_automodel
 
 try:
     import nemo_automodel  # noqa: F401
@@ -32,7 +32,7 @@ from nemo_automodel.components.datasets.utils import default_collater, packed_se
 from nemo_automodel.components.models.common.utils import BackendConfig
 from transformers import AutoConfig
 
-from helpers import cpu_automodel  # noqa: F401 (a fixture)
+from _support.helpers import cpu_automodel  # noqa: F401 (a fixture)
 from nemo_dsa.data import BOS_ID, EOS_ID, ByteTokenizer, split_documents, stdlib_documents
 from nemo_dsa.integrations import automodel as integ
 from nemo_dsa.integrations.automodel.data import document_examples, stdlib_docstring_dataset

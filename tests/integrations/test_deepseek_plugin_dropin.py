@@ -19,14 +19,14 @@ import sys
 import pytest
 import torch
 
-from helpers import skip_without_automodel
+from _support.helpers import skip_without_automodel
 
 try:
     import nemo_automodel  # noqa: F401
 except ImportError as error:
     skip_without_automodel(error)
 
-from _cp_spawn import run_on_ranks
+from _support.cp_spawn import run_on_ranks
 from nemo_automodel.components.models.deepseek_v4.layers import DeepseekV4Attention
 from nemo_automodel.components.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM

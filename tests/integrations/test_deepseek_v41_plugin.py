@@ -49,7 +49,7 @@ from importlib.metadata import entry_points
 import pytest
 import torch
 
-from helpers import skip_without_automodel
+from _support.helpers import skip_without_automodel
 
 try:
     import nemo_automodel  # noqa: F401

@@ -28,14 +28,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import skip_without_automodel
+from _support.helpers import skip_without_automodel
 
 try:
     import nemo_automodel  # noqa: F401
 except ImportError as error:
     skip_without_automodel(error)
 
-from _cp_spawn import run_on_ranks
+from _support.cp_spawn import run_on_ranks
 from test_deepseek_v41_plugin import VOCAB, backend, build_models, config
 from test_released_v41_attention import RATIOS, ROLES, rel
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import skip_without_automodel
+from _support.helpers import skip_without_automodel
 
 try:
     import nemo_automodel  # noqa: F401
@@ -20,7 +20,7 @@ except ImportError as error:
 
 from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
 
-from _cp_spawn import run_on_ranks
+from _support.cp_spawn import run_on_ranks
 from nemo_dsa.integrations import NemoDsaDeepseekV41ForCausalLM
 from test_deepseek_v41_plugin import backend, config
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import skip_without_automodel
+from _support.helpers import skip_without_automodel
 
 try:
     import nemo_automodel  # noqa: F401

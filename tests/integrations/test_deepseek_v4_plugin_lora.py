@@ -23,7 +23,7 @@ import os
 import pytest
 import torch
 
-from helpers import skip_without_automodel
+from _support.helpers import skip_without_automodel
 
 try:
     import nemo_automodel  # noqa: F401
@@ -32,7 +32,7 @@ except ImportError as error:
 
 from safetensors import safe_open
 
-from helpers import cpu_automodel  # noqa: F401 (a fixture)
+from _support.helpers import cpu_automodel  # noqa: F401 (a fixture)
 
 from nemo_automodel.components._peft.lora import PeftConfig, apply_lora_to_linear_modules, patch_linear_module
 from nemo_automodel.components.checkpoint.checkpointing import Checkpointer

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import skip_without_automodel
+from _support.helpers import skip_without_automodel
 
 try:
     import nemo_automodel  # noqa: F401
@@ -27,7 +27,7 @@ from nemo_automodel.components.loss.mtp import calculate_mtp_loss
 from nemo_automodel.components.loss.utils import calculate_loss
 from nemo_automodel.components.models.deepseek_v4.model import DeepseekV4ForCausalLM
 
-from _cp_spawn import run_on_ranks
+from _support.cp_spawn import run_on_ranks
 from test_deepseek_v4_plugin import (
     ATTENTION_NOISE,
     HC_MIXERS,

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import skip_without_automodel
+from _support.helpers import skip_without_automodel
 
 try:
     import nemo_automodel  # noqa: F401
@@ -25,7 +25,7 @@ try:
 except ImportError as error:
     skip_without_automodel(error)
 
-from helpers import cpu_automodel  # noqa: F401 (a fixture)
+from _support.helpers import cpu_automodel  # noqa: F401 (a fixture)
 from nemo_dsa.integrations.deepseek_v4 import NemoDsaDeepseekV4ForCausalLM
 from nemo_dsa.integrations.common.checkpoint import read_hf_checkpoint
 from nemo_dsa.integrations.common.recompute import is_recomputed

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import skip_without_automodel
+from _support.helpers import skip_without_automodel
 
 try:
     import nemo_automodel  # noqa: F401
@@ -23,7 +23,7 @@ except ImportError as error:
 
 from nemo_automodel.components.moe.megatron.moe_utils import MoEAuxLossAutoScaler
 
-from _cp_spawn import run_on_ranks
+from _support.cp_spawn import run_on_ranks
 from nemo_dsa.integrations import automodel as integ
 from test_deepseek_v4_plugin import SEQ, VOCAB, build_plugin, randomize_, rel, thd_batch, tiny_config
 

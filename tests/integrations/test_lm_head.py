@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from helpers import stable_seed
+from _support.helpers import stable_seed
 from nemo_dsa.integrations.common import lm_head
 from nemo_dsa.integrations.common.lm_head import Fp32HeadLinear, adopt_fp32_head, called_with_bf16
 from nemo_dsa.ops.fp32_linear import fp32_linear_of_bf16

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import skip_without_automodel
+from _support.helpers import skip_without_automodel
 
 try:
     from nemo_automodel.components.moe.parallelizer import apply_ac
@@ -21,7 +21,7 @@ except ImportError as error:
 from nemo_dsa.integrations.common.recompute import PARTS, is_recomputed, recompute_parts
 from test_activation_checkpointing import step
 from nemo_dsa.integrations import side_by_side as sides
-from tiny_side_by_side import SEQ, TINY, VOCAB, redraw_attention_
+from _support.tiny_side_by_side import SEQ, TINY, VOCAB, redraw_attention_
 
 CPU = {"device": "cpu", "dtype": torch.float32, "attn": "sdpa"}
 

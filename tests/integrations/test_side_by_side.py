@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import skip_without_automodel
+from _support.helpers import skip_without_automodel
 
 try:
     import nemo_automodel  # noqa: F401
@@ -30,7 +30,7 @@ except ImportError as error:
     skip_without_automodel(error)
 
 from nemo_dsa.integrations import side_by_side as sides
-from tiny_side_by_side import SEQ, TINY, VOCAB, redraw_attention_
+from _support.tiny_side_by_side import SEQ, TINY, VOCAB, redraw_attention_
 
 RTOL = 1e-4
 ROLES = {"v41": ["window", "source", "reuse", "source", "reindex"]}

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from helpers import skip_without_automodel
+from _support.helpers import skip_without_automodel
 
 try:
     import nemo_automodel  # noqa: F401

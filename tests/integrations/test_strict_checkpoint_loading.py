@@ -18,7 +18,7 @@ import re
 import pytest
 import torch
 
-from helpers import skip_without_automodel
+from _support.helpers import skip_without_automodel
 
 try:
     import nemo_automodel  # noqa: F401
@@ -28,7 +28,7 @@ except ImportError as error:
 
 from safetensors.torch import load_file, save_file
 
-from helpers import cpu_automodel  # noqa: F401 (a fixture)
+from _support.helpers import cpu_automodel  # noqa: F401 (a fixture)
 from nemo_automodel.components.models.deepseek_v4.model import DeepseekV4ForCausalLM
 
 from nemo_dsa.integrations.common.checkpoint import load_hf_checkpoint
@@ -241,7 +241,7 @@ def _check_on_expert_parallel_rank(rank: int, world_size: int, paths: dict) -> d
 def test_expert_parallel_ranks_check_against_the_whole_model(good, tmp_path):
     """On 2 gloo ranks, each holding 2 of the 4 experts: the complete checkpoint passes on both,
     and an expert of either rank missing or misshapen is a named ValueError on both."""
-    from _cp_spawn import run_on_ranks
+    from _support.cp_spawn import run_on_ranks
 
     expert = "layers.2.ffn.experts.{}.w2.weight"
     paths = {"good": str(good[0])}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import skip_without_automodel
+from _support.helpers import skip_without_automodel
 
 try:
     import nemo_automodel  # noqa: F401

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import stable_seed
+from _support.helpers import stable_seed
 from nemo_dsa.layers.grouped_linear import GroupedLinear
 
 CASES = [((2, 37), 8, 64, 128), ((1, 1), 1, 16, 8), ((3, 5), 4, 32, 96), ((11,), 2, 48, 16)]

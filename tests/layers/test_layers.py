@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from helpers import tiny_config
+from _support.helpers import tiny_config
 from nemo_dsa.layers.context import LocalContext
 from nemo_dsa.layers.shared_state import SharedLayerState
 from nemo_dsa.layers.sparse_attention import DSASparseAttention, with_history

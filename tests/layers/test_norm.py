@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nemo_dsa.layers.norm import RMSNorm, rms_normalize
-from tests.helpers import stable_seed
+from _support.helpers import stable_seed
 
 EPS = 1e-6
 # Ragged leading shapes, and a width that is no power of two.

@@ -31,7 +31,7 @@ import dataclasses
 import pytest
 import torch
 
-from helpers import skip_without_automodel
+from _support.helpers import skip_without_automodel
 
 try:
     import nemo_automodel  # noqa: F401
@@ -59,13 +59,13 @@ ROWS = (2, 96, 80)  # rows, length, the second row's real tokens (right padding 
 PACK = [40, 30, 26]  # documents start at 0, 40, 70: multiples of 2 (the release's packing rule)
 
 
-def hf_config(index_n_heads: int = 8) -> DeepseekV41TextConfig:
+def hf_config(index_n_heads: int = 8, index_head_dim: int = 32) -> DeepseekV41TextConfig:
     return DeepseekV41TextConfig(
         vocab_size=64, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=len(RATIOS),
         num_attention_heads=4, head_dim=32, qk_rope_head_dim=16, q_lora_rank=32, o_lora_rank=16, o_groups=2,
         compress_ratios=list(RATIOS), kv_source_layer_ids=KV_SOURCES, index_source_layer_ids=INDEX_SOURCES,
         candidate_source_layer_id=CANDIDATE_SOURCE, candidate_topk_blocks=3, candidate_block_size=4,
-        sliding_window=8, index_n_heads=index_n_heads, index_head_dim=32, index_topk=TOPK, rope_scaling=dict(YARN),
+        sliding_window=8, index_n_heads=index_n_heads, index_head_dim=index_head_dim, index_topk=TOPK, rope_scaling=dict(YARN),
         max_position_embeddings=256, engram_layer_ids=[], num_nextn_predict_layers=0, n_routed_experts=2,
         num_experts_per_tok=1, dspark_noise_token_id=3, rms_norm_eps=1e-6, dtype="float32",
     )  # fmt: skip
@@ -223,6 +223,74 @@ def test_matches_builtin_attention(kind, monkeypatch):
                 continue
             assert p.grad is not None and other.grad is not None, (layer.layer_idx, name)
             assert rel(p.grad, other.grad) <= RTOL, (layer.layer_idx, name, rel(p.grad, other.grad))
+
+
+class QuantisedValues:
+    """Every fp8 / NVFP4 / MXFP4 rounding of one forward, in call order: ``(format, input, output)``
+    of the built-in's ``quantize_cache`` and of nemo_dsa's roundings (window KV, compressed KV,
+    index q and keys)."""
+
+    def __init__(self, monkeypatch) -> None:
+        from nemo_automodel.components.models.deepseek_v41 import attention as builtin_attention
+
+        import nemo_dsa.layers.sparse_attention as attention_module
+
+        self.builtin, self.mine = [], []
+        original = builtin_attention.quantize_cache
+
+        def builtin_rounding(values, *, format, block_size):
+            out = original(values, format=format, block_size=block_size)
+            self.builtin.append((format, values.detach().clone(), out.detach().clone()))
+            return out
+
+        monkeypatch.setattr(builtin_attention, "quantize_cache", builtin_rounding)
+        for fmt, owner, name in (("fp8", attention_module, "fp8_quant_dequant"),
+                                 ("nvfp4", attention_module, "nvfp4_quant_dequant"), ("mxfp4", indexer_module, "_mxfp4")):  # fmt: skip
+            monkeypatch.setattr(owner, name, self._recording(fmt, getattr(owner, name)))
+
+    def _recording(self, fmt, rounding):
+        def recorded(values, *block):
+            out = rounding(values, *block)
+            self.mine.append((fmt, values.detach().clone(), out.detach().clone()))
+            return out
+
+        return recorded
+
+
+@pytest.mark.parametrize("kind", ["rows", "packed"])
+def test_release_index_heads_round_bitwise_and_select_alike_up_to_ties(kind, monkeypatch):
+    """The release's 32 index heads of 128: RoPE in the release's arithmetic (fp32 frequencies,
+    ``torch.polar`` and a complex multiply: ``nemo_dsa.ops.rotary``) makes every value nemo_dsa
+    rounds to fp8 / NVFP4 / MXFP4 bitwise the built-in's, input and code alike, on every layer; the
+    selections then differ only at exact score ties (counted, each checked to be one) and the
+    outputs by fp32 order. With nemo_dsa's former float64 frequencies and real cos / sin some
+    rotated values moved by an ulp and a few codes flipped at rounding mid-points."""
+    config = hf_config(index_n_heads=32, index_head_dim=128)
+    builtins, layers = make_stacks(config=config)
+    x, positions, mask, ids, meta_kwargs = layout(kind)
+    if mask is not None:  # whole rows: every token and group is real, so every rounding compares
+        mask = torch.ones_like(mask)
+        meta_kwargs = {**meta_kwargs, "attention_mask": mask}
+    quantised = QuantisedValues(monkeypatch)
+    with torch.no_grad():
+        refs, ref_selections = run_builtin(builtins, x, positions, mask, ids)
+        outs, states, scores, metas = run_nemo(layers, x, meta_kwargs, monkeypatch)
+    assert len(quantised.mine) == len(quantised.builtin) > 2 * len(RATIOS)
+    for call, ((fmt, ref_in, ref_out), (my_fmt, my_in, my_out)) in enumerate(zip(quantised.builtin, quantised.mine)):
+        assert fmt == my_fmt, call
+        assert torch.equal(my_in, ref_in), (call, fmt, float((my_in - ref_in).abs().max()))
+        assert torch.equal(my_out, ref_out), (call, fmt, int((my_out != ref_out).sum()))
+    for layer_idx, (out, ref) in enumerate(zip(outs, refs)):
+        assert rel(out, ref) <= RTOL, (layer_idx, rel(out, ref))
+    selecting = [i for i, role in enumerate(ROLES) if role in ("source", "reindex")]
+    ties = 0
+    for layer_idx, layer_scores in zip(selecting, scores):
+        reference = ref_selections[layer_idx]
+        topk = reference[0] if isinstance(reference, tuple) else reference
+        real = metas[1].token_valid.bool()
+        ranked = _ranked_scores(layer_idx, layer_scores, states, metas)
+        ties += tie_cases(states[layer_idx].selection.topk_indices, topk, ranked, real)[1]
+    print(kind, "queries whose selection differs at an exact tie:", ties)
 
 
 def _ranked_scores(layer_idx, scores, states, metas):

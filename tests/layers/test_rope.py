@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import stable_seed
+from _support.helpers import stable_seed
 from nemo_dsa.layers.rope import apply_rope, apply_rope_reference, rope_angles
 
 CASES = [  # (batch, seq, heads or None, dim, rope_dim)

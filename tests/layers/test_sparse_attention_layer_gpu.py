@@ -14,7 +14,7 @@ judged by the noise it really has, not by a fixed bound that summation order can
 import pytest
 import torch
 
-from helpers import tiny_config
+from _support.helpers import tiny_config
 from nemo_dsa.layers import DSASparseAttention
 from nemo_dsa.metadata import build_attention_metadata
 

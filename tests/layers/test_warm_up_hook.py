@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import tiny_config
+from _support.helpers import tiny_config
 from nemo_dsa.layers import sparse_attention
 from nemo_dsa.layers.sparse_attention import DSASparseAttention
 from nemo_dsa.ops.warm_up import model_builds

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import stable_seed, tiny_config
+from _support.helpers import stable_seed, tiny_config
 from nemo_dsa.layers import sparse_attention as layer_module
 from nemo_dsa.ops.sparse_attention import kernels
 from nemo_dsa.ops.sparse_attention.interface import SparseWindowAttentionFunction

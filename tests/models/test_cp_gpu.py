@@ -11,7 +11,7 @@ import traceback
 import pytest
 import torch
 
-from _cp_spawn import run_on_ranks
+from _support.cp_spawn import run_on_ranks
 from test_cp_model import CASES, all_cases, assert_cp_matches, single_process_run
 from test_cp_primitives import check_gather, check_metadata_without_grad, check_previous_tail
 

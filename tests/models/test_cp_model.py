@@ -18,7 +18,7 @@ import traceback
 import pytest
 import torch
 
-from _cp_spawn import run_on_ranks
+from _support.cp_spawn import run_on_ranks
 from nemo_dsa.distributed import shard_batch
 from nemo_dsa.models.dsa_lm.configuration import DSAModelConfig
 from nemo_dsa.models.dsa_lm.modeling import DSAForCausalLM

@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from helpers import TINY_VOCAB, tiny_config
+from _support.helpers import TINY_VOCAB, tiny_config
 from nemo_dsa.layers.context import SequenceContext
 from nemo_dsa.models.dsa_lm.modeling import DSAForCausalLM, causal_lm_loss
 

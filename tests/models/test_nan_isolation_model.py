@@ -21,8 +21,8 @@ import traceback
 import pytest
 import torch
 
-from _cp_spawn import run_on_ranks
-from helpers import TINY_VOCAB, tiny_config
+from _support.cp_spawn import run_on_ranks
+from _support.helpers import TINY_VOCAB, tiny_config
 from nemo_dsa.distributed import shard_batch
 from nemo_dsa.models.dsa_lm.modeling import DSAForCausalLM
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import indexer_inputs, packed_ks_ke
+from _support.helpers import indexer_inputs, packed_ks_ke
 from nemo_dsa.ops.topk import select_topk_reference
 from nemo_dsa.ops.v41_indexer import candidate_blocks
 from nemo_dsa.ops.v4_indexer import v4_lighting_indexer, v4_logits

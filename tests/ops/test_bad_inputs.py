@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import generator, indexer_inputs
+from _support.helpers import generator, indexer_inputs
 from nemo_dsa.metadata import build_attention_metadata
 from nemo_dsa.ops.sparse_attention import (
     attend,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import indexer_inputs
+from _support.helpers import indexer_inputs
 from nemo_dsa.ops.v41_indexer import indexer_scores
 from nemo_dsa.ops.v4_indexer import v4_lighting_indexer
 

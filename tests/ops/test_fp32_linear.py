@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import stable_seed
+from _support.helpers import stable_seed
 from nemo_dsa.ops.fp32_linear import bf16_pieces, fp32_linear_of_bf16, fp32_linear_reference, split_applies
 from nemo_dsa.ops.fp32_linear import split
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import indexer_inputs, packed_ks_ke, random_ks_ke
+from _support.helpers import indexer_inputs, packed_ks_ke, random_ks_ke
 from nemo_dsa.ops.fused_selection import (
     DEFAULT_CHUNK_BYTES,
     KEY_ALIGN,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import indexer_inputs, packed_ks_ke, random_ks_ke
+from _support.helpers import indexer_inputs, packed_ks_ke, random_ks_ke
 from nemo_dsa.ops.fused_selection import DEFAULT_CHUNK_BYTES, v4_select_topk, v41_select_topk
 from nemo_dsa.ops.fused_selection import interface as fused_interface
 from nemo_dsa.ops.topk import pytorch_extract_topk_scores, select_topk_reference

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from helpers import stable_seed
+from _support.helpers import stable_seed
 from nemo_dsa.layers.norm import rms_normalize
 from nemo_dsa.layers.rope import apply_rope, rope_angles
 from nemo_dsa.ops._tilelang import HOPPER_SMEM_LIMIT, dynamic_shared_memory_bytes, lower_to_cuda_source

@@ -12,7 +12,7 @@ The backward is held to two bf16 ulps of the reference's largest gradient in the
 import pytest
 import torch
 
-from helpers import stable_seed
+from _support.helpers import stable_seed
 from nemo_dsa.layers.rope import rope_angles
 from nemo_dsa.ops.head_norm_rope import head_rms_rope, head_rms_rope_reference
 from nemo_dsa.ops.head_norm_rope.interface import _kernel, _rows_and_tables
@@ -82,7 +82,7 @@ def test_backward_matches_autograd_of_the_reference(case):
 def test_the_layer_with_the_fused_queries_matches_the_eager_ones(monkeypatch, layer_idx):
     """A V4 layer on the GPU with its queries from the fused kernels against the same layer with
     the eager norm + RoPE in their place (both on the attention kernels)."""
-    from helpers import tiny_config
+    from _support.helpers import tiny_config
     from nemo_dsa.layers import sparse_attention as layer_module
     from test_layers import make_layer, packed_ids, run
 

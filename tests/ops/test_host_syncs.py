@@ -16,8 +16,8 @@ import random
 import pytest
 import torch
 
-from helpers import tiny_config
-from host_reads import count_host_reads
+from _support.helpers import tiny_config
+from _support.host_reads import count_host_reads
 from nemo_dsa.metadata import (
     _ids_in_several_runs,
     _name_id_in_several_runs,

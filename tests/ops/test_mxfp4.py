@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from helpers import generator
+from _support.helpers import generator
 from nemo_dsa.ops.quant import mxfp4_quant_dequant
 
 _LEVELS = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]

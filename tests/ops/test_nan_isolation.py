@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import generator, indexer_inputs, packed_ks_ke
+from _support.helpers import generator, indexer_inputs, packed_ks_ke
 from nemo_dsa.ops.sparse_attention import sparse_attention, sparse_window_attention
 from nemo_dsa.ops.v4_indexer import v4_indexer_bshd
 from nemo_dsa.ops.v4_indexer.kernels import dead_slots_to_zero_row

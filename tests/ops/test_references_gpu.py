@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import dense_visibility, generator, indexer_inputs, random_ks_ke, random_topk_indices, v41_formula
+from _support.helpers import dense_visibility, generator, indexer_inputs, random_ks_ke, random_topk_indices, v41_formula
 from nemo_dsa.ops.quant import mxfp4_quant_dequant
 from nemo_dsa.ops.topk import candidate_blocks_reference, select_topk_reference
 from nemo_dsa.ops.v41_indexer import v41_scores

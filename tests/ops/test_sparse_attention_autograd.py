@@ -10,7 +10,7 @@ by the reference on the unpadded operands, which is all they promise to compute.
 import pytest
 import torch
 
-from helpers import generator
+from _support.helpers import generator
 from nemo_dsa.ops.sparse_attention import SparseWindowAttentionFunction, kernels, window_compressed_attention_reference
 
 

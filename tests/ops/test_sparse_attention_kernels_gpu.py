@@ -18,7 +18,7 @@ import os
 
 import pytest
 import torch
-from helpers import stable_seed
+from _support.helpers import stable_seed
 
 from nemo_dsa.ops.sparse_attention import kernels, sparse_window_attention, window_compressed_attention_reference
 
@@ -240,8 +240,7 @@ def test_minus_one_tails_are_skipped_exactly():
 
 _FORWARD_CHECK = """
 import json, sys, torch
-sys.path.insert(0, {tests!r})
-import test_sparse_attention_kernels_gpu as t
+import test_sparse_attention_kernels_gpu as t  # on the PYTHONPATH the parent hands down (tests/conftest.py)
 from nemo_dsa.ops.sparse_attention import kernels, window_compressed_attention_reference
 rows = []
 for case in t.CASES:
@@ -272,10 +271,11 @@ def test_forward_in_a_child_process_matches_reference():
     import subprocess
     import sys
 
-    tests = os.path.dirname(os.path.abspath(__file__))
+    # This module's folder and the shared code's: the path this process imported them from.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [*sys.path]))}
     try:
-        proc = subprocess.run([sys.executable, "-c", _FORWARD_CHECK.format(tests=tests)],
-                              capture_output=True, text=True, timeout=600)  # fmt: skip
+        proc = subprocess.run([sys.executable, "-c", _FORWARD_CHECK], capture_output=True, text=True, timeout=600,
+                              env=env)  # fmt: skip
     except subprocess.TimeoutExpired:
         pytest.fail("the forward did not finish in 600 s (deadlock?)")
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from _lowering import map_in_workers, static_shared_memory_bytes
+from _support.lowering import map_in_workers, static_shared_memory_bytes
 
 from nemo_dsa.ops.sparse_attention import kernels, sparse_window_attention
 from nemo_dsa.ops.sparse_attention.kernels import (
@@ -227,7 +227,7 @@ def test_backwards_keep_their_wgmmas_asynchronous():
     """ptxas serialises every wgmma of a kernel (remark C7514) when it cannot prove that no
     accumulator is read while its wgmma runs; that would undo the pipeline silently. No spills
     either."""
-    from _lowering import ptxas_report
+    from _support.lowering import ptxas_report
 
     shapes = ((512, "indices"), (512, "range"), (128, "range"))
     configs = [backward_config(d, m) for d, m in shapes]
@@ -241,7 +241,7 @@ def test_backwards_keep_their_wgmmas_asynchronous():
 def test_forwards_keep_their_wgmmas_asynchronous():
     """The same ptxas check for the forward at D = 512: no wgmma serialised (C7514 / C7517) and
     no spill, in either mode."""
-    from _lowering import ptxas_report
+    from _support.lowering import ptxas_report
 
     configs = [forward_config(512, mode) for mode in ("indices", "range")]
     for config, source, _ in map_in_workers(_lower, configs):

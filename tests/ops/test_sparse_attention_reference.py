@@ -9,7 +9,7 @@ NaN/inf in rows nobody sees, autograd gradients, and argument validation.
 
 import pytest
 import torch
-from helpers import stable_seed
+from _support.helpers import stable_seed
 
 from nemo_dsa.ops.sparse_attention import sparse_window_attention, window_compressed_attention_reference
 

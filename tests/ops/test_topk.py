@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from helpers import dense_visibility, ERROR_SIZES, full_visibility, generator, random_ks_ke
+from _support.helpers import dense_visibility, ERROR_SIZES, full_visibility, generator, random_ks_ke
 from nemo_dsa.ops.topk import candidate_blocks_reference, pytorch_extract_topk_scores, select_topk_reference
 from nemo_dsa.ops.v41_indexer import blocks_to_mask, candidate_block_mask, candidate_blocks
 

@@ -13,7 +13,7 @@ from dataclasses import asdict
 
 import pytest
 import torch
-from _lowering import map_in_workers, ptxas_report
+from _support.lowering import map_in_workers, ptxas_report
 
 from nemo_dsa.ops._tilelang import HOPPER_SMEM_LIMIT
 from nemo_dsa.ops.topk.interface import select_topk

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import generator, indexer_inputs
-from host_reads import count_host_reads
+from _support.helpers import generator, indexer_inputs
+from _support.host_reads import count_host_reads
 from nemo_dsa.ops.v41_indexer import kernels
 from nemo_dsa.ops.v41_indexer.interface import _scores_torch
 from nemo_dsa.ops.v41_indexer.kernels import mask_ranges

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import ERROR_SIZES, error_v41_inputs, full_visibility, generator, indexer_inputs, random_ks_ke
+from _support.helpers import ERROR_SIZES, error_v41_inputs, full_visibility, generator, indexer_inputs, random_ks_ke
 from nemo_dsa.ops.v41_indexer import indexer_scores
 
 S, B, H, D, K = ERROR_SIZES

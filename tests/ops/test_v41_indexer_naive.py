@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import dense_visibility, generator, indexer_inputs, random_ks_ke, v41_formula
+from _support.helpers import dense_visibility, generator, indexer_inputs, random_ks_ke, v41_formula
 from nemo_dsa.ops.v41_indexer import v41_scores
 
 SHAPES = [(1, 7, 1, 16, 5), (2, 33, 4, 32, 9), (3, 50, 8, 48, 13)]  # B, S, H, D, K (ragged)

@@ -10,8 +10,8 @@ import zlib
 
 import pytest
 import torch
-from helpers import KERNEL_LAYOUTS, indexer_inputs, kernel_layout_ks_ke
-from helpers import KERNEL_RATIO as RATIO
+from _support.helpers import KERNEL_LAYOUTS, indexer_inputs, kernel_layout_ks_ke
+from _support.helpers import KERNEL_RATIO as RATIO
 
 from nemo_dsa.visibility import causal_ks_ke, visible_mask
 

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from _lowering import map_in_workers, pingpong_problems
+from _support.lowering import map_in_workers, pingpong_problems
 
 from nemo_dsa.ops.v41_indexer import kernels
 from nemo_dsa.ops.v41_indexer.kernels import (

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import generator
+from _support.helpers import generator
 from nemo_dsa.ops.fused_selection import v41_select_topk
 from nemo_dsa.ops.topk import candidate_blocks_reference, select_topk_reference
 from nemo_dsa.ops.v41_indexer import blocks_to_mask, candidate_blocks, v41_scores

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import ERROR_SIZES, error_v4_inputs, generator, indexer_inputs, random_ks_ke
+from _support.helpers import ERROR_SIZES, error_v4_inputs, generator, indexer_inputs, random_ks_ke
 from nemo_dsa.ops.topk import pytorch_extract_topk_scores, select_topk_reference
 from nemo_dsa.ops.v4_indexer import v4_indexer_bshd, v4_lighting_indexer, v4_logits, V4IndexerFunction
 

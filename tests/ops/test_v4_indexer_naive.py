@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import dense_visibility, ERROR_SIZES, error_v4_inputs, full_visibility, generator, indexer_inputs, random_ks_ke, random_topk_indices
+from _support.helpers import dense_visibility, ERROR_SIZES, error_v4_inputs, full_visibility, generator, indexer_inputs, random_ks_ke, random_topk_indices
 from nemo_dsa.ops.v41_indexer import v41_scores, v41_scores_chunk_size
 from nemo_dsa.ops.v4_indexer import v4_backward, v4_backward_chunk_size, v4_logits, v4_logits_chunk_size
 

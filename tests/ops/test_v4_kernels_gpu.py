@@ -11,8 +11,8 @@ import zlib
 
 import pytest
 import torch
-from helpers import KERNEL_LAYOUTS, indexer_inputs, kernel_layout_ks_ke
-from helpers import KERNEL_RATIO as RATIO
+from _support.helpers import KERNEL_LAYOUTS, indexer_inputs, kernel_layout_ks_ke
+from _support.helpers import KERNEL_RATIO as RATIO
 
 from nemo_dsa.visibility import causal_ks_ke
 from nemo_dsa.ops.v4_indexer.naive import v4_logits

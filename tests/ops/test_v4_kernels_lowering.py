@@ -11,7 +11,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from _lowering import pingpong_problems
+from _support.lowering import pingpong_problems
 
 from nemo_dsa.ops import _tilelang as tlh
 from nemo_dsa.ops.v4_indexer import kernels

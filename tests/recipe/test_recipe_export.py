@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from helpers import skip_without_automodel
+from _support.helpers import skip_without_automodel
 
 try:
     import nemo_automodel  # noqa: F401
@@ -17,7 +17,7 @@ try:
 except ImportError as error:
     skip_without_automodel(error)
 
-from helpers import cpu_automodel  # noqa: F401 (a fixture)
+from _support.helpers import cpu_automodel  # noqa: F401 (a fixture)
 from nemo_dsa.export import main as export_main
 from nemo_dsa.recipe.inference import load_run
 from nemo_dsa.train import load_config, train

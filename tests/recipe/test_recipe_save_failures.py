@@ -203,7 +203,7 @@ def _shared(rank: int, world_size: int, message: str | None) -> list:
 
 @pytest.mark.slow
 def test_share_failure_gives_every_rank_rank_0s_error_as_one_line():
-    from _cp_spawn import run_on_ranks
+    from _support.cp_spawn import run_on_ranks
 
     from nemo_dsa.recipe.parallel import FAILURE_BYTES, Parallel, share_failure
 

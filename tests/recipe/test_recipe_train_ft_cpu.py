@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import skip_without_automodel
+from _support.helpers import skip_without_automodel
 
 try:
     import nemo_automodel  # noqa: F401

@@ -116,8 +116,9 @@ class CoreAttention(nn.Module):
         plain ``nn.Module`` unless a plugin's layout needs the built-in's hooks there."""
         return nn.Module()
 
-    def call_core(self, hidden_states: torch.Tensor, meta, ctx, shared):
-        """``core(hidden_states, meta, ctx, shared)`` with the held tensors of this module."""
+    def call_core(self, hidden_states: torch.Tensor, meta, ctx, shared, *, probabilities: bool = False):
+        """``core(hidden_states, meta, ctx, shared)`` with the held tensors of this module; with
+        ``probabilities``, ``(out, aux, probs)`` (``DSASparseAttention.forward``)."""
         core = self._core
         requested = core.config.backend if core.config.attention_backend is None else core.config.attention_backend
         if requested == "tilelang" and hidden_states.dtype != torch.bfloat16:
@@ -132,6 +133,8 @@ class CoreAttention(nn.Module):
         if core.training != self.training:
             core.train(self.training)
         held = {nemo_name: _submodule(self, builtin_name)(hidden_states) for builtin_name, nemo_name in self._held}
+        if probabilities:
+            return torch.func.functional_call(core, held, (hidden_states, meta, ctx, shared), {"probabilities": True})
         return torch.func.functional_call(core, held, (hidden_states, meta, ctx, shared))
 
     @torch.no_grad()

@@ -174,40 +174,59 @@ class NemoDsaDeepseekV4Attention(CoreAttention):
         position_ids: Any = None,
         *,
         nemo_dsa_forward: ForwardState | None = None,
+        output_attentions: bool | None = None,
         **kwargs: Any,
-    ) -> tuple[torch.Tensor, None]:
-        """Attend over ``hidden_states [B, S, hidden]``; returns ``(output, None)`` (no dense weights).
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attend over ``hidden_states [B, S, hidden]``; returns ``(output, attention weights or None)``.
 
         The block's RoPE tables are not used (nemo_dsa rotates with its own). Visibility, positions
         and documents come from ``nemo_dsa_forward.metadata``; without it (a layer called on its
         own) from ``position_ids``, ``packed_seq_ids``, the padding ``attention_mask`` marks and the
         CP group (``_dsv4_cp_group`` or ``setup_cp_attention``'s).
+
+        Attention weights: the dense probabilities ``[B, H, S, S * cp_size + K]`` in the built-in's
+        layout (``_wants_weights`` says when; ``DSASparseAttention._attend_with_probabilities``),
+        with the built-in's masked synthetic pooled column where the HCA alignment adds one.
         """
         if start_pos:
             raise ValueError(f"start_pos must be 0 (training forward, no KV cache), got {start_pos}")
         standalone = nemo_dsa_forward is None
+        weights = self._wants_weights(output_attentions, standalone)
         if standalone:
             nemo_dsa_forward = self._own_forward_state(hidden_states, attention_mask, position_ids, kwargs)
         meta = nemo_dsa_forward.metadata[max(self.compress_ratio, 1)]
-        out, aux = self.call_core(hidden_states, meta, nemo_dsa_forward.ctx, nemo_dsa_forward.shared)
+        result = self.call_core(hidden_states, meta, nemo_dsa_forward.ctx, nemo_dsa_forward.shared, probabilities=weights)
+        out, aux = result[:2]
+        probs = result[2] if weights else None
         if aux is not None:
             nemo_dsa_forward.aux_losses.append(aux)
         # The built-in aligns in training whenever the model built the mask (always inside the model;
         # a layer called on its own only with a mask, which can hide the synthetic window).
         if self.training and self.compress_ratio == _HCA_RATIO and (not standalone or attention_mask is not None):
-            out = self._align_hca_parameters(out, hidden_states.shape[1] * nemo_dsa_forward.ctx.size)
-        return out, None
+            if self._align_hca_parameters(hidden_states.shape[1] * nemo_dsa_forward.ctx.size, out.device):
+                out = out + self.compressor.zero_through_parameters(out)
+                if probs is not None:  # the built-in's synthetic pooled key, masked: probability 0
+                    probs = torch.nn.functional.pad(probs, (0, 1))
+        return out, probs
 
-    def _align_hca_parameters(self, out: torch.Tensor, seq_len: int) -> torch.Tensor:
-        """The built-in's mixed-length FSDP alignment (``DeepseekV4Compressor``): a rank whose
-        sequence holds no complete HCA window sends zero gradients to its compressor when a peer
-        of the sync group holds one."""
+    def _wants_weights(self, output_attentions: bool | None, standalone: bool) -> bool:
+        """Whether this call returns the attention weights. ``output_attentions`` (HF's keyword)
+        decides when given; otherwise a layer called on its own returns them on the backends whose
+        built-in attention returns them (every ``backend.attn`` but ``tilelang``: its dense eager
+        path), and a layer inside the plugin model returns none (its blocks drop them), so a model
+        forward computes no probabilities unless asked."""
+        if output_attentions is not None:
+            return bool(output_attentions)
+        return standalone and self.backend.attn != "tilelang"
+
+    def _align_hca_parameters(self, seq_len: int, device) -> bool:
+        """Whether the built-in's mixed-length FSDP alignment (``DeepseekV4Compressor``) applies:
+        a rank whose sequence holds no complete HCA window, in a sync group where a peer holds one,
+        sends zero gradients to its compressor."""
         local = seq_len >= self.compress_ratio
         # Every rank of the group takes part in the collective, the long ones included.
-        group_has_window = self.compressor._compute_fsdp_group_has_complete_hca_window(local, out.device)
-        if local or not group_has_window:
-            return out
-        return out + self.compressor.zero_through_parameters(out)
+        group_has_window = self.compressor._compute_fsdp_group_has_complete_hca_window(local, device)
+        return not local and group_has_window
 
     def _own_forward_state(self, hidden_states, attention_mask, position_ids, kwargs) -> ForwardState:
         batch, seq = hidden_states.shape[:2]

@@ -122,10 +122,13 @@ class DsaV41ForwardState:
 
 @dataclass(frozen=True)
 class NemoDsaV41AttentionOutput:
-    """What a V4.1 block reads from its attention: ``hidden_states [B, S, hidden]`` and ``state``."""
+    """What a V4.1 block reads from its attention: ``hidden_states [B, S, hidden]`` and ``state``;
+    ``attentions``: the probabilities ``[B, H, S, S * cp_size + K]`` when the caller asked for them
+    (``output_attentions=True``), else None."""
 
     hidden_states: torch.Tensor
     state: DsaV41ForwardState
+    attentions: torch.Tensor | None = None
 
 
 def _check_backend(backend, attention_dropout: float) -> None:
@@ -199,16 +202,16 @@ class RotaryAngles(nn.Module):
     (YaRN on compressed layers only, as in the release); ``forward(position_ids)`` -> fp32 angles
     ``[..., dim // 2]``. It holds no tensors (nothing to save or shard)."""
 
-    def __init__(self, dim: int, theta: float, scaling) -> None:
+    def __init__(self, dim: int, theta: float, scaling, arithmetic: str = "v41") -> None:
         super().__init__()
-        self.dim, self.theta, self.scaling = dim, float(theta), scaling
+        self.dim, self.theta, self.scaling, self.arithmetic = dim, float(theta), scaling, arithmetic
         yarn = scaling or {}
         self.factor = float(yarn.get("factor", 1.0))
         self.original_length = int(yarn.get("original_max_position_embeddings", 0))
         self.beta_fast, self.beta_slow = float(yarn.get("beta_fast", 32)), float(yarn.get("beta_slow", 1))
 
     def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
-        return rope_angles(position_ids, self.dim, self.theta, self.scaling)
+        return rope_angles(position_ids, self.dim, self.theta, self.scaling, self.arithmetic)
 
 
 class NemoDsaDeepseekV41Attention(CoreAttention):
@@ -238,7 +241,9 @@ class NemoDsaDeepseekV41Attention(CoreAttention):
         self.attention_dropout = float(getattr(text, "attention_dropout", 0.0) or 0.0)
         self.is_kv_source = layer_idx in text.kv_source_layer_ids
         self.is_index_source = layer_idx in text.index_source_layer_ids
-        self.rotary_emb = RotaryAngles(self._core.rope_dim, self._core.rope_theta, self._core.rope_scaling)
+        self.rotary_emb = RotaryAngles(
+            self._core.rope_dim, self._core.rope_theta, self._core.rope_scaling, dsa_config.rope_arithmetic
+        )
         for absent in ("compressor", "indexer"):
             if not hasattr(self, absent):
                 setattr(self, absent, None)  # as the built-in's layers without them
@@ -268,9 +273,12 @@ class NemoDsaDeepseekV41Attention(CoreAttention):
         attention_mask: torch.Tensor | None = None,
         cp_group: Any = None,
         packed_seq_ids: torch.Tensor | None = None,
+        output_attentions: bool = False,
     ) -> NemoDsaV41AttentionOutput:
         """Attend over ``hidden_states [B, S, hidden]`` (the local shard under CP); ``state``: the
-        previous attention's (module docstring)."""
+        previous attention's (module docstring). ``output_attentions`` (HF's keyword; the built-in
+        returns no weights, so off by default): also return the attention probabilities, dense as
+        V4's built-in lays them out (``DSASparseAttention._attend_with_probabilities``)."""
         batch, seq = hidden_states.shape[:2]
         consumer = self.compress_ratio > 0 and self.compressor is None
         has_source = getattr(state, "compressed_kv", None) is not None
@@ -294,13 +302,16 @@ class NemoDsaDeepseekV41Attention(CoreAttention):
         if fresh:
             state = self._own_forward_state(hidden_states, position_ids, attention_mask, packed_seq_ids, cp_group)
         shared = SharedLayerState(source=state.shared.source)
-        out, aux = self.call_core(hidden_states, state.metadata[max(self.compress_ratio, 1)], state.ctx, shared)
+        meta = state.metadata[max(self.compress_ratio, 1)]
+        result = self.call_core(hidden_states, meta, state.ctx, shared, probabilities=output_attentions)
+        out, aux = result[:2]
+        probs = result[2] if output_attentions else None
         if aux is not None:
             raise ValueError("the V4.1 indexer is frozen: no indexer loss exists (indexer_kl_coef must be 0)")
         if shared.source is state.shared.source:  # nothing new to hand on: the same state, as the built-in
-            return NemoDsaV41AttentionOutput(out, state)
+            return NemoDsaV41AttentionOutput(out, state, probs)
         ratio = self.compress_ratio if self.compressor is not None else state.compression_ratio
-        return NemoDsaV41AttentionOutput(out, replace(state, shared=shared, compression_ratio=ratio))
+        return NemoDsaV41AttentionOutput(out, replace(state, shared=shared, compression_ratio=ratio), probs)
 
     def _own_forward_state(self, hidden_states, position_ids, attention_mask, packed_seq_ids, cp_group):
         batch, seq = hidden_states.shape[:2]

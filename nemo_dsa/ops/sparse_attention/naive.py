@@ -101,14 +101,22 @@ def attend_to_indices(
     chunk_size: int | None = None,
     recompute: bool = True,
     dropout_p: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    return_probabilities: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """:func:`sparse_attention` on arguments its caller made or validated (indices in [-1, N)):
-    nothing is checked, so it reads nothing back."""
+    nothing is checked, so it reads nothing back.
+
+    ``return_probabilities``: also return each slot's probability ``[B, S, H, M]`` (fp32, after
+    the dropout the output used; 0 at -1 slots), the whole sequence as one chunk, without
+    recomputation (the caller asked for the probabilities, so they are kept anyway)."""
     batch, seq, heads, dim = q.shape
     width, scale = indices.shape[-1], float(scale)
     if kv.shape[1] == 0:
         # Every index is -1 here; one zero row gives the gathers something to read (masked out).
         kv = torch.cat((kv, kv.new_zeros(batch, 1, dim)), dim=1)
+    if return_probabilities:
+        with torch.autocast(q.device.type, enabled=False):
+            return _attend_chunk(q, kv, indices, sink, bias, scale, dropout_p, return_probabilities=True)
 
     # fp32 softmax math even under an enclosing autocast (it would run the einsums in bf16).
     step = _query_chunk(batch, width, heads, dim, chunk_size)
@@ -135,8 +143,9 @@ def attend_to_indices(
     return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
 
 
-def _attend_chunk(q, kv, indices, sink, bias, scale, dropout_p=0.0):
-    """One query chunk: ``q [B, C, H, D]``, ``indices [B, C, M]`` -> (out, lse)."""
+def _attend_chunk(q, kv, indices, sink, bias, scale, dropout_p=0.0, return_probabilities=False):
+    """One query chunk: ``q [B, C, H, D]``, ``indices [B, C, M]`` -> (out, lse), and with
+    ``return_probabilities`` the slots' probabilities ``[B, C, H, M]``."""
     batch, chunk, heads, dim = q.shape
     width = indices.shape[-1]
     idx = indices.long()
@@ -164,7 +173,10 @@ def _attend_chunk(q, kv, indices, sink, bias, scale, dropout_p=0.0):
     probs = torch.exp(logits - safe_lse.unsqueeze(-1))
     if dropout_p:
         probs = F.dropout(probs, p=dropout_p, training=True)
-    return torch.einsum("bchm,bcmd->bchd", probs, keys).to(q.dtype), lse
+    out = torch.einsum("bchm,bcmd->bchd", probs, keys).to(q.dtype)
+    if return_probabilities:
+        return out, lse, probs
+    return out, lse
 
 
 def window_key_indices(window_start: torch.Tensor, window: int, seq_len: int, num_raw: int) -> torch.Tensor:
@@ -185,6 +197,17 @@ def range_key_indices(ks: torch.Tensor, ke: torch.Tensor) -> torch.Tensor:
     width = int((ke - ks).max()) if ks.numel() else 0
     slots = ks[..., None].long() + torch.arange(width, device=ks.device)
     return torch.where(slots < ke[..., None].long(), slots, -1)
+
+
+def dense_probabilities(probabilities: torch.Tensor, columns: torch.Tensor, width: int) -> torch.Tensor:
+    """Slot probabilities ``[B, S, H, M]`` laid out densely as ``[B, H, S, width]``: slot m of
+    query s lands in column ``columns[b, s, m]`` (-1 = nowhere); slots naming the same column add
+    up, other columns are 0. The probabilities' dtype; differentiable in them."""
+    batch, seq, heads, _ = probabilities.shape
+    safe = torch.where(columns >= 0, columns.long(), width)  # one spare column takes the -1 slots
+    dense = probabilities.new_zeros(batch, seq, heads, width + 1)
+    dense = dense.scatter_add(-1, safe.unsqueeze(2).expand(-1, -1, heads, -1), probabilities)
+    return dense[..., :width].transpose(1, 2)
 
 
 def window_compressed_attention_reference(
