@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from nemo_automodel.components.models.deepseek_v4.layers import DeepseekV4HyperConnection
+from nemo_automodel.components.models.deepseek_v4.layers import DeepseekV4HyperConnection, DeepseekV4HyperHead
 from nemo_automodel.components.models.deepseek_v4.model import (
     DeepseekV4Block,
     DeepseekV4HashGate,
@@ -24,7 +24,12 @@ from nemo_automodel.components.models.deepseek_v4.model import (
 from nemo_dsa.integrations.common.hyper_connections import hc_coefficients
 from nemo_dsa.ops.hyper_connections import collapse_streams, expand_streams, resolve_hc_backend, stream_mix
 
-__all__ = ["NemoDsaDeepseekV4Block", "NemoDsaDeepseekV4HyperConnection", "adopt_hyper_connections"]
+__all__ = [
+    "NemoDsaDeepseekV4Block",
+    "NemoDsaDeepseekV4HyperConnection",
+    "NemoDsaDeepseekV4HyperHead",
+    "adopt_hyper_connections",
+]
 
 
 class NemoDsaDeepseekV4HyperConnection(DeepseekV4HyperConnection):
@@ -36,6 +41,20 @@ class NemoDsaDeepseekV4HyperConnection(DeepseekV4HyperConnection):
         mix = stream_mix(hidden_streams, self.fn, self.norm_eps, order="norm_first", backend=self.hc_backend)
         return hc_coefficients(mix, self.base, self.scale, self.hc_mult, self.hc_eps, self.hc_sinkhorn_iters,
                                fused_affine=False)  # fmt: skip
+
+
+class NemoDsaDeepseekV4HyperHead(DeepseekV4HyperHead):
+    """The built-in final collapse (sigmoid-weighted, no Sinkhorn) on the fused mix and collapse."""
+
+    hc_backend: str
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        backend = resolve_hc_backend(self.hc_backend, x)
+        if backend == "torch":
+            return super().forward(x)
+        mixes = stream_mix(x, self.hc_fn, self.norm_eps, order="norm_first", backend=backend)
+        pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.eps
+        return collapse_streams(x, pre, backend=backend)
 
 
 class NemoDsaDeepseekV4Block(DeepseekV4Block):
@@ -86,9 +105,14 @@ class NemoDsaDeepseekV4Block(DeepseekV4Block):
         return expand_streams(mlp_out, x, post, comb, rounding="terms", backend=backend)
 
 
-def adopt_hyper_connections(blocks, hc_backend: str) -> None:
-    """Make each built-in block in ``blocks`` a ``NemoDsaDeepseekV4Block`` (main-stack blocks) and
-    each of their mixers a ``NemoDsaDeepseekV4HyperConnection``, running on ``hc_backend``."""
+def adopt_hyper_connections(blocks, heads, hc_backend: str) -> None:
+    """Make each built-in block in ``blocks`` a ``NemoDsaDeepseekV4Block`` (main-stack blocks),
+    each of their mixers a ``NemoDsaDeepseekV4HyperConnection`` and each final collapse in
+    ``heads`` a ``NemoDsaDeepseekV4HyperHead``, running on ``hc_backend``."""
+    for head in heads:
+        if isinstance(head, DeepseekV4HyperHead):
+            head.__class__ = NemoDsaDeepseekV4HyperHead
+            head.hc_backend = hc_backend
     for block in blocks:
         if type(block) is DeepseekV4Block or isinstance(block, NemoDsaDeepseekV4Block):
             block.__class__ = NemoDsaDeepseekV4Block

@@ -132,7 +132,8 @@ class NemoDsaDeepseekV4ForCausalLM(StrictCheckpointLoading, DeepseekV4ForCausalL
             block.self_attn = self._nemo_dsa_attention(block.self_attn, block.layer_idx)
         adopt_fp32_head(self)
         mtp_blocks = list(self.mtp.layers) if self.mtp is not None else []
-        adopt_hyper_connections([*self.model.layers.values(), *mtp_blocks], self.hyper_connection_backend)
+        heads = [getattr(self.model, "hc_head", None), *(getattr(b, "hc_head", None) for b in mtp_blocks)]
+        adopt_hyper_connections([*self.model.layers.values(), *mtp_blocks], heads, self.hyper_connection_backend)
         apply_recompute(self.model, [*self.model.layers.values(), *mtp_blocks], recompute, "v4")
         self._init_strict_loading()
 
