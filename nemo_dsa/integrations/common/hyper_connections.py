@@ -21,8 +21,8 @@ from nemo_dsa.ops.hyper_connections.naive import sinkhorn_reference
 
 __all__ = ["DEFAULT_HC_BACKEND", "HC_BACKENDS", "hc_coefficients", "pop_hc_backend_option"]
 
-# The fused kernels become the default once a GPU run has checked them against the references.
-DEFAULT_HC_BACKEND = "torch"
+# The fused kernels on CUDA bf16 streams, nemo-automodel's arithmetic elsewhere (CPU, fp32).
+DEFAULT_HC_BACKEND = "auto"
 
 
 def pop_hc_backend_option(kwargs: dict, config) -> str:

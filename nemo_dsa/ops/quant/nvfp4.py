@@ -13,7 +13,7 @@ The rule (DeepSeek-V4.1 rounds its compressed KV this way, after RoPE), per bloc
 - the result ``level * scale`` is returned in the input dtype. The backward is the identity.
 
 A block holding a NaN or inf comes back as NaN. A block whose max exceeds 6 * 448 gets the largest
-E4M3 scale, 448 (torch's cast saturates, as in the release), so its values clamp to +-6 * 448.
+E4M3 scale, 448 (saturating, as the release does), so its values clamp to +-6 * 448.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from nemo_dsa.ops.quant.blocks import channel_blocks, from_channel_blocks, strai
 
 BLOCK = 16
 E2M1_MAX = 6.0
+E4M3_MAX = 448.0
 AMAX_FLOOR = 6.0 * 2.0**-9
 # Non-negative E2M1 levels in code order: code n has mantissa bit n % 2.
 E2M1_LEVELS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -45,7 +46,8 @@ def round_to_e2m1(values: torch.Tensor) -> torch.Tensor:
 def _quant_dequant(x: torch.Tensor, block_size: int) -> torch.Tensor:
     blocks = channel_blocks(x, block_size)
     amax = blocks.abs().amax(-1, keepdim=True)
-    scale = (amax.clamp_min(AMAX_FLOOR) / E2M1_MAX).to(torch.float8_e4m3fn).float()
+    # Saturate before the cast: torch's float8 cast saturates on the CPU but gives NaN on CUDA.
+    scale = (amax.clamp_min(AMAX_FLOOR) / E2M1_MAX).clamp_max(E4M3_MAX).to(torch.float8_e4m3fn).float()
     out = round_to_e2m1((blocks / scale).clamp(-E2M1_MAX, E2M1_MAX)) * scale
     out = torch.where(torch.isfinite(amax), out, float("nan"))
     return from_channel_blocks(out, x)
