@@ -28,7 +28,8 @@ sys.path[:0] = [str(TESTS), str(TESTS / "layers"), str(TESTS / "models")]
 
 
 def count(
-    side: str, family: str, seq: int, depth: int, activation_checkpointing: str = "off", recompute: str | None = None
+    side: str, family: str, seq: int, depth: int, activation_checkpointing: str = "off", recompute: str | None = None,
+    hc_backend: str | None = None,
 ) -> tuple[float, dict]:
     if side == "plugin":
         import pytest
@@ -39,6 +40,8 @@ def count(
     config = side_by_side.model_config(family, side_by_side.DEFAULT_RATIOS[family], 1024, 4)
     if recompute:
         config.recompute = recompute  # the plugin's own recompute parts
+    if hc_backend:
+        config.hyper_connection_backend = hc_backend  # "triton": the fused parts (TRITON_INTERPRET=1 on the CPU)
     model = side_by_side.build(side, config, device="cpu", dtype=torch.bfloat16, attn="torch" if family == "v4" else "sdpa")
     if activation_checkpointing != "off":  # what the blocks keep is then their inputs (the rest is recomputed)
         from nemo_automodel.components.moe.parallelizer import apply_ac
@@ -77,9 +80,11 @@ def main() -> None:
                         help="nemo-automodel's apply_ac on the decoder blocks (selective AC keeps its saved ops "
                              "out of these hooks' sight, so it is not counted here)")  # fmt: skip
     parser.add_argument("--recompute", default=None, help="the plugin's recompute parts (e.g. hyper_connections,norms)")
+    parser.add_argument("--hc-backend", default=None, choices=["auto", "triton", "torch"],
+                        help="the plugin's hyper_connection_backend; triton on the CPU needs TRITON_INTERPRET=1")  # fmt: skip
     args = parser.parse_args()
     total, per_module = count(
-        args.side, args.family, args.seq, args.depth, args.activation_checkpointing, args.recompute
+        args.side, args.family, args.seq, args.depth, args.activation_checkpointing, args.recompute, args.hc_backend
     )
     print(f"{args.side} {args.family} S={args.seq}: {total:.1f} KiB a token kept for the backward")
     for module, kib in list(per_module.items())[: args.top]:

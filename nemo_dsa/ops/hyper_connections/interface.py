@@ -12,12 +12,11 @@ autograd keeps for nemo-automodel's code (two fp32 copies of the streams per mix
 
 from __future__ import annotations
 
-import functools
 import math
-import os
 
 import torch
 
+from nemo_dsa.ops._triton import interpreting, load_kernels, next_power_of_2
 from nemo_dsa.ops.dispatch import report_reference_fallback
 from nemo_dsa.ops.hyper_connections.naive import (
     MIX_ORDERS,
@@ -33,18 +32,8 @@ _MIX_BLOCK_T, _MIX_BLOCK_K = 64, 64
 _BLOCK_D = 256
 
 
-@functools.cache
 def _kernels():
-    """The Triton kernels module, or None where Triton is not installed (CPU installs)."""
-    try:
-        from nemo_dsa.ops.hyper_connections import kernels
-    except ImportError:
-        return None
-    return kernels
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return load_kernels("nemo_dsa.ops.hyper_connections.kernels")
 
 
 def resolve_hc_backend(backend: str, streams: torch.Tensor) -> str:
@@ -64,7 +53,7 @@ def resolve_hc_backend(backend: str, streams: torch.Tensor) -> str:
         raise ValueError("hyper-connection backend 'triton' needs Triton installed")
     if streams.dtype != torch.bfloat16:
         raise ValueError(f"hyper-connection backend 'triton' takes bf16 streams, got {streams.dtype}")
-    if not streams.is_cuda and not _interpreting():
+    if not streams.is_cuda and not interpreting():
         raise ValueError("hyper-connection backend 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
     return "triton"
 
@@ -98,7 +87,7 @@ class _StreamMix(torch.autograd.Function):
         x = streams.reshape(-1, streams.shape[-2] * streams.shape[-1])
         tokens, width = x.shape
         mixes = fn.shape[0]
-        padded = max(16, triton_next_power_of_2(mixes))
+        padded = max(16, next_power_of_2(mixes))
         fn_t = fn.new_zeros(width, padded)
         fn_t[:, :mixes] = fn.t()
         mix = x.new_empty(tokens, mixes, dtype=torch.float32)
@@ -142,10 +131,6 @@ class _StreamMix(torch.autograd.Function):
         return dstreams, dfn, None
 
 
-def triton_next_power_of_2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
 def stream_mix(streams: torch.Tensor, fn: torch.Tensor, eps: float, *, order: str, backend: str = "auto") -> torch.Tensor:
     """``fn`` (``[W, M*D]`` fp32) applied to the RMS-normalised streams ``[..., M, D]``: fp32
     ``[..., W]``. ``order`` is the reference's rounding order (``naive.MIX_ORDERS``); the kernel
@@ -177,7 +162,7 @@ class _Collapse(torch.autograd.Function):
         out = x.new_empty(x.shape[0], d)
         if x.shape[0]:
             grid = (x.shape[0], math.ceil(d / _BLOCK_D))
-            kernels._collapse_forward[grid](x, pre.reshape(-1, m), out, d, M=m, MP=triton_next_power_of_2(m),
+            kernels._collapse_forward[grid](x, pre.reshape(-1, m), out, d, M=m, MP=next_power_of_2(m),
                                             BD=_BLOCK_D)  # fmt: skip
         ctx.save_for_backward(streams, pre)
         return out.view(*streams.shape[:-2], d)
@@ -192,7 +177,7 @@ class _Collapse(torch.autograd.Function):
         dpre = pre.new_empty(x.shape[0], m)
         if x.shape[0]:
             kernels._collapse_backward[(x.shape[0],)](x, pre.reshape(-1, m), dout.contiguous(), dx, dpre, d, M=m,
-                                                      MP=triton_next_power_of_2(m), BD=_BLOCK_D)  # fmt: skip
+                                                      MP=next_power_of_2(m), BD=_BLOCK_D)  # fmt: skip
         return dx.view_as(streams), dpre.view_as(pre)
 
 
@@ -220,7 +205,7 @@ class _Expand(torch.autograd.Function):
         if x.shape[0]:
             grid = (x.shape[0], math.ceil(d / _BLOCK_D))
             kernels._expand_forward[grid](sublayer_out.reshape(-1, d), x, post.reshape(-1, m), comb.reshape(-1, m, m),
-                                          out, d, M=m, MP=triton_next_power_of_2(m), BD=_BLOCK_D,
+                                          out, d, M=m, MP=next_power_of_2(m), BD=_BLOCK_D,
                                           ROUND_TERMS=round_terms)  # fmt: skip
         ctx.save_for_backward(sublayer_out, streams, post, comb)
         ctx.round_terms = round_terms
@@ -240,7 +225,7 @@ class _Expand(torch.autograd.Function):
         if tokens:
             kernels._expand_backward[(tokens,)](sublayer_out.reshape(-1, d), x, post.reshape(-1, m),
                                                 comb.reshape(-1, m, m), dout.contiguous().view(-1, m, d), da, dx,
-                                                dpost, dcomb, d, M=m, MP=triton_next_power_of_2(m), BD=_BLOCK_D,
+                                                dpost, dcomb, d, M=m, MP=next_power_of_2(m), BD=_BLOCK_D,
                                                 ROUND_TERMS=ctx.round_terms)  # fmt: skip
         return da.view_as(sublayer_out), dx.view_as(streams), dpost.view_as(post), dcomb.view_as(comb), None
 

@@ -5,23 +5,18 @@ reference: ``backend`` ``"auto"`` takes the kernel for CUDA tensors when Triton 
 
 from __future__ import annotations
 
-import functools
 import math
-import os
 
 import torch
+
+from nemo_dsa.ops._triton import interpreting, load_kernels, next_power_of_2
 
 QUANT_BACKENDS = ("auto", "triton", "torch")
 _ROWS_PER_PROGRAM = 16
 
 
-@functools.cache
 def _kernels():
-    try:
-        from nemo_dsa.ops.quant import kernels
-    except ImportError:
-        return None
-    return kernels
+    return load_kernels("nemo_dsa.ops.quant.kernels")
 
 
 def uses_kernel(backend: str, x: torch.Tensor, block_size: int) -> bool:
@@ -38,7 +33,7 @@ def uses_kernel(backend: str, x: torch.Tensor, block_size: int) -> bool:
         raise ValueError(f"backend='triton' needs a power-of-two block_size, got {block_size}")
     if _kernels() is None:
         raise ValueError("backend='triton' needs Triton installed")
-    if not x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    if not x.is_cuda and not interpreting():
         raise ValueError("backend='triton' needs a CUDA tensor (or TRITON_INTERPRET=1 on CPU)")
     return True
 
@@ -51,7 +46,7 @@ def fused_quant_dequant(x: torch.Tensor, block_size: int, fmt: str) -> torch.Ten
     flat = x.contiguous().view(rows, channels)
     out = torch.empty_like(flat)
     if rows:
-        blocks = 1 << max(0, (math.ceil(channels / block_size) - 1).bit_length())
+        blocks = next_power_of_2(math.ceil(channels / block_size))
         code = {"fp8": kernels.FP8, "nvfp4": kernels.NVFP4, "mxfp4": kernels.MXFP4}[fmt]
         kernels._quant_dequant[(math.ceil(rows / _ROWS_PER_PROGRAM),)](
             flat, out, rows, channels, FORMAT=code, BLOCK=block_size, NB=blocks, BR=_ROWS_PER_PROGRAM,
