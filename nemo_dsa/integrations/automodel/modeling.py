@@ -268,6 +268,7 @@ class _NemoDsaForCausalLMBase(StrictCheckpointLoading, DSAForCausalLM):
             backend=_backend_from_attn(backend, config.backend),
             attention_backend=_backend_from_attn(backend, config.attention_backend),
         )
+        self._refuse_oversized_config(getattr(config, "_name_or_path", None), dsa_config)
         super().__init__(dsa_config)
         self.dsa_config = dsa_config
         # nemo-automodel reads architectures/model_type/to_dict() from model.config; every

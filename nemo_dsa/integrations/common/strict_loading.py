@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -245,11 +246,23 @@ class StrictCheckpointLoading:
         adapter = getattr(self, "state_dict_adapter", None)
         if adapter is not None:
             self.state_dict_adapter = strict_adapter(adapter, self._checkpoint_name_of)
-        # nemo-automodel builds the model on the meta device and materialises it before it reads
-        # the checkpoint: a config asking for far more than the checkpoint holds is refused now.
-        path = _local_checkpoint(getattr(self.config, "_name_or_path", None))
-        if path is not None and (path.is_file() or any(path.glob("*.safetensors"))):
-            refuse_oversized(self, self._checkpoint_adapter(), path)
+
+    def _refuse_oversized_config(self, name_or_path, *args: Any, **kwargs: Any) -> None:
+        """Call first in ``__init__`` with the arguments of the model class below this mixin: that
+        class is built on the meta device (no memory) and refused (``refuse_oversized``) when its
+        config asks for far more than the checkpoint at ``name_or_path`` holds. nemo-automodel's
+        from_pretrained builds a model before it reads the checkpoint, each parameter allocated
+        first (``init_empty_weights`` moves it to meta afterwards), so a config.json that does not
+        describe its weights would allocate what it asks for before any check reads the files."""
+        path = _local_checkpoint(name_or_path)
+        if path is None or not (path.is_file() or any(path.glob("*.safetensors"))):
+            return
+        mro = type(self).__mro__
+        base = mro[mro.index(StrictCheckpointLoading) + 1]
+        with torch.device("meta"):
+            skeleton = base(*args, **kwargs)
+        adapter = getattr(skeleton, "state_dict_adapter", None)
+        refuse_oversized(skeleton, adapter if adapter is not None else IdentityAdapter(skeleton), path)
 
     def _checkpoint_adapter(self):
         """The state-dict adapter the checks convert names with (the identity when there is none)."""

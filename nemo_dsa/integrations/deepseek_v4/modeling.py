@@ -115,6 +115,7 @@ class NemoDsaDeepseekV4ForCausalLM(StrictCheckpointLoading, DeepseekV4ForCausalL
             raise ValueError("vision_n_layers must be 0: the nemo_dsa plugin supports the DeepSeek-V4 text model")
         options = {name: kwargs.pop(name) for name in list(kwargs) if name in OPTION_DEFAULTS}
         recompute = pop_recompute_option(kwargs, config)
+        self._refuse_oversized_config(getattr(config, "_name_or_path", None), config, moe_config, backend, **kwargs)
         super().__init__(config, moe_config, backend, **kwargs)
         self.dsa_config = resolve_dsa_config(config, self.backend, options)
         self.config.architectures = [ARCHITECTURE]

@@ -54,6 +54,7 @@ class NemoDsaDeepseekV41ForCausalLM(StrictCheckpointLoading, DeepseekV41ForCausa
             raise TypeError(f"config must be a DeepseekV41Config, got {type(config).__name__}")
         options = {name: kwargs.pop(name) for name in list(kwargs) if name in OPTIONS}
         recompute = pop_recompute_option(kwargs, config)
+        self._refuse_oversized_config(getattr(config, "_name_or_path", None), config, moe_config, backend, **kwargs)
         super().__init__(config, moe_config, backend, **kwargs)
         self.dsa_config = resolve_dsa_config(config, self.backend, options)
         self.config.architectures = [ARCHITECTURE]
