@@ -178,7 +178,10 @@ def _parse_header(f, file: Path, size: int) -> SafetensorsHeader:
     (length,) = struct.unpack("<Q", prefix)
     if length > min(HEADER_LIMIT, size - 8):
         raise bad(f"header length {length} exceeds the file")
-    header = parse_json(f.read(length), f"checkpoint file {file}")
+    try:
+        header = parse_json(f.read(length), "its header")
+    except UntrustedFile as e:
+        raise bad(str(e)) from None
     if not isinstance(header, dict):
         raise bad("its header is not a table")
     metadata = header.get("__metadata__") or {}

@@ -187,7 +187,7 @@ def _generate(argv: list[str]) -> int:
     if args.max_new_tokens < 1:
         problems.append(f"max_new_tokens must be >= 1, got {args.max_new_tokens}")
     if not 0 <= args.temperature < float("inf"):
-        problems.append(f"temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
+        problems.append(f"temperature must be >= 0 and finite (0 = greedy), got {args.temperature}")
     if args.top_k < 0:
         problems.append(f"top_k must be >= 0 (0 = off), got {args.top_k}")
     if not 0 < args.top_p <= 1:

@@ -125,8 +125,7 @@ class DSAModelConfig:
         """Raise ValueError naming the offending key."""
         for name in (
             "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
-            "q_lora_rank", "intermediate_size", "index_n_heads", "index_head_dim", "sliding_window", "index_topk",
-            "max_position_embeddings",
+            "q_lora_rank", "intermediate_size", "index_n_heads", "index_head_dim", "max_position_embeddings",
         ):
             value = getattr(self, name)
             if not is_positive_int(value):
@@ -146,10 +145,12 @@ class DSAModelConfig:
             )
         if any(r < 0 or r > INT32_MAX for r in self.compress_ratios):
             raise ValueError(f"compress_ratios must be in [0, {INT32_MAX}] (0 = window only), got {self.compress_ratios}")
-        if self.index_topk < 1:
-            raise ValueError(f"index_topk must be >= 1, got {self.index_topk}")
-        if self.sliding_window < 1:
-            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        for name in ("index_topk", "sliding_window"):
+            value = getattr(self, name)
+            if not is_positive_int(value):
+                raise ValueError(f"{name} must be >= 1, got {value!r}")
+            if value > INT32_MAX:
+                raise ValueError(f"{name} must be <= {INT32_MAX}, got {value}")
         if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim > min(self.head_dim, self.index_head_dim):
             raise ValueError(
                 f"qk_rope_head_dim must be even and <= head_dim and index_head_dim, got {self.qk_rope_head_dim}"
