@@ -94,7 +94,8 @@ def open_regular(path: str | os.PathLike, *, follow_links: bool = False, root: s
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise UntrustedFile(f"{path} is {describe_mode(info.st_mode)}, not a regular file; only regular files are read")
+            raise UntrustedFile(f"{path} is {describe_mode(info.st_mode)}, not a regular file; "
+                                "only regular files are read")
         if max_bytes is not None and info.st_size > max_bytes:
             raise UntrustedFile(f"{path} is {info.st_size} bytes, more than the {max_bytes} such a file may hold")
     except BaseException:
@@ -202,8 +203,9 @@ def _parse_header(f, file: Path, size: int) -> SafetensorsHeader:
         if type(start) is not int or type(stop) is not int or not 0 <= start <= stop:
             raise UntrustedFile(f"checkpoint file {file}: {key} has data offsets {start}..{stop}")
         if dtype in DTYPE_BYTES and math.prod(shape) * DTYPE_BYTES[dtype] != stop - start:
-            raise UntrustedFile(f"checkpoint file {file}: {key} is {dtype} {list(shape)}, "
-                                f"{math.prod(shape) * DTYPE_BYTES[dtype]} bytes, but its data offsets span {stop - start}")
+            nbytes = math.prod(shape) * DTYPE_BYTES[dtype]
+            raise UntrustedFile(f"checkpoint file {file}: {key} is {dtype} {list(shape)}, {nbytes} bytes, "
+                                f"but its data offsets span {stop - start}")
         tensors[key] = (dtype, shape)
         end = max(end, stop)
     if size != 8 + length + end:

@@ -56,7 +56,9 @@ def _is_float_dtype_name(dtype: str) -> bool:
     return dtype.startswith(("F", "BF"))
 
 
-def read_safetensors_header(file: str | Path, *, root: str | Path | None = None) -> dict[str, tuple[str, tuple[int, ...]]]:
+def read_safetensors_header(
+    file: str | Path, *, root: str | Path | None = None
+) -> dict[str, tuple[str, tuple[int, ...]]]:
     """``{key: (dtype name, shape)}`` of one safetensors file, from its header only.
 
     A file that is not a regular file inside ``root`` (a symbolic link out of it, a FIFO, a

@@ -115,8 +115,8 @@ def check_config_fits(config, path: str | os.PathLike, *, where: str = "checkpoi
     header = read_header(path)
     embed = header.tensors.get("embed.weight")
     if embed is not None and tuple(embed[1]) != (config.vocab_size, config.hidden_size):
-        raise ValueError(f"{where}: vocab_size={config.vocab_size}, hidden_size={config.hidden_size} give embed.weight the "
-                         f"shape {[config.vocab_size, config.hidden_size]}, but {header.file} holds {list(embed[1])}")
+        raise ValueError(f"{where}: vocab_size={config.vocab_size}, hidden_size={config.hidden_size} give embed.weight "
+                         f"the shape {[config.vocab_size, config.hidden_size]}, but {header.file} holds {list(embed[1])}")
     layers = {k.split(".")[1] for k in header.tensors if k.startswith("layers.")}
     if len(layers) != config.num_hidden_layers:
         raise ValueError(f"{where}: num_hidden_layers={config.num_hidden_layers}, but {header.file} holds the weights "
