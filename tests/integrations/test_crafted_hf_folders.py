@@ -116,7 +116,8 @@ def test_a_plugin_config_asking_for_a_huge_model_is_refused_before_allocating(tm
 
 # --- 4: an index cannot name a file outside the folder -------------------------------------------
 
-@pytest.mark.parametrize("name", ["../../../../etc/passwd", "/etc/passwd", "inside-link.safetensors"])
+@pytest.mark.parametrize("name", ["../" * 30 + "etc/passwd", "/etc/passwd", "inside-link.safetensors"],
+                         ids=["dotdot", "absolute", "link_out"])
 def test_an_index_naming_a_file_outside_the_folder_is_refused(exported, tmp_path, name):
     folder = _copy(exported, tmp_path)
     (folder / "inside-link.safetensors").symlink_to("/etc/passwd")
@@ -174,6 +175,13 @@ def test_nemo_automodel_refuses_weights_it_would_cast_or_that_are_not_finite(cpu
     folder = _copy(exported, tmp_path, tensors={WEIGHT: make(original)})
     with pytest.raises(ValueError, match=message.replace(".", r"\.")):
         NeMoAutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+
+
+def test_init_from_loads_float8_weights_as_their_float32_values(exported, tmp_path, capsys):
+    weights = load_file(str(exported / "model.safetensors"))
+    folder = _copy(exported, tmp_path, tensors={WEIGHT: weights[WEIGHT].to(torch.float8_e4m3fn)})
+    args = [*SHORT, "recipe.max_steps=1", f"run_dir={tmp_path / 'run'}", f"init_from={folder}"]
+    assert train_main(args) == 0, capsys.readouterr().err
 
 
 def test_float8_weights_load_as_their_float32_values(exported, tmp_path):
