@@ -237,7 +237,8 @@ def strict_adapter(adapter, name_of: Callable[[str], str]):
 class StrictCheckpointLoading:
     """Mixed into a plugin model class: nemo-automodel's checkpoint loads of it are strict.
 
-    Call ``_init_strict_loading()`` at the end of ``__init__``. ``_checkpoint_key_mapping`` is
+    Call ``_refuse_oversized_config(config._name_or_path, *base_args)`` first in ``__init__``
+    (before the base class allocates) and ``_init_strict_loading()`` at its end. ``_checkpoint_key_mapping`` is
     what nemo-automodel reads as the model's ``_checkpoint_conversion_mapping`` (None: none).
     """
 
