@@ -127,6 +127,7 @@ def check_qkw(
     """
     q_name, k_name, w_name = names
     check_tensor(q_name, q, ndim=4, dtypes=dtypes[0])
+    check_has_data(q_name, q)  # before k and w are compared with q's device: a meta q is named, not k
     if seq_first:
         queries, batch, heads, dim = q.shape
         key_shape, weight_shape = (None, batch, dim), (queries, batch, heads)

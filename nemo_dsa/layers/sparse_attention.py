@@ -202,7 +202,9 @@ class DSASparseAttention(KeepsFP32Parameters):
         if self.config.window_kv_quant == "fp8":
             kv = fp8_quant_dequant(kv, FP8_BLOCK)
 
-        history = self.window - 1
+        # A window longer than the whole sequence (every rank's shard) sees exactly what one of that
+        # length sees: bounded so, a huge sliding_window allocates no [B, window - 1, D] history.
+        history = min(self.window, max(ctx.size * x.shape[1], 1)) - 1
         raw_kv = with_history(ctx, kv, history)
         compressed_kv, compressed_indices, selection = None, None, None
         if self.ratio > 0:
@@ -292,7 +294,7 @@ class DSASparseAttention(KeepsFP32Parameters):
         self._warm_up_kernels(q, attention=backend == "tilelang")
         # The layer made every input (the metadata's ranges, its indexer's selection): unchecked.
         return attend(
-            q, raw_kv, window_start, self.window, compressed_kv, sink=self.attn_sink, scale=self.scale, backend=backend,
+            q, raw_kv, window_start, history + 1, compressed_kv, sink=self.attn_sink, scale=self.scale, backend=backend,
             dropout_p=dropout_p, **kwargs,
         )  # fmt: skip
 
@@ -343,7 +345,7 @@ class DSASparseAttention(KeepsFP32Parameters):
     def _attend_with_index_bias(self, q, raw_kv, window_start, compressed_kv, compressed_indices, selection):
         """The straight-through variant: the selected groups' logits get ``score - score.detach()``."""
         seq = q.shape[1]
-        window_indices = window_key_indices(window_start, self.window, seq, raw_kv.shape[1])
+        window_indices = window_key_indices(window_start, raw_kv.shape[1] - seq + 1, seq, raw_kv.shape[1])
         offset = raw_kv.shape[1]
         keys = torch.cat((raw_kv, compressed_kv), dim=1)
         indices = torch.cat(

@@ -132,8 +132,10 @@ def _needs_quotes(overrides: Sequence[str], text: str) -> str | None:
         return None
     for override in overrides:
         key, eq, value = override.partition("=")
-        if eq and value[:1] not in ("'", '"') and re.search(r"[<>|!#\s]", value) and override in text:
-            return (f"{override}: Hydra reads a value with such characters only quoted, and the shell removes "
+        if eq and value[:1] not in ("'", '"') and re.search(r"[<>|!#\s]|[^\x00-\x7f]", value) and override in text:
+            what = "non-ASCII characters (such as " + repr(next(c for c in value if ord(c) > 127)) + ")" \
+                if any(ord(c) > 127 for c in value) else "such characters"
+            return (f"{override}: Hydra reads a value with {what} only quoted, and the shell removes "
                     f"one pair of quotes: write \"{key}='{value}'\"")
     return None
 

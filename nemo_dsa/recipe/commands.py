@@ -56,6 +56,7 @@ class ExportArgs:
 
 
 SPLITS = ("validation", "train", "all")
+MAX_SAMPLES = 10_000  # continuations one command prints at most
 
 # What each key means, for --help (the defaults come from the dataclasses above).
 KEY_HELP = {
@@ -151,6 +152,12 @@ def _run_command(prog: str, body, argv: Sequence[str] | None) -> int:
         line = yaml_error_line(e) if isinstance(e, yaml.YAMLError) else _first_line(e)
         print(f"{prog}: error: {line}", file=sys.stderr)
         return EXIT_USAGE
+    except OSError as e:  # a path that cannot be read or written (permissions, a full or read-only disk)
+        if verbose:
+            raise
+        where = f": {e.filename}" if e.filename else ""
+        print(f"{prog}: error: {e.strerror or type(e).__name__}{where}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 def usage(prog: str) -> str:
@@ -179,15 +186,15 @@ def _generate(argv: list[str]) -> int:
     problems = []
     if args.max_new_tokens < 1:
         problems.append(f"max_new_tokens must be >= 1, got {args.max_new_tokens}")
-    if not args.temperature >= 0:
-        problems.append(f"temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if not 0 <= args.temperature < float("inf"):
+        problems.append(f"temperature must be >= 0 and finite (0 = greedy), got {args.temperature}")
     if args.top_k < 0:
         problems.append(f"top_k must be >= 0 (0 = off), got {args.top_k}")
     if not 0 < args.top_p <= 1:
         problems.append(f"top_p must be in (0, 1], got {args.top_p}")
-    if args.num_samples < 1:
-        problems.append(f"num_samples must be >= 1, got {args.num_samples}")
-    if not 0 <= args.seed < 2**63 - max(args.num_samples, 1):  # sample i draws with seed + i
+    if not 1 <= args.num_samples <= MAX_SAMPLES:
+        problems.append(f"num_samples must be in [1, {MAX_SAMPLES}], got {args.num_samples}")
+    elif not 0 <= args.seed < 2**63 - args.num_samples:  # sample i draws with seed + i
         problems.append(f"seed must be an int in [0, 2**63 - num_samples), got {args.seed}")
     if problems:
         raise UsageError("; ".join(problems))
@@ -268,6 +275,8 @@ def _export(argv: list[str]) -> int:
     from nemo_dsa.recipe.weights import export_run
 
     args, _ = parse_args(ExportArgs, argv)
+    if not args.out.strip():
+        raise UsageError("out=... must name a new or empty folder for the export (e.g. out=exports/tiny-v4)")
     _check_run_dir(args.run_dir)
     source, out = export_run(args.run_dir, args.out, args.checkpoint)
     print(f"run_dir={args.run_dir} checkpoint={source.name} out={out}")

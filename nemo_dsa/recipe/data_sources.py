@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from nemo_dsa import data as corpus
+from nemo_dsa._untrusted import describe_mode, open_regular
 from nemo_dsa.data import ByteTokenizer, Document
 
 SOURCES = ("stdlib", "text", "jsonl", "hf")
@@ -55,6 +56,9 @@ def _files(paths: Sequence[str], suffixes: tuple[str, ...]) -> list[Path]:
         for match in map(Path, matches):
             if match.is_dir():
                 found += sorted(p for p in match.rglob("*") if p.is_file() and p.name.endswith(suffixes))
+            elif not match.is_file():  # a FIFO would block the read, a device (/dev/zero) never end it
+                kind = describe_mode(os.stat(match).st_mode)
+                raise ValueError(f"data.paths: {match} is {kind}, not a regular file; only files are read")
             else:
                 found.append(match)
     if not found:
@@ -68,7 +72,9 @@ def text_documents(paths: Sequence[str], separator: str | None = None) -> list[D
     if separator:  # typed on a command line, where Hydra keeps "\n" as two characters
         separator = separator.replace("\\n", "\n").replace("\\t", "\t")
     for path in _files(paths, (".txt", ".md")):
-        raw = path.read_bytes()
+        fd, _ = open_regular(path, follow_links=True)  # still a regular file when it is opened
+        with os.fdopen(fd, "rb") as f:
+            raw = f.read()
         text = raw.decode("utf-8", errors="replace")
         # U+FFFD the file did not hold itself: bytes that are not UTF-8 (a binary or Latin-1 file?)
         replaced = text.count(REPLACEMENT) - raw.count(REPLACEMENT.encode("utf-8"))
@@ -86,7 +92,7 @@ def jsonl_documents(paths: Sequence[str], text_key: str = "text") -> list[Docume
     # Directories contribute *.jsonl only (a config or dataset_info.json is not a corpus); a .json
     # file named explicitly is read as JSON lines.
     for path in _files(paths, (".jsonl",)):
-        with open(path, "rb") as f:
+        with os.fdopen(open_regular(path, follow_links=True)[0], "rb") as f:
             for n, raw in enumerate(f, start=1):
                 try:
                     line = raw.decode("utf-8")

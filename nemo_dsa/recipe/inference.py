@@ -16,7 +16,7 @@ import torch
 
 from nemo_dsa._checks import check_device
 from nemo_dsa.recipe.parallel import Parallel
-from nemo_dsa.recipe.state import CorruptCheckpoint, list_checkpoints, read_state
+from nemo_dsa.recipe.state import STATE_FILE, CorruptCheckpoint, list_checkpoints, read_state
 
 
 @dataclass
@@ -50,18 +50,33 @@ def load_run(run_dir: str | Path, checkpoint: str | None = None, device: str = "
     from omegaconf import OmegaConf
 
     from nemo_dsa.models.dsa_lm import DSAForCausalLM, DSAModelConfig, load_checkpoint
+    from nemo_dsa.models.dsa_lm.checkpoint import CHECKPOINT_FILE, check_config_fits
     from nemo_dsa.recipe.data_sources import build_tokenizer
 
     device = check_device("device", device)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be cpu or cuda (or cuda:N), got {str(device)!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device}: no CUDA device is available here (torch {torch.__version__}); use device=cpu")
     run_dir = Path(run_dir)
     config_file = run_dir / "config.yaml"
     if not config_file.is_file():
         raise FileNotFoundError(f"run_dir={run_dir} has no config.yaml: not a directory written by nemo-dsa-train")
     cfg = OmegaConf.load(config_file)
     path, state = find_checkpoint(run_dir, checkpoint)
+    where = f"checkpoint {path}: {STATE_FILE}'s model_config"
+    fields = state.get("model_config")
+    try:
+        if not isinstance(fields, dict):
+            raise TypeError(f"it is a {type(fields).__name__}, not a table of model config keys")
+        config = DSAModelConfig(**fields)
+    except (TypeError, ValueError) as e:
+        raise CorruptCheckpoint(f"{where} is not a model config ({e})") from None
+    # Its sizes against the weights' header before the model is built: a crafted state asks for nothing.
+    check_config_fits(config, path / CHECKPOINT_FILE, where=f"{where} against the tensors")
     with torch.device(device):
-        model = DSAForCausalLM(DSAModelConfig(**state["model_config"]))
-    load_checkpoint(model, path, strict=True)
+        model = DSAForCausalLM(config)
+    load_checkpoint(model, path, strict=True, where=f"checkpoint {path}")
     tokenizer = build_tokenizer(cfg.tokenizer) if "tokenizer" in cfg else _byte_tokenizer()
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"tokenizer ({tokenizer.vocab_size} tokens) does not fit the checkpoint's "
@@ -117,7 +132,9 @@ def generate(model, tokenizer, prompt: str, *, max_new_tokens: int = 128, temper
         if temperature == 0:
             token = int(torch.argmax(logits))
         else:
-            probs = torch.softmax(filter_logits(logits / temperature, top_k=top_k, top_p=top_p), dim=-1)
+            # Shifted by the maximum first: a tiny temperature makes the others -inf, never inf / NaN.
+            scaled = (logits - logits.max()) / temperature
+            probs = torch.softmax(filter_logits(scaled, top_k=top_k, top_p=top_p), dim=-1)
             token = int(torch.multinomial(probs, 1, generator=generator))
         if token == tokenizer.eos_id:
             break
@@ -146,8 +163,12 @@ def evaluation_batches(run: LoadedRun, data, *, split: str = "validation", batch
     from nemo_dsa.data import PackedBatches, fixed_batches, split_documents
     from nemo_dsa.recipe.data_sources import load_documents
 
+    from nemo_dsa.recipe.schema import check_batch_memory
+
     recipe = run.config.recipe
     batch_size = batch_size or recipe.batch_size
+    count = batches if batches is not None else (recipe.val_batches if split == "validation" else 1)
+    check_batch_memory(batch_size, recipe.seq_len, max(count, 1), "cpu", keys="batches and batch_size")
     documents = load_documents(data)
     train_docs, val_docs = split_documents(documents, recipe.val_percent)
     chosen = {"validation": val_docs, "train": train_docs, "all": documents}[split]

@@ -48,7 +48,7 @@ from nemo_dsa.recipe.parallel import (
     share_failure,
     stalled_collective,
 )
-from nemo_dsa.recipe.schema import check_recipe, recipe_changes
+from nemo_dsa.recipe.schema import check_batch_memory, check_memory, check_recipe, recipe_changes
 from nemo_dsa.recipe.state import (
     ABANDONED_PREFIX,
     STATE_FILE,
@@ -252,6 +252,16 @@ def resolve_vocab_size(cfg, tokenizer) -> None:
 def _build_model(cfg, device: torch.device):
     from hydra.utils import instantiate
 
+    # First on the meta device (no memory): the config's own checks, the sequence length against
+    # max_position_embeddings and the parameters' size against the free memory, each naming keys.
+    skeleton = instantiate(cfg.model, device="meta")
+    if skeleton.config.max_position_embeddings < cfg.recipe.seq_len:
+        raise ValueError(f"recipe.seq_len={cfg.recipe.seq_len} is longer than model.config.max_position_embeddings="
+                         f"{skeleton.config.max_position_embeddings}: a document could reach positions the model "
+                         "does not hold; lower recipe.seq_len or raise model.config.max_position_embeddings")
+    if cfg.model.get("device") != "meta":  # a shape preset is refused below, by name
+        _check_parameter_memory(skeleton, device)
+    del skeleton
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     model = instantiate(cfg.model)  # nemo_dsa.builder.build_model: fails here on a bad config
@@ -259,6 +269,22 @@ def _build_model(cfg, device: torch.device):
         raise ValueError(f"model {cfg.model.get('name')!r} is built on the meta device (a shape preset): "
                          "it cannot be trained; pick model=tiny or model=small")
     return model.to(device).train()
+
+
+def _check_parameter_memory(skeleton, device: torch.device) -> None:
+    """The model's parameters (built on the meta device) must fit the free memory of ``device``;
+    else a ValueError naming the largest tensor and the model.config keys that size it."""
+    params = list(skeleton.named_parameters())
+    if not params:
+        return
+    dtype_bytes = next(p for _, p in params).element_size()
+    needed = sum(p.numel() for _, p in params) * dtype_bytes
+    name, largest = max(params, key=lambda item: item[1].numel())
+    config = skeleton.config.to_dict()
+    keys = [next((f"model.config.{k}={v}" for k, v in config.items() if type(v) is int and v == d), str(d))
+            for d in largest.shape]
+    check_memory(f"model.config: the parameters ({sum(p.numel() for _, p in params):,}; the largest, {name}, is "
+                 f"{' x '.join(keys)})", needed, device)
 
 
 def _device(cfg, recipe) -> torch.device:
@@ -277,7 +303,12 @@ def train(cfg) -> TrainResult:
     recipe = cfg.recipe
     check_recipe(recipe)
     check_seed(cfg.seed)
+    if cfg.get("init_from") is not None and not str(cfg.init_from).strip():
+        raise ValueError(f"init_from must name a checkpoint directory, a run_dir or an HF-format folder, got "
+                         f"{cfg.init_from!r} (null: train from scratch)")
     device = _device(cfg, recipe)
+    check_batch_memory(recipe.batch_size, recipe.seq_len, 1 + recipe.val_batches, device,
+                       keys="recipe.batch_size, recipe.seq_len and recipe.val_batches")
     run_dir = check_run_dir(cfg.run_dir)
     path_under(run_dir, cfg.logger.log_dir, "logger.log_dir")
     if cfg.logger.tensorboard:
@@ -360,7 +391,7 @@ def _run_parallel(cfg, recipe, device: torch.device, run_dir: Path, par: Paralle
     model = _build_model(cfg, device)
     # A new run's weights from a trained one (weights only: this run's data, optimizer and schedule);
     # a resumed run's checkpoint replaces them below.
-    initial = load_initial_weights(model, cfg.init_from) if cfg.get("init_from") else None
+    initial = load_initial_weights(model, cfg.init_from) if cfg.get("init_from") is not None else None
     model_config = model.config.to_dict()
     n_params = sum(p.numel() for p in model.parameters())
     model = shard_model(model, par)  # FSDP2 over every rank when recipe.dp_size > 1

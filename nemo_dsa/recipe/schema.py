@@ -197,3 +197,45 @@ def recipe_changes(saved: dict, current: dict) -> tuple[dict[str, tuple], list[s
                if saved.get(k) != current.get(k) and k not in RESUME_IGNORES}
     refused = [k for k in changed if k not in RESUME_APPLIES]
     return {k: v for k, v in changed.items() if k in RESUME_APPLIES}, refused
+
+
+# Bytes a batch row's token takes in the int64 tensors packing and the model inputs hold
+# (input_ids, labels, position_ids, packed_seq_ids, attention_mask, ...).
+BATCH_BYTES_PER_TOKEN = 8 * 8
+
+
+def available_memory(device) -> int | None:
+    """Free bytes on ``device`` (a CUDA device's, or the host's MemAvailable); None if unknown."""
+    import torch
+
+    if getattr(device, "type", device) == "cuda":
+        try:
+            return int(torch.cuda.mem_get_info(device)[0])
+        except (RuntimeError, AssertionError):
+            return None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:,.1f} GiB"
+
+
+def check_memory(what: str, needed: int, device) -> None:
+    """ValueError naming ``what`` (the keys that size it) when ``needed`` bytes exceed the free
+    memory of ``device``: said before anything is allocated, not an allocator's message later."""
+    free = available_memory(device)
+    if free is not None and needed > free:
+        raise ValueError(f"{what} need {gib(needed)} of memory, more than the {gib(free)} free on {device}")
+
+
+def check_batch_memory(batch_size: int, seq_len: int, batches: int, device, *, keys: str) -> None:
+    """``batches`` packed batches of ``batch_size`` x ``seq_len`` tokens must fit in memory (``keys``: the keys)."""
+    check_memory(f"{keys} ({batches:,} batches of {batch_size:,} x {seq_len:,} tokens)",
+                 BATCH_BYTES_PER_TOKEN * batch_size * seq_len * batches, "cpu")

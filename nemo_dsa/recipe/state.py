@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from nemo_dsa._untrusted import UntrustedFile, file_digest, open_regular, read_json
 from nemo_dsa.recipe.files import TMP_PREFIX, atomic_write, fsync_dir, fsync_file
 
 CHECKPOINT_PREFIX = "step_"
@@ -98,13 +99,17 @@ def _sha256(path: Path) -> str:
 
 
 def _manifest_files(path: Path) -> dict[str, dict]:
-    """The ``files`` mapping of ``path``'s manifest, its structure checked (``CorruptCheckpoint`` naming the file)."""
+    """The ``files`` mapping of ``path``'s manifest, its structure checked (``CorruptCheckpoint`` naming the file).
+
+    The manifest is read as a file of a folder from someone else (``nemo_dsa._untrusted``): a
+    regular file (no symbolic link, FIFO or device), at most ``JSON_LIMIT`` bytes, no nesting
+    deeper than JSON is read."""
     manifest_path = path / MANIFEST_FILE
     try:
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        manifest = read_json(manifest_path)
     except FileNotFoundError:
         raise CorruptCheckpoint(f"checkpoint {path} has no {MANIFEST_FILE} (an unfinished or pre-manifest save)") from None
-    except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
+    except (OSError, ValueError) as e:  # UntrustedFile is a ValueError
         raise CorruptCheckpoint(f"checkpoint {path}: {manifest_path} is unreadable ({e})") from None
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict) or not files:
@@ -112,7 +117,7 @@ def _manifest_files(path: Path) -> dict[str, dict]:
                                 "'files' maps file names to {'sha256': ..., 'size': ...})")
     for name, entry in files.items():
         # A plain name: the manifest is read from the checkpoint, so it may not point outside it.
-        if name in (".", "..") or "/" in name or "\\" in name:
+        if name in (".", "..") or "/" in name or "\\" in name or "\x00" in name:
             raise CorruptCheckpoint(f"checkpoint {path}: {manifest_path} names {name!r}, not a file of the checkpoint")
         size, digest = (entry.get("size"), entry.get("sha256")) if isinstance(entry, dict) else (None, None)
         if type(size) is not int or not isinstance(digest, str):
@@ -124,12 +129,17 @@ def _manifest_files(path: Path) -> dict[str, dict]:
 
 
 def verify_checkpoint(path: Path) -> None:
-    """Raise ``CorruptCheckpoint`` naming ``path`` and the bad file, unless every file matches the manifest."""
+    """Raise ``CorruptCheckpoint`` naming ``path`` and the bad file, unless every file matches the manifest.
+
+    Each file is opened without following a symbolic link and without blocking, and must be a
+    regular file (a link to ``/dev/zero`` or a FIFO is refused, never read); exactly the bytes
+    ``fstat`` counts are hashed."""
     for name, entry in _manifest_files(path).items():
         file = path / name
-        try:  # OSError: the file vanished meanwhile (another rank set the checkpoint aside)
-            size = file.stat().st_size
-            digest = _sha256(file) if size == entry["size"] else None
+        try:  # FileNotFoundError: the file vanished meanwhile (another rank set the checkpoint aside)
+            size, digest = file_digest(file, entry["size"])
+        except UntrustedFile as e:
+            raise CorruptCheckpoint(f"checkpoint {path}: {e}") from None
         except OSError:
             raise CorruptCheckpoint(f"checkpoint {path}: {name} is missing") from None
         if size != entry["size"]:
@@ -269,7 +279,12 @@ def read_state(path: Path) -> dict:
     """
     verify_checkpoint(path)
     try:
-        state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
+        fd, _ = open_regular(path / STATE_FILE)  # the file verified: regular, no link
+    except (OSError, ValueError) as e:
+        raise CorruptCheckpoint(f"checkpoint {path}: {STATE_FILE} cannot be read ({e})") from None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            state = torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
         raise CorruptCheckpoint(f"checkpoint {path}: {STATE_FILE} holds objects other than tensors and plain data; "
                                 "refused (loading them could run code)") from None

@@ -9,8 +9,8 @@ a run directory (its newest intact checkpoint) or an HF-format folder (``config.
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -27,7 +27,7 @@ class Weights:
 
     source: Path  # the checkpoint directory or HF-format folder read
     kind: str  # "checkpoint" | "hf"
-    tensors: dict[str, torch.Tensor]
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # empty once copied into a model
 
     def record(self) -> dict:
         """What ``config.yaml``'s neighbours (metrics, summary, checkpoints) say of the source."""
@@ -49,16 +49,19 @@ def _newest_intact(run_dir: Path, key: str) -> Path:
 
 def locate(path: str | Path, key: str = "init_from") -> tuple[Path, str]:
     """``(directory holding model.safetensors, kind)`` for a checkpoint, a run or an HF-format folder."""
+    if not isinstance(path, str | os.PathLike) or not str(path).strip():
+        raise ValueError(f"{key} must name a checkpoint directory, a run_dir or an HF-format folder, got {path!r} "
+                         f"(null: no {key})")
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{key}={path}: no such directory (a checkpoint, run_dir or HF-format folder)")
-    if (path / MANIFEST_FILE).is_file():
+    if os.path.lexists(path / MANIFEST_FILE):
         verify_checkpoint(path)  # CorruptCheckpoint names the bad file
         return path, "checkpoint"
     if (path / "checkpoints").is_dir():
         return _newest_intact(path, key), "checkpoint"
-    if (path / "config.json").is_file():
-        if not (path / WEIGHTS_FILE).is_file():
+    if os.path.lexists(path / "config.json"):
+        if not os.path.lexists(path / WEIGHTS_FILE):
             raise FileNotFoundError(f"{key}={path}: an HF-format folder without {WEIGHTS_FILE} "
                                     "(sharded weights are not read: export a single file)")
         return path, "hf"
@@ -67,58 +70,52 @@ def locate(path: str | Path, key: str = "init_from") -> tuple[Path, str]:
 
 
 def read_weights(path: str | Path, key: str = "init_from") -> Weights:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    """The weights at ``path`` (``locate``), read as a file of a folder from someone else."""
+    from nemo_dsa.models.dsa_lm.checkpoint import read_checkpoint
 
     source, kind = locate(path, key)
-    try:
-        tensors = load_file(source / WEIGHTS_FILE)
-    except (SafetensorError, OSError) as e:
-        raise ValueError(f"{key}={path}: {source / WEIGHTS_FILE} does not load ({e})") from None
-    return Weights(source, kind, tensors)
+    return Weights(source, kind, read_checkpoint(source / WEIGHTS_FILE))
 
 
 def checkpoint_model_config(source: Path, key: str = "run_dir"):
-    """The ``DSAModelConfig`` a checkpoint's ``model.safetensors`` metadata records."""
-    from safetensors import safe_open
-
+    """The ``DSAModelConfig`` a checkpoint's ``model.safetensors`` metadata records, checked against
+    the tensors' shapes in the same file (a config that disagrees with them is a ValueError)."""
+    from nemo_dsa._untrusted import parse_json
     from nemo_dsa.models.dsa_lm import DSAModelConfig
+    from nemo_dsa.models.dsa_lm.checkpoint import check_config_fits, read_header
 
-    with safe_open(source / WEIGHTS_FILE, framework="pt") as f:
-        text = (f.metadata() or {}).get(CONFIG_METADATA)
+    file = source / WEIGHTS_FILE
+    where = f"{key}: {file}'s {CONFIG_METADATA} metadata"
+    text = read_header(file).metadata.get(CONFIG_METADATA)
     if text is None:
-        raise ValueError(f"{key}: {source / WEIGHTS_FILE} records no model config ({CONFIG_METADATA} metadata)")
-    return DSAModelConfig(**json.loads(text))
+        raise ValueError(f"{key}: {file} records no model config ({CONFIG_METADATA} metadata)")
+    fields = parse_json(text, where)
+    if not isinstance(fields, dict):
+        raise ValueError(f"{where} is not an object of model config keys")
+    try:
+        config = DSAModelConfig(**fields)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {e}") from None
+    check_config_fits(config, file, where=f"{where} against the tensors")
+    return config
+
+
+MISMATCH_HINT = "init_from loads weights only, so model.config must match the one they were trained with"
 
 
 def load_initial_weights(model: torch.nn.Module, path: str | Path) -> Weights:
     """Copy the weights at ``path`` into ``model`` (``init_from=``): every key the model has, each of
-    its shape and finite; the first mismatch is a ValueError naming the key."""
-    weights = read_weights(path)
-    tied = {"head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
-    expected = {k: v for k, v in model.state_dict().items() if k not in tied}
-    where = f"init_from={path}"
-    missing = sorted(set(expected) - set(weights.tensors))
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise ValueError(f"{where}: the weights have no {missing[0]}{more}, which the model has: "
-                         "init_from loads weights only, so model.config must match the one they were trained with")
-    unexpected = sorted(set(weights.tensors) - set(expected))
-    if unexpected:
-        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
-        raise ValueError(f"{where}: the weights hold {unexpected[0]}{more}, which the model has not: "
-                         "model.config must match the one they were trained with")
-    for name, target in expected.items():
-        value = weights.tensors[name]
-        if value.shape != target.shape:
-            raise ValueError(f"{where}: {name} has shape {list(value.shape)} there but {list(target.shape)} in the "
-                             "model: model.config must match the one the weights were trained with")
-        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
-            raise ValueError(f"{where}: {name} holds non-finite values")
-    with torch.no_grad():
-        for name, target in expected.items():
-            target.copy_(weights.tensors[name].to(dtype=target.dtype, device=target.device))
-    return weights
+    its shape, floating where the model's is, and finite; the first mismatch is a ValueError naming
+    the file and key, before any tensor data is read (``models.dsa_lm.checkpoint.load_checkpoint``)."""
+    from nemo_dsa.models.dsa_lm.checkpoint import load_checkpoint
+
+    source, kind = locate(path)
+    try:
+        load_checkpoint(model, source / WEIGHTS_FILE, where=f"init_from={path}")
+    except ValueError as e:
+        mismatch = "do not match the model" in str(e)
+        raise ValueError(f"{e}{': ' + MISMATCH_HINT if mismatch else ''}") from None
+    return Weights(source, kind, {})
 
 
 def export_run(run_dir: str | Path, out: str | Path, checkpoint: str | None = None) -> tuple[Path, Path]:
@@ -126,19 +123,30 @@ def export_run(run_dir: str | Path, out: str | Path, checkpoint: str | None = No
     at ``out`` (new or empty); returns ``(checkpoint read, out)``."""
     from nemo_dsa.models.dsa_lm.hf_format import write_hf_folder
 
+    if not isinstance(out, str | os.PathLike) or not str(out).strip():
+        raise ValueError(f"out must name a new or empty folder for the export, got {out!r}")
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"out={out}: exists and is not an empty directory; pick a new folder")
     if checkpoint:
         source = Path(checkpoint)
-        if not (source / MANIFEST_FILE).is_file():
+        if not os.path.lexists(source / MANIFEST_FILE):
             raise FileNotFoundError(f"checkpoint={checkpoint}: not a checkpoint directory (no {MANIFEST_FILE})")
         verify_checkpoint(source)
     else:
         if not (Path(run_dir) / "checkpoints").is_dir():
             raise FileNotFoundError(f"run_dir={run_dir}: no checkpoints/ (not a directory written by nemo-dsa-train)")
         source = _newest_intact(Path(run_dir), "run_dir")
-    weights = read_weights(source, "checkpoint" if checkpoint else "run_dir")
-    config = checkpoint_model_config(source, "checkpoint" if checkpoint else "run_dir")
-    write_hf_folder(weights.tensors, config, out)
+    key = "checkpoint" if checkpoint else "run_dir"
+    config = checkpoint_model_config(source, key)  # checked against the tensors' header first
+    weights = read_weights(source, key)
+    try:
+        write_hf_folder(weights.tensors, config, out)
+    except OSError as e:
+        raise ExportTargetError(f"out={out}: cannot write the folder there ({e.strerror or e}"
+                                f"{': ' + str(e.filename) if e.filename else ''})") from None
     return source, out
+
+
+class ExportTargetError(ValueError):
+    """``out`` cannot hold the exported folder (read-only, not a directory, a name too long ...)."""

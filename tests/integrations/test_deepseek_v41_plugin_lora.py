@@ -117,8 +117,9 @@ class Cuts:
 
     def __init__(self, monkeypatch) -> None:
         self.gaps: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (what, kept, dropped)
-        for owner, what in ((indexer_module, "keys"), (candidates_module, "candidate blocks")):
-            monkeypatch.setattr(owner, "select_topk", self._recording(what, owner.select_topk))
+        for owner, name, what in ((indexer_module, "select_topk", "keys"),
+                                  (candidates_module, "select_topk_in_ranges", "candidate blocks")):
+            monkeypatch.setattr(owner, name, self._recording(what, getattr(owner, name)))
 
     def _recording(self, what, select):
         def recorded(scores, topk, order, *, ks=None, ke=None, **kwargs):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -35,6 +36,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from nemo_dsa.integrations.common.aux_loss import attach_indexer_loss
+from nemo_dsa.integrations.common.strict_loading import StrictCheckpointLoading
 from nemo_dsa.layers.fp32_parameters import fp32_parameter_names
 from nemo_dsa.models.dsa_lm.configuration import DSAModelConfig
 from nemo_dsa.models.dsa_lm.hf_format import HF_FIELD_NAMES
@@ -181,7 +183,7 @@ def _backend_from_attn(backend: Any, default: str | None) -> str | None:
     return _ATTN_TO_NEMO_DSA_BACKEND.get(attn, default)
 
 
-class _NemoDsaForCausalLMBase(DSAForCausalLM):
+class _NemoDsaForCausalLMBase(StrictCheckpointLoading, DSAForCausalLM):
     """nemo-automodel-facing wrapper around ``DSAForCausalLM`` (same modules, same state dict)."""
 
     config_class: type[_NemoDsaConfigBase] = _NemoDsaConfigBase
@@ -215,16 +217,32 @@ class _NemoDsaForCausalLMBase(DSAForCausalLM):
     def from_pretrained(cls, path: str, *, dtype: torch.dtype | None = None) -> "_NemoDsaForCausalLMBase":
         """transformers-style loading of an HF-format folder (``config.json`` + ``model.safetensors``,
         as ``nemo-dsa-export`` writes it): JSON and safetensors only, every key checked, eval mode.
-        ``dtype`` casts the floating-point parameters the layers do not keep in fp32."""
-        from nemo_dsa.models.dsa_lm.checkpoint import load_checkpoint
+        ``dtype`` casts the floating-point parameters the layers do not keep in fp32.
 
-        config_dict, _ = cls.config_class.get_config_dict(path)
+        The folder may come from someone else: both files are read as regular files inside it
+        (``nemo_dsa._untrusted``), and the sizes ``config.json`` gives are compared with the
+        weights' header before the model is built (a config that does not describe its weights is
+        a ValueError naming the file and key, not an allocation of what it asks for)."""
+        from nemo_dsa._untrusted import read_json
+        from nemo_dsa.models.dsa_lm.checkpoint import check_config_fits, load_checkpoint
+        from nemo_dsa.models.dsa_lm.hf_format import CONFIG_FILE, WEIGHTS_FILE
+
+        folder = os.path.join(os.fspath(path), "")
+        config_file = os.path.join(folder, CONFIG_FILE)
+        if not os.path.isdir(folder) or not os.path.lexists(config_file):
+            raise FileNotFoundError(f"{path}: not an HF-format folder (no {CONFIG_FILE})")
+        config_dict = read_json(config_file, expect=dict)
         if config_dict.get("model_type") != cls.config_class.model_type:
             raise ValueError(f"{path}: config.json's model_type is {config_dict.get('model_type')!r}, "
                              f"{cls.__name__} reads {cls.config_class.model_type!r}")
-        config = cls.config_class.from_pretrained(path)
+        try:
+            config = cls.config_class.from_dict(config_dict)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{config_file}: {e}") from None
+        weights = os.path.join(folder, WEIGHTS_FILE)
+        check_config_fits(config.to_dsa_config(), weights, where=f"{config_file} against {WEIGHTS_FILE}")
         model = cls(config)
-        load_checkpoint(model, path, strict=True)
+        load_checkpoint(model, weights, strict=True, where=str(path))
         if dtype is not None:
             keep_fp32 = fp32_parameter_names(model)
             for name, p in model.named_parameters():
@@ -250,6 +268,7 @@ class _NemoDsaForCausalLMBase(DSAForCausalLM):
             backend=_backend_from_attn(backend, config.backend),
             attention_backend=_backend_from_attn(backend, config.attention_backend),
         )
+        self._refuse_oversized_config(getattr(config, "_name_or_path", None), dsa_config)
         super().__init__(dsa_config)
         self.dsa_config = dsa_config
         # nemo-automodel reads architectures/model_type/to_dict() from model.config; every
@@ -257,6 +276,8 @@ class _NemoDsaForCausalLMBase(DSAForCausalLM):
         self.config = config
         if backend is not None and not isinstance(backend, dict):
             self.backend = backend
+        # nemo-automodel's loads of the folder at config._name_or_path: strict, like the plugins'.
+        self._init_strict_loading()
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, **kwargs: Any):
         """``DSAForCausalLM.forward``. Without ``labels`` (nemo-automodel's trainer computes the loss

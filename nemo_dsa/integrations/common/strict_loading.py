@@ -24,13 +24,16 @@ Other models are untouched: nothing here changes nemo-automodel.
 
 from __future__ import annotations
 
-import json
+import math
 import os
-import struct
 from collections.abc import Callable
+from typing import Any
 from pathlib import Path
 
 import torch
+
+from nemo_dsa._untrusted import check_name, load_safetensors, open_regular, read_json
+from nemo_dsa._untrusted import read_safetensors_header as read_header
 
 __all__ = [
     "StrictCheckpointLoading",
@@ -46,7 +49,6 @@ __all__ = [
 # strict=False, which leaves every attention projection at its initialisation (the built-in model
 # too). A first-match identity rule for the model's own names stops that second renaming.
 IDENTITY_KEY_MAPPING = {r"^((?:model|mtp|lm_head)\..*)$": r"\1"}
-_HEADER_LIMIT = 100 * 1024 * 1024  # the safetensors format's own bound on the JSON header
 
 
 def _is_float_dtype_name(dtype: str) -> bool:
@@ -54,66 +56,54 @@ def _is_float_dtype_name(dtype: str) -> bool:
     return dtype.startswith(("F", "BF"))
 
 
-def read_safetensors_header(file: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+def read_safetensors_header(
+    file: str | Path, *, root: str | Path | None = None
+) -> dict[str, tuple[str, tuple[int, ...]]]:
     """``{key: (dtype name, shape)}`` of one safetensors file, from its header only.
 
-    A file that cannot be read, whose header is not valid, or whose size is not exactly what the
-    header describes (a truncated or padded file) is a ValueError naming the file.
+    A file that is not a regular file inside ``root`` (a symbolic link out of it, a FIFO, a
+    device), cannot be read, whose header is not valid, or whose size is not exactly what the
+    header describes (a truncated or padded file) is a ValueError naming the file
+    (``nemo_dsa._untrusted``, where every read of a folder from someone else goes).
     """
     file = Path(file)
-    try:
-        size = file.stat().st_size
-        with open(file, "rb") as f:
-            prefix = f.read(8)
-            if len(prefix) < 8:
-                raise ValueError("shorter than the 8-byte header length")
-            (length,) = struct.unpack("<Q", prefix)
-            if length > min(_HEADER_LIMIT, size - 8):
-                raise ValueError(f"header length {length} exceeds the file")
-            header = json.loads(f.read(length))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError) as err:
-        raise ValueError(f"checkpoint file {file} is not a readable safetensors file: {err}") from err
-    if not isinstance(header, dict):
-        raise ValueError(f"checkpoint file {file} is not a readable safetensors file: its header is not a table")
-    tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
-    end = 0
-    for key, entry in header.items():
-        if key == "__metadata__":
-            continue
-        try:
-            dtype, shape, (start, stop) = entry["dtype"], tuple(int(n) for n in entry["shape"]), entry["data_offsets"]
-        except (KeyError, TypeError, ValueError) as err:
-            raise ValueError(f"checkpoint file {file}: the header entry of {key} is malformed ({err})") from err
-        if not 0 <= start <= stop:
-            raise ValueError(f"checkpoint file {file}: {key} has data offsets {start}..{stop}")
-        tensors[key] = (str(dtype), shape)
-        end = max(end, int(stop))
-    if size != 8 + length + end:
-        raise ValueError(
-            f"checkpoint file {file} is {size} bytes where its header describes {8 + length + end} "
-            "(truncated or damaged)"
-        )
-    return tensors
+    return read_header(file, follow_links=True, root=file.parent if root is None else root).tensors
+
+
+def link_root(path: str | Path) -> Path:
+    """The folder whose files a checkpoint at ``path`` may link to: the checkpoint's own, or for a
+    Hugging Face cache snapshot (``.../snapshots/<revision>``, files linked to ``../../blobs``)
+    the model's cache folder."""
+    path = Path(path)
+    folder = path.parent if path.is_file() else path
+    if folder.parent.name == "snapshots" and (folder.parent.parent / "blobs").is_dir():
+        return folder.parent.parent
+    return folder
 
 
 def checkpoint_files(path: str | Path) -> list[Path]:
     """The ``*.safetensors`` files of a checkpoint (a directory or one file). Files named by a
-    ``model.safetensors.index.json`` must all exist."""
+    ``model.safetensors.index.json`` must all exist inside the folder, as regular files (a name
+    holding ``..``, an absolute name, or a link out of the folder is refused before anyone opens it)."""
     path = Path(path)
     if path.is_file():
         return [path]
     if not path.is_dir():
         raise ValueError(f"checkpoint path {path} does not exist")
+    root = link_root(path)
     files = sorted(path.glob("*.safetensors"))
     index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            named = set(json.loads(index.read_text())["weight_map"].values())
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise ValueError(f"checkpoint index {index} is not readable: {err}") from err
+    if os.path.lexists(index):
+        where = f"checkpoint index {index}"
+        weight_map = read_json(index, follow_links=True, root=root, expect=dict).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{where} is not readable: its weight_map is not an object of key: file name")
+        named = {check_name(name, f"{where} (weight_map[{key!r}])") for key, name in weight_map.items()}
         absent = sorted(name for name in named if not (path / name).is_file())
         if absent:
-            raise ValueError(f"checkpoint index {index} names {absent[0]}, which is not in {path}")
+            raise ValueError(f"{where} names {absent[0]}, which is not in {path}")
+        for name in sorted(named):
+            os.close(open_regular(path / name, follow_links=True, root=root)[0])  # a link out is refused
     if not files:
         raise ValueError(f"checkpoint path {path} holds no .safetensors files")
     return files
@@ -153,8 +143,9 @@ def check_checkpoint_files(model: torch.nn.Module, adapter, path: str | Path) ->
     """Check the files at ``path`` against ``model`` (module docstring); ``{key: file}`` of every tensor."""
     where: dict[str, Path] = {}
     found: dict[str, tuple[str, tuple[int, ...]]] = {}
+    root = link_root(path)
     for file in checkpoint_files(path):
-        for key, entry in read_safetensors_header(file).items():
+        for key, entry in read_safetensors_header(file, root=root).items():
             if key in where:
                 raise ValueError(f"checkpoint key {key} is in both {where[key]} and {file}")
             where[key], found[key] = file, entry
@@ -246,7 +237,8 @@ def strict_adapter(adapter, name_of: Callable[[str], str]):
 class StrictCheckpointLoading:
     """Mixed into a plugin model class: nemo-automodel's checkpoint loads of it are strict.
 
-    Call ``_init_strict_loading()`` at the end of ``__init__``. ``_checkpoint_key_mapping`` is
+    Call ``_refuse_oversized_config(config._name_or_path, *base_args)`` first in ``__init__``
+    (before the base class allocates) and ``_init_strict_loading()`` at its end. ``_checkpoint_key_mapping`` is
     what nemo-automodel reads as the model's ``_checkpoint_conversion_mapping`` (None: none).
     """
 
@@ -257,6 +249,28 @@ class StrictCheckpointLoading:
         adapter = getattr(self, "state_dict_adapter", None)
         if adapter is not None:
             self.state_dict_adapter = strict_adapter(adapter, self._checkpoint_name_of)
+
+    def _refuse_oversized_config(self, name_or_path, *args: Any, **kwargs: Any) -> None:
+        """Call first in ``__init__`` with the arguments of the model class below this mixin: that
+        class is built on the meta device (no memory) and refused (``refuse_oversized``) when its
+        config asks for far more than the checkpoint at ``name_or_path`` holds. nemo-automodel's
+        from_pretrained builds a model before it reads the checkpoint, each parameter allocated
+        first (``init_empty_weights`` moves it to meta afterwards), so a config.json that does not
+        describe its weights would allocate what it asks for before any check reads the files."""
+        path = _local_checkpoint(name_or_path)
+        if path is None or not (path.is_file() or any(path.glob("*.safetensors"))):
+            return
+        mro = type(self).__mro__
+        base = mro[mro.index(StrictCheckpointLoading) + 1]
+        with torch.device("meta"):
+            skeleton = base(*args, **kwargs)
+        adapter = getattr(skeleton, "state_dict_adapter", None)
+        refuse_oversized(skeleton, adapter if adapter is not None else IdentityAdapter(skeleton), path)
+
+    def _checkpoint_adapter(self):
+        """The state-dict adapter the checks convert names with (the identity when there is none)."""
+        adapter = getattr(self, "state_dict_adapter", None)
+        return adapter if adapter is not None else IdentityAdapter(self)
 
     @property
     def _checkpoint_conversion_mapping(self) -> dict[str, str] | None:
@@ -274,14 +288,19 @@ class StrictCheckpointLoading:
 
         Files unchanged since the last check (same paths, sizes and modification times) are not
         read again: nemo-automodel reads the model's mapping more than once per load."""
-        adapter = getattr(self, "state_dict_adapter", None)
-        if adapter is None:
-            return {}
+        adapter = self._checkpoint_adapter()
         files = checkpoint_files(path)
         signature = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
         checked = getattr(self, "_checked_checkpoint", None)
         if checked is None or checked[0] != signature:
-            self._checked_checkpoint = (signature, check_checkpoint_files(self, adapter, path))
+            where = check_checkpoint_files(self, adapter, path)
+            if getattr(self, "state_dict_adapter", None) is None:
+                # No adapter's from_hf sees the tensors on their way in: their values are checked here.
+                root = link_root(path)
+                for file in files:
+                    check_finite(load_safetensors(file, follow_links=True, root=root),
+                                 lambda key, file=file: f"checkpoint tensor {key} (file {file})")
+            self._checked_checkpoint = (signature, where)
         return self._checked_checkpoint[1]
 
     def _checkpoint_name_of(self, native: str) -> str:
@@ -289,6 +308,53 @@ class StrictCheckpointLoading:
         checked = getattr(self, "_checked_checkpoint", None)
         where = checked[1] if checked is not None else {}
         return strict_names_for(self, self.state_dict_adapter, where)(native)
+
+
+class IdentityAdapter:
+    """The names of a model whose state-dict keys are its checkpoint keys (nemo_dsa's own
+    ``NemoDsaV4ForCausalLM``), for the checks above; a tied ``head.weight`` is not stored."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        config = getattr(model, "config", None)
+        self._skip = {"head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+
+    def convert_single_tensor_to_hf(self, name: str, value: torch.Tensor, **_: object):
+        return [] if name in self._skip else [(name, value)]
+
+
+# A model built on the meta device for a checkpoint is refused before it is materialised when its
+# parameters would hold more than this many times the checkpoint's values (plus the slack): a
+# config.json that does not describe its weights (vocab_size=2**30 beside a tiny model). The exact
+# key / shape check follows when the checkpoint is read; a from_config run that grows a model
+# past this is the only other case it refuses.
+OVERSIZE_FACTOR = 4
+OVERSIZE_SLACK = 2**28
+
+
+def refuse_oversized(model: torch.nn.Module, adapter, path: str | Path) -> None:
+    """ValueError naming the largest mismatching tensor when ``model`` (on the meta device) would
+    hold far more than the checkpoint at ``path`` (its headers only); nothing is allocated."""
+    params = [(name, p) for name, p in model.named_parameters() if p.device.type == "meta"]
+    wanted = sum(p.numel() for _, p in params)
+    if not params:
+        return
+    root = link_root(path)
+    files = checkpoint_files(path)
+    headers = {}
+    for file in files:
+        headers.update({key: (file, entry) for key, entry in read_safetensors_header(file, root=root).items()})
+    held = sum(math.prod(shape) for _, (_, shape) in headers.values())
+    if wanted <= OVERSIZE_FACTOR * held + OVERSIZE_SLACK:
+        return
+    name, largest = max(params, key=lambda item: item[1].numel())
+    keys = [k for k, _ in adapter.convert_single_tensor_to_hf(name, _whole_on_meta(largest))] or [name]
+    found = headers.get(keys[0])
+    there = f"{found[0]} holds {list(found[1][1])}" if found else f"{path} has no {keys[0]}"
+    raise ValueError(
+        f"config of {path}: {type(model).__name__} would hold {wanted:,} parameters, but the checkpoint holds "
+        f"{held:,} values; its config gives {keys[0]} the shape {list(largest.shape)} where {there} "
+        "(config.json does not describe these weights: refused before allocating them)"
+    )
 
 
 def strict_names_for(model: torch.nn.Module, adapter, where: dict[str, Path]) -> Callable[[str], str]:

@@ -120,6 +120,7 @@ class NemoDsaDeepseekV4ForCausalLM(StrictCheckpointLoading, DeepseekV4ForCausalL
         options = {name: kwargs.pop(name) for name in list(kwargs) if name in OPTION_DEFAULTS}
         recompute = pop_recompute_option(kwargs, config)
         hc_backend = pop_hc_backend_option(kwargs, config)
+        self._refuse_oversized_config(getattr(config, "_name_or_path", None), config, moe_config, backend, **kwargs)
         super().__init__(config, moe_config, backend, **kwargs)
         self.hyper_connection_backend = hc_backend
         self.dsa_config = resolve_dsa_config(config, self.backend, options)

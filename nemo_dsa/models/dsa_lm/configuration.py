@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from nemo_dsa._checks import is_positive_int
+from nemo_dsa._checks import INT32_MAX, is_positive_int
 from nemo_dsa.layers.rope import yarn_parameters
 from nemo_dsa.models.dsa_lm.hf_config import dsa_fields_from_hf
 from nemo_dsa.models.dsa_lm.layer_roles import (
@@ -30,6 +30,8 @@ SCORINGS = ("v4", "v41")
 INDEX_KEY_SOURCES = ("compressor", "latent")
 WINDOW_KV_QUANTS = (None, "fp8")
 COMPRESSED_KV_QUANTS = (None, "nvfp4")
+# A sane bound on the layer count (DeepSeek-V4 has 61): the modules are built one by one.
+MAX_LAYERS = 1024
 
 
 @dataclass
@@ -127,11 +129,17 @@ class DSAModelConfig:
         """Raise ValueError naming the offending key."""
         for name in (
             "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
-            "q_lora_rank", "intermediate_size", "index_n_heads", "index_head_dim",
+            "q_lora_rank", "intermediate_size", "index_n_heads", "index_head_dim", "max_position_embeddings",
         ):
             value = getattr(self, name)
             if not is_positive_int(value):
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            # Sizes index int32 tensors (token ids, positions, ks / ke); a config read from a file
+            # must not ask for more before anything is allocated.
+            if value > INT32_MAX:
+                raise ValueError(f"{name} must be <= {INT32_MAX}, got {value}")
+        if self.num_hidden_layers > MAX_LAYERS:
+            raise ValueError(f"num_hidden_layers must be <= {MAX_LAYERS}, got {self.num_hidden_layers}")
         if self.scoring not in SCORINGS:
             raise ValueError(f"scoring must be one of {SCORINGS}, got {self.scoring!r}")
         if len(self.compress_ratios) != self.num_hidden_layers:
@@ -139,12 +147,14 @@ class DSAModelConfig:
                 f"compress_ratios must have num_hidden_layers={self.num_hidden_layers} entries, "
                 f"got {len(self.compress_ratios)}"
             )
-        if any(r < 0 for r in self.compress_ratios):
-            raise ValueError(f"compress_ratios must be >= 0 (0 = window only), got {self.compress_ratios}")
-        if self.index_topk < 1:
-            raise ValueError(f"index_topk must be >= 1, got {self.index_topk}")
-        if self.sliding_window < 1:
-            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if any(r < 0 or r > INT32_MAX for r in self.compress_ratios):
+            raise ValueError(f"compress_ratios must be in [0, {INT32_MAX}] (0 = window only), got {self.compress_ratios}")
+        for name in ("index_topk", "sliding_window"):
+            value = getattr(self, name)
+            if not is_positive_int(value):
+                raise ValueError(f"{name} must be >= 1, got {value!r}")
+            if value > INT32_MAX:
+                raise ValueError(f"{name} must be <= {INT32_MAX}, got {value}")
         if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim > min(self.head_dim, self.index_head_dim):
             raise ValueError(
                 f"qk_rope_head_dim must be even and <= head_dim and index_head_dim, got {self.qk_rope_head_dim}"

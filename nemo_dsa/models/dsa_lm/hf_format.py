@@ -47,15 +47,17 @@ def write_hf_folder(tensors: dict, config: DSAModelConfig, out: str | os.PathLik
     ``tensors``: the model's state dict by DeepSeek-V4 names (a tied ``head.weight`` left out).
     Each file is written under a temporary name and renamed, so a failure leaves no partial file.
     """
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     weights_tmp = out / f".tmp-{WEIGHTS_FILE}"
     config_tmp = out / f".tmp-{CONFIG_FILE}"
     try:
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, weights_tmp,
-                  metadata={"format": "pt"})
+        # Serialised in memory and written as any file (mode 0666 less the umask, as config.json):
+        # safetensors' own writer creates its file 0600.
+        data = save({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, metadata={"format": "pt"})
+        weights_tmp.write_bytes(data)
         config_tmp.write_text(json.dumps(hf_config_dict(config), indent=2, sort_keys=True) + "\n")
         os.replace(weights_tmp, out / WEIGHTS_FILE)
         os.replace(config_tmp, out / CONFIG_FILE)

@@ -128,17 +128,46 @@ class DSAForCausalLM(nn.Module):
         cp_group=None,
         **kwargs,
     ) -> DSACausalLMOutput:
-        """Logits ``[B, S, vocab]`` of the local shard and, with labels, the loss."""
+        """Logits ``[B, S, vocab]`` of the local shard and, with labels, the loss.
+
+        ``kwargs``: only the transformers generation flags in ``IGNORED_KWARGS`` (no effect here);
+        any other name is a TypeError (a misspelt ``postion_ids=`` would silently drop the packing).
+        Token ids and labels must be integer tensors with ids in [0, vocab_size) (labels: or -100),
+        checked in the metadata's one host read.
+        """
+        unknown = sorted(set(kwargs) - IGNORED_KWARGS)
+        if unknown:
+            from difflib import get_close_matches
+
+            known = [*_FORWARD_ARGUMENTS, *sorted(IGNORED_KWARGS)]
+            close = get_close_matches(unknown[0], known, n=1, cutoff=0.6)
+            raise TypeError(f"forward() got an unexpected keyword argument {unknown[0]!r}"
+                            + (f" (did you mean {close[0]}?)" if close else ""))
         if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
             raise ValueError(f"input_ids must be a [B, S] tensor, got {getattr(input_ids, 'shape', type(input_ids))}")
-        if labels is not None and labels.shape != input_ids.shape:
-            raise ValueError(f"labels must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
+        if qkv_format not in QKV_FORMATS:
+            raise ValueError(f"qkv_format must be one of {QKV_FORMATS} (None: from the layout), got {qkv_format!r}")
+        vocab = self.config.vocab_size
+        checks = []
+        for name, ids in (("input_ids", input_ids), ("labels", labels)):
+            if ids is None:
+                continue
+            if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+                raise TypeError(f"{name} must be an integer tensor of token ids, got {str(ids.dtype).replace('torch.', '')}")
+            if name == "labels" and ids.shape != input_ids.shape:
+                raise ValueError(f"labels must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(ids.shape)}")
+            if not ids.is_meta:
+                bad = (ids < 0) | (ids >= vocab)
+                if name == "labels":
+                    bad &= ids != IGNORE_INDEX
+                checks.append((bad, _out_of_vocab(name, ids, vocab)))
         if attention_mask is None and padding_mask is not None:
             attention_mask = (~padding_mask.bool()).long()
         state = build_forward_state(
             self.config.compress_ratios, cp_group, batch_size=input_ids.shape[0], seq_len=input_ids.shape[1],
             device=input_ids.device, position_ids=position_ids, seq_lens=seq_lens, seq_lens_padded=seq_lens_padded,
             cu_seqlens=cu_seqlens, packed_seq_ids=packed_seq_ids, attention_mask=attention_mask,
+            extra_checks=tuple(checks),
         )  # fmt: skip
         metas, ctx, shared = state.metadata, state.ctx, state.shared
         h = self.embed(input_ids)
@@ -154,6 +183,26 @@ class DSAForCausalLM(nn.Module):
             out.lm_loss = lm_loss
             out.loss = lm_loss if aux_total is None else lm_loss + aux_total
         return out
+
+
+# transformers' generation flags a caller may pass: they change nothing in this model.
+IGNORED_KWARGS = frozenset({
+    "use_cache", "return_dict", "output_attentions", "output_hidden_states", "past_key_values", "cache_position",
+    "logits_to_keep", "num_logits_to_keep",
+})
+QKV_FORMATS = (None, "bshd", "thd")
+_FORWARD_ARGUMENTS = ("input_ids", "labels", "attention_mask", "position_ids", "padding_mask", "seq_lens",
+                      "seq_lens_padded", "cu_seqlens", "packed_seq_ids", "qkv_format", "cp_group")
+
+
+def _out_of_vocab(name: str, ids: torch.Tensor, vocab: int):
+    def raise_error():
+        allowed = ids >= 0 if name == "input_ids" else (ids >= 0) | (ids == IGNORE_INDEX)
+        bad = (~allowed | (ids >= vocab)).nonzero()[0].tolist()
+        also = " or -100 (ignored)" if name == "labels" else ""
+        raise ValueError(f"{name} must lie in [0, vocab_size={vocab}){also}, got {int(ids[tuple(bad)])} at {bad}")
+
+    return raise_error
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

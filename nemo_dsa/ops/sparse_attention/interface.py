@@ -153,6 +153,9 @@ def sparse_window_attention(
         for a query that sees nothing and has no sink, whose output and gradients are zero).
     """
     ranges = _validate(q, raw_kv, window_start, window, compressed_kv, indices, ks, ke, sink, scale)
+    # A window longer than raw_kv sees every row a window of raw_kv's length sees (none lies
+    # before row 0): bounded so, the reference allocates no [S, window] index list beyond the rows.
+    window = min(window, max(raw_kv.shape[1], 1))
     return attend(q, raw_kv, window_start, window, compressed_kv, indices=indices, ranges=ranges, sink=sink,
                   scale=scale, backend=backend, dropout_p=check_dropout_p(dropout_p))  # fmt: skip
 

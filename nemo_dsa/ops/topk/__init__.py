@@ -12,6 +12,7 @@ from nemo_dsa._lazy import lazy_exports
 
 _EXPORTS = {
     "select_topk": "nemo_dsa.ops.topk.interface",
+    "select_topk_in_ranges": "nemo_dsa.ops.topk.interface",
     "kernel_supports": "nemo_dsa.ops.topk.interface",
     "select_topk_reference": "nemo_dsa.ops.topk.naive",
     "select_rows_tilelang": "nemo_dsa.ops.topk.kernels",

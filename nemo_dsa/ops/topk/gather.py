@@ -17,7 +17,7 @@ def pytorch_extract_topk_scores(logits: torch.Tensor, topk_indices: torch.Tensor
     Indices must lie in [-1, size): anything else is a ValueError rather than being clipped.
     All other dimensions of the two tensors must match.
     """
-    check_tensor("logits", logits)
+    check_tensor("logits", logits, dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64))
     check_tensor("topk_indices", topk_indices, dtypes=(torch.int32, torch.int64), device=logits.device)
     if topk_indices.ndim != logits.ndim:
         raise ValueError(

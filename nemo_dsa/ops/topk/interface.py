@@ -41,6 +41,19 @@ def select_topk(
     ``ks >= ke`` selects nothing. ``backend="auto"`` takes the kernel
     for CUDA fp32/bf16 scores with T <= 8192 and the reference otherwise.
     """
+    _check_arguments(scores, topk, order, ks, ke)
+    if ks is not None and ks.numel():
+        # Caller's ranges: the kernel reads [ks, ke) of each row, so they must lie inside it (one
+        # host read). ks >= ke stays allowed (the row selects nothing).
+        below, above = torch.stack(((ks < 0).any(), (ke > scores.shape[-1]).any())).tolist()
+        if below:
+            raise ValueError(f"ks must be >= 0, got minimum {int(ks.min())}")
+        if above:
+            raise ValueError(f"ke must be <= the number of keys {scores.shape[-1]}, got maximum {int(ke.max())}")
+    return _select(scores, topk, order, ks, ke, backend)
+
+
+def _check_arguments(scores, topk, order, ks, ke) -> None:
     check_tensor("scores", scores, dtypes=SCORE_DTYPES)
     check_has_data("scores", scores)  # the selection reads values (meta tensors have none)
     if scores.ndim < 1:
@@ -53,6 +66,24 @@ def select_topk(
     for name, value in (("ks", ks), ("ke", ke)):
         if value is not None:
             check_tensor(name, value, dtypes=(torch.int32,), shape=tuple(scores.shape[:-1]), device=scores.device)
+
+
+def select_topk_in_ranges(
+    scores: torch.Tensor,
+    topk: int,
+    order: str = "score",
+    *,
+    ks: torch.Tensor | None = None,
+    ke: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """:func:`select_topk` on ranges known to satisfy ``0 <= ks`` and ``ke <= K`` (made by the
+    visibility rule or an op from such ranges): their values are not read back."""
+    _check_arguments(scores, topk, order, ks, ke)
+    return _select(scores, topk, order, ks, ke, backend)
+
+
+def _select(scores, topk, order, ks, ke, backend) -> torch.Tensor:
     if resolve_backend(backend, scores) == "torch" or not kernel_supports(scores, topk):
         if backend == "tilelang":  # asked for explicitly: no silent fallback
             if scores.dtype not in KERNEL_DTYPES:

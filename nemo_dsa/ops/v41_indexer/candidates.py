@@ -16,7 +16,7 @@ import torch
 from nemo_dsa.ops.chunking import DEFAULT_BUDGET_BYTES, query_chunk_size, query_chunks
 from nemo_dsa.ops.topk.block_kernels import SCORE_DTYPES as KERNEL_SCORE_DTYPES
 from nemo_dsa.ops.topk.block_kernels import block_maxima_tilelang
-from nemo_dsa.ops.topk.interface import select_topk
+from nemo_dsa.ops.topk.interface import select_topk_in_ranges
 from nemo_dsa.ops.topk.naive import check_candidate_arguments
 from nemo_dsa.visibility import KeyRanges, visible_mask
 
@@ -126,7 +126,7 @@ def candidate_blocks_in_ranges(
             # The best count - 1 of the blocks before the last (whose keys all lie in [ks, ke)),
             # in block order; the last block, always kept, goes after them.
             before_last = torch.zeros_like(last, dtype=torch.int32)
-            rows[:, : count - 1] = select_topk(maxima, count - 1, "index", ks=before_last, ke=last.int(), backend=backend)
+            rows[:, : count - 1] = select_topk_in_ranges(maxima, count - 1, "index", ks=before_last, ke=last.int(), backend=backend)
         slot = (rows >= 0).sum(-1, keepdim=True)
         rows.scatter_(1, slot, torch.where(sees_any, last, -1).int().unsqueeze(-1))
     return out.view(batch, queries, count)

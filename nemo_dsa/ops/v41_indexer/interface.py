@@ -46,7 +46,9 @@ def _validate(queries, keys, weights, allowed, ks, ke) -> KeyRanges | None:
     if allowed is not None:
         if ks is not None or ke is not None:
             raise ValueError("give either allowed or (ks, ke), not both")
-        check_tensor("allowed", allowed, ndim=3, dtypes=(torch.bool,), shape=(batch, sequence, width), device=device)
+        check_tensor("allowed", allowed, ndim=3, dtypes=(torch.bool,), shape=(batch, sequence, None), device=device)
+        if allowed.shape[2] < width:  # more columns than keys are allowed (never visible), fewer are not
+            raise ValueError(f"allowed must have at least {width} columns (one per key), got shape {list(allowed.shape)}")
         return None
     if ks is None and ke is None:
         raise ValueError("one of allowed or (ks, ke) is required to say which keys each query sees")
@@ -76,6 +78,8 @@ def indexer_scores(
         backend: "auto" | "tilelang" | "torch".
     """
     ranges = _validate(queries, keys, weights, allowed, ks, ke)
+    if allowed is not None:
+        allowed = allowed[..., : keys.shape[1]]  # docs/semantics.md: columns past K are never visible
     tensors = (t for t in (queries, keys, weights, allowed, ks, ke) if t is not None)
     backend = resolve_backend(backend, *tensors, kernel_refusal=kernel_refusal(*queries.shape[2:]))
     return _scores(backend, queries, keys, weights, allowed, ranges)

@@ -22,7 +22,7 @@ from nemo_dsa._checks import INT32_MAX, check_index_range, check_positive_int, c
 from nemo_dsa.ops.dispatch import resolve_backend, resolve_fused_topk
 from nemo_dsa.ops.fused_selection import interface as fused_selection
 from nemo_dsa.ops.topk.gather import gather_at_indices, pytorch_extract_topk_scores
-from nemo_dsa.ops.topk.interface import select_topk
+from nemo_dsa.ops.topk.interface import select_topk_in_ranges
 from nemo_dsa.ops.v4_indexer.kernels import kernel_refusal, v4_logits_tilelang, v4_topk_backward_tilelang
 from nemo_dsa.ops.v4_indexer.naive import v4_backward_in_ranges, v4_logits_in_ranges
 from nemo_dsa.visibility import KeyRanges, causal_ks_ke, check_ks_ke
@@ -49,7 +49,7 @@ def _forward(backend, q, k, w, ranges: KeyRanges, topk, topk_indices):
         # Every finite logit lies in [ks, ke): the kernel selector reads only those keys (the
         # reference would mask a copy of the logits with the range, which changes nothing here).
         read_only = dict(ks=ks, ke=ke) if backend == "tilelang" else {}
-        topk_indices = select_topk(logits, topk, order="score", backend=backend, **read_only)
+        topk_indices = select_topk_in_ranges(logits, topk, order="score", backend=backend, **read_only)
     # Given indices were range-checked in _validate; selected ones are in range by construction.
     return gather_at_indices(logits, topk_indices), topk_indices
 
