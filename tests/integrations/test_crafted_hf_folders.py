@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from bounded import assert_refused_on_one_line, run_python
-from helpers import skip_without_automodel
+from _support.bounded import assert_refused_on_one_line, run_python
+from _support.helpers import skip_without_automodel
 from nemo_dsa.export import main as export_main
 from nemo_dsa.integrations.common.strict_loading import checkpoint_files
 from nemo_dsa.train import load_config, main as train_main, train
@@ -28,7 +28,7 @@ try:
 except ImportError as error:
     skip_without_automodel(error)
 
-from helpers import cpu_automodel  # noqa: E402, F401 (a fixture)
+from _support.helpers import cpu_automodel  # noqa: E402, F401 (a fixture)
 from nemo_dsa.integrations.automodel import NemoDsaV4ForCausalLM  # noqa: E402
 
 SHORT = ["recipe=smoke", "recipe.seq_len=32", "recipe.batch_size=2", "recipe.max_steps=1", "recipe.ckpt_every=1",

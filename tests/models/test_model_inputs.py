@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import TINY_VOCAB, tiny_config
+from _support.helpers import TINY_VOCAB, tiny_config
 from nemo_dsa.models.dsa_lm.modeling import DSAForCausalLM
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bounded import run_python
-from helpers import error_v41_inputs, full_visibility
+from _support.bounded import run_python
+from _support.helpers import error_v41_inputs, full_visibility
 from nemo_dsa.ops.sparse_attention import sparse_window_attention
 from nemo_dsa.ops.topk import pytorch_extract_topk_scores, select_topk
 from nemo_dsa.ops.v41_indexer import indexer_scores

@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from bounded import assert_refused_on_one_line, run_command
+from _support.bounded import assert_refused_on_one_line, run_command
 from nemo_dsa.recipe.state import CorruptCheckpoint, list_checkpoints, verify_checkpoint
 from nemo_dsa.train import load_config, train
 
