@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from _support.fp32_linear_emulation import EMULATED, operands, ulp_bf16
 from _support.helpers import stable_seed
 from nemo_dsa.integrations.common import lm_head
 from nemo_dsa.integrations.common.lm_head import Fp32HeadLinear, adopt_fp32_head, called_with_bf16
 from nemo_dsa.ops.fp32_linear import fp32_linear_of_bf16
-from test_fp32_linear import EMULATED, operands, ulp_bf16
 
 
 class Holder(nn.Module):
