@@ -22,8 +22,8 @@ if "TILELANG_CACHE_DIR" not in os.environ or "HYPOTHESIS_STORAGE_DIRECTORY" not 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Child processes (subprocess, multiprocessing spawn / forkserver workers) import the shared test
-# code (tests/_support) and test modules by name: they get the test folders pytest put on sys.path.
+# Child processes import the shared test code (tests/_support), and multiprocessing workers the test
+# module whose function they run, by name: they get the test folders pytest put on sys.path.
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 _TEST_PATHS = [p for p in sys.path if os.path.abspath(p) == _TESTS or os.path.abspath(p).startswith(_TESTS + os.sep)]
 os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([*_TEST_PATHS, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]))

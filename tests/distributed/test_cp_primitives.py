@@ -13,81 +13,10 @@ import traceback
 import pytest
 import torch
 
+from _support.cp_primitive_checks import check_gather, check_metadata_without_grad, check_previous_tail, random_values
 from _support.cp_spawn import run_on_ranks
 from nemo_dsa.distributed import cp_padded_length, cp_shard_multiple, shard_batch
 from nemo_dsa.metadata import build_attention_metadata
-
-
-def _random(shape, dtype, seed):
-    gen = torch.Generator().manual_seed(seed)
-    if dtype in (torch.float32, torch.float64):
-        return torch.randn(shape, generator=gen, dtype=dtype)
-    # Small integers: bf16 sums of a few of them are exact, so comparisons can be bitwise.
-    return torch.randint(-3, 4, shape, generator=gen).to(dtype)
-
-
-def _full_shape(local_shape, dim, size):
-    shape = list(local_shape)
-    shape[dim] = local_shape[dim] * size
-    return shape
-
-
-def reference_previous_tail(full, rank, local, n, dim):
-    """The n entries before position rank*local of the whole sequence, zeros before its start."""
-    zeros = full.new_zeros([*full.shape[:dim], n, *full.shape[dim + 1 :]])
-    return torch.cat([zeros, full], dim=dim).narrow(dim, rank * local, n)
-
-
-def _assert_grad(actual, expected, dtype):
-    if dtype == torch.float32:
-        torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)
-    else:
-        assert torch.equal(actual, expected)
-
-
-def check_gather(ctx, rank, size, local_shape, dim, dtype, seed, device="cpu"):
-    dim_pos = dim % len(local_shape)
-    local = local_shape[dim_pos]
-    full = _random(_full_shape(local_shape, dim_pos, size), dtype, seed).to(device)
-    weights = [_random(full.shape, dtype, seed + 1 + r).to(device) for r in range(size)]
-    whole = full.clone().requires_grad_()
-    sum((whole * w).sum() for w in weights).backward()  # every rank reads every shard
-
-    shard = full.narrow(dim_pos, rank * local, local).clone().requires_grad_()
-    out = ctx.gather_sequence(shard, dim)
-    assert torch.equal(out, full), "gathered tensor differs from the whole sequence"
-    (out * weights[rank]).sum().backward()
-    _assert_grad(shard.grad, whole.grad.narrow(dim_pos, rank * local, local), dtype)
-
-
-def check_previous_tail(ctx, rank, size, local_shape, dim, n, dtype, seed, device="cpu"):
-    dim_pos = dim % len(local_shape)
-    local = local_shape[dim_pos]
-    full = _random(_full_shape(local_shape, dim_pos, size), dtype, seed).to(device)
-    tail_shape = list(local_shape)
-    tail_shape[dim_pos] = n
-    weights = [_random(tail_shape, dtype, seed + 1 + r).to(device) for r in range(size)]
-    whole = full.clone().requires_grad_()
-    sum((reference_previous_tail(whole, r, local, n, dim_pos) * weights[r]).sum() for r in range(size)).backward()
-
-    shard = full.narrow(dim_pos, rank * local, local).clone().requires_grad_()
-    tail = ctx.previous_tail(shard, n, dim)
-    assert tail.shape == tuple(tail_shape), (tail.shape, tail_shape)
-    assert torch.equal(tail, reference_previous_tail(full, rank, local, n, dim_pos))
-    (tail * weights[rank]).sum().backward()
-    _assert_grad(shard.grad, whole.grad.narrow(dim_pos, rank * local, local), dtype)
-
-
-def check_metadata_without_grad(ctx, rank, size, device="cpu"):
-    gen = torch.Generator().manual_seed(7)
-    ids = torch.randint(0, 50, (2, 6 * size), generator=gen).to(device)
-    flags = (torch.rand(2, 6 * size, generator=gen) > 0.5).to(device)
-    for full in (ids, flags):
-        shard = full[:, rank * 6 : (rank + 1) * 6]
-        out = ctx.gather_sequence(shard, 1)
-        assert out.dtype == full.dtype and torch.equal(out, full)
-        tail = ctx.previous_tail(shard, 4, -1)
-        assert tail.dtype == full.dtype and torch.equal(tail, reference_previous_tail(full, rank, 6, 4, 1))
 
 
 def check_empty_tail_and_errors(ctx, rank, size):
@@ -128,7 +57,7 @@ def check_subgroups(ctx, rank, size):
     assert (sub.rank, sub.size) == (rank % half, half)
     seed = 300 + 50 * (rank // half)  # different data in each group
     if half == 1:  # one-rank groups: the whole sequence is local
-        x = _random((2, 4, 3), torch.float32, seed)
+        x = random_values((2, 4, 3), torch.float32, seed)
         assert sub.gather_sequence(x, 1) is x
         assert torch.equal(sub.previous_tail(x, 3, 1), torch.zeros(2, 3, 3))
         return

@@ -23,29 +23,7 @@ except ImportError as error:
     skip_without_automodel(error)
 
 from nemo_dsa.integrations import side_by_side as sides
-from _support.tiny_side_by_side import SEQ, TINY, VOCAB, redraw_attention_
-
-WRAPPED = "._checkpoint_wrapped_module"
-
-
-def step(model, family: str):
-    """Loss, every parameter's gradient (by the unwrapped name) and the bytes the forward kept."""
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, VOCAB, (1, SEQ[family] + 1), generator=gen)
-    positions = torch.arange(SEQ[family]).unsqueeze(0)
-    kept = {}
-
-    def pack(t):
-        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logits = model(tokens[:, :-1], position_ids=positions).logits
-    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-    loss.backward()
-    grads = {name.replace(WRAPPED, ""): p.grad for name, p in model.named_parameters()}
-    return loss.detach(), grads, sum(n for ptr, n in kept.items() if ptr not in parameters)
+from _support.tiny_side_by_side import TINY, VOCAB, WRAPPED, redraw_attention_, step
 
 
 @pytest.mark.slow

@@ -31,9 +31,9 @@ from nemo_automodel.components.models.deepseek_v4.layers import DeepseekV4Attent
 from nemo_automodel.components.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
 from nemo_automodel.components.utils.model_utils import _supports_logits_to_keep, filter_forward_kwargs
-from test_deepseek_v4_plugin import backend, models, randomize_, rel, tiny_config  # noqa: F401 (fixture)
-from test_deepseek_v41_plugin import backend as v41_backend
-from test_deepseek_v41_plugin import build_models as build_v41_models
+from _support.v4_builtin_and_plugin import backend, models, randomize_, rel, tiny_config  # noqa: F401 (fixture)
+from _support.v41_builtin_and_plugin import backend as v41_backend
+from _support.v41_builtin_and_plugin import build_models as build_v41_models
 
 from nemo_dsa.integrations import (
     NemoDsaDeepseekV4Attention,
@@ -409,7 +409,7 @@ def test_v41_rotary_emb_describes_the_builtin_rope():
     window-only layers, YaRN on compressed ones."""
     from nemo_automodel.components.models.deepseek_v41.attention import DeepseekV41Attention
     from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41TextConfig
-    from test_released_v41_attention import hf_config
+    from _support.tiny_released_v41 import hf_config
 
     yarn = {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 48, "beta_fast": 24, "beta_slow": 2}
     text = DeepseekV41TextConfig(**{**hf_config().to_dict(), "rope_scaling": yarn, "compress_rope_theta": 40000.0})

@@ -23,7 +23,7 @@ except ImportError as error:
     skip_without_automodel(error)
 
 from nemo_automodel.components.models.deepseek_v41.attention import DeepseekV41Attention, DeepseekV41AttentionState
-from test_released_v41_attention import RATIOS, ROLES, backend, hf_config
+from _support.tiny_released_v41 import RATIOS, ROLES, backend, hf_config
 
 from nemo_dsa.integrations.deepseek_v41.attention import NemoDsaDeepseekV41Attention
 

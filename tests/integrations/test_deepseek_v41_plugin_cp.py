@@ -36,8 +36,8 @@ except ImportError as error:
     skip_without_automodel(error)
 
 from _support.cp_spawn import run_on_ranks
-from test_deepseek_v41_plugin import VOCAB, backend, build_models, config
-from test_released_v41_attention import RATIOS, ROLES, rel
+from _support.tiny_released_v41 import RATIOS, ROLES, rel
+from _support.v41_builtin_and_plugin import VOCAB, backend, build_models, config
 
 pytestmark = pytest.mark.slow
 

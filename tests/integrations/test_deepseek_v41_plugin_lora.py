@@ -47,9 +47,11 @@ from nemo_automodel.components.checkpoint.checkpointing import Checkpointer
 from nemo_automodel.components.checkpoint.config import CheckpointingConfig
 from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
 from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
-from test_deepseek_v41_plugin import (MAX_FLIPS, RATIOS, ROWS, RTOL, SAME_VALUE, VOCAB, CacheRoundingFlips, as_sets,
-                                      backend, batch, hf_config, record_selections, rel)  # fmt: skip
-from test_deepseek_v4_plugin_lora import adapter_gradients, adapter_names
+
+from _support.lora_adapters import adapter_gradients, adapter_names
+from _support.tiny_released_v41 import RATIOS, hf_config, rel
+from _support.v41_builtin_and_plugin import (MAX_FLIPS, ROWS, RTOL, SAME_VALUE, VOCAB, CacheRoundingFlips, as_sets, backend,
+                                            batch, record_selections)  # fmt: skip
 
 from nemo_dsa.integrations.deepseek_v41 import NemoDsaDeepseekV41ForCausalLM
 from nemo_dsa.layers import indexer as indexer_module

@@ -22,7 +22,7 @@ from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCa
 
 from _support.cp_spawn import run_on_ranks
 from nemo_dsa.integrations import NemoDsaDeepseekV41ForCausalLM
-from test_deepseek_v41_plugin import backend, config
+from _support.v41_builtin_and_plugin import backend, config
 
 pytestmark = pytest.mark.slow
 

@@ -24,7 +24,7 @@ except ImportError as error:
 from nemo_automodel.components.models.deepseek_v4.model import DeepseekV4ForCausalLM, DeepseekV4Model
 
 from nemo_dsa.integrations.deepseek_v4.backbone import NemoDsaDeepseekV4Model
-from test_deepseek_v4_plugin import VOCAB, backend, build_plugin, randomize_, rel, thd_batch, tiny_config
+from _support.v4_builtin_and_plugin import VOCAB, backend, build_plugin, randomize_, rel, thd_batch, tiny_config
 
 RTOL = 1e-5
 

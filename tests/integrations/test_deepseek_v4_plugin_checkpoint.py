@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from nemo_automodel.components.models.deepseek_v4.model import DeepseekV4ForCausalLM
 
 from nemo_dsa.integrations.common.checkpoint import load_hf_checkpoint, read_hf_checkpoint
-from test_deepseek_v4_plugin import RTOL, VOCAB, backend, build_plugin, randomize_, rel, tiny_config
+from _support.v4_builtin_and_plugin import RTOL, VOCAB, backend, build_plugin, randomize_, rel, tiny_config
 
 FP8_MAX = 448.0
 BLOCK = 128

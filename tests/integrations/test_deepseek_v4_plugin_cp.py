@@ -19,7 +19,7 @@ except ImportError as error:
     skip_without_automodel(error)
 
 from _support.cp_spawn import run_on_ranks
-from test_deepseek_v4_plugin import VOCAB, backend, build_plugin, randomize_, rel, thd_batch, tiny_config
+from _support.v4_builtin_and_plugin import backend, build_plugin, randomize_, rel, thd_batch, tiny_config
 
 pytestmark = pytest.mark.slow
 

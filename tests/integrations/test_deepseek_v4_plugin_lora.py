@@ -40,7 +40,8 @@ from nemo_automodel.components.checkpoint.config import CheckpointingConfig
 from nemo_automodel.components.models.deepseek_v4.model import DeepseekV4ForCausalLM
 
 from nemo_dsa.layers.grouped_linear import GroupedLinear
-from test_deepseek_v4_plugin import RTOL, SEQ, VOCAB, backend, build_plugin, compare, randomize_, rel, tiny_config
+from _support.lora_adapters import adapter_gradients, adapter_names
+from _support.v4_builtin_and_plugin import RTOL, SEQ, VOCAB, backend, build_plugin, compare, randomize_, rel, tiny_config
 
 ATTENTION = ["*.self_attn.wq_a", "*.self_attn.wq_b", "*.self_attn.wkv", "*.self_attn.wo_b"]
 COMPRESSORS = ["*.compressor.wkv", "*wgate"]  # the attention's and the indexer's compressors
@@ -68,20 +69,6 @@ def lora_pair(config_overrides: dict, peft: PeftConfig, seed: int):
     missing, unexpected = plugin.load_state_dict(adapters, strict=False)
     assert not unexpected and not [k for k in missing if "lora_" in k]
     return builtin, plugin
-
-
-def adapter_names(model) -> list[str]:
-    return sorted(n for n, _ in model.named_parameters() if "lora_" in n)
-
-
-def adapter_gradients(model, ids: torch.Tensor, probe: torch.Tensor) -> dict:
-    model.train()
-    model.zero_grad(set_to_none=True)
-    (model(input_ids=ids).logits * probe).sum().backward()
-    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
-    model.zero_grad(set_to_none=True)
-    model.eval()
-    return grads
 
 
 def assert_same_adapter_run(builtin, plugin, seed: int) -> dict:
@@ -233,7 +220,7 @@ def test_train_ft_lora_example_trains_and_saves_adapters_only(cpu_automodel, tmp
     from nemo_automodel.recipes.llm.train_ft import TrainFinetuneRecipeForNextTokenPrediction
 
     from nemo_dsa.integrations.deepseek_v4 import NemoDsaDeepseekV4ForCausalLM
-    from test_deepseek_v4_plugin_recipe import EXAMPLES, load_writer
+    from _support.automodel_examples import EXAMPLES, load_writer
 
     checkpoint = load_writer().write_tiny_v4_checkpoint(tmp_path / "pretrained", seed=3)
     cfg = load_yaml_config(str(EXAMPLES / "deepseek_v4_plugin_tiny_lora.yaml"))

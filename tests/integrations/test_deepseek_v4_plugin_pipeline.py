@@ -28,7 +28,7 @@ from nemo_automodel.components.loss.utils import calculate_loss
 from nemo_automodel.components.models.deepseek_v4.model import DeepseekV4ForCausalLM
 
 from _support.cp_spawn import run_on_ranks
-from test_deepseek_v4_plugin import (
+from _support.v4_builtin_and_plugin import (
     ATTENTION_NOISE,
     HC_MIXERS,
     VOCAB,

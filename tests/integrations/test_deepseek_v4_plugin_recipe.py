@@ -9,7 +9,6 @@ calls are patched.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -25,21 +24,13 @@ try:
 except ImportError as error:
     skip_without_automodel(error)
 
+from _support.automodel_examples import EXAMPLES, REPO, load_writer
 from _support.helpers import cpu_automodel  # noqa: F401 (a fixture)
 from nemo_dsa.integrations.deepseek_v4 import NemoDsaDeepseekV4ForCausalLM
 from nemo_dsa.integrations.common.checkpoint import read_hf_checkpoint
 from nemo_dsa.integrations.common.recompute import is_recomputed
-from test_deepseek_v4_plugin import build_plugin
+from _support.v4_builtin_and_plugin import build_plugin
 
-REPO = Path(__file__).resolve().parents[2]
-EXAMPLES = REPO / "examples" / "automodel"
-
-
-def load_writer():
-    spec = importlib.util.spec_from_file_location("write_tiny_v4_checkpoint", EXAMPLES / "write_tiny_v4_checkpoint.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 def test_writer_produces_a_released_layout(tmp_path):
     path = load_writer().write_tiny_v4_checkpoint(tmp_path / "ckpt")

@@ -25,7 +25,7 @@ from nemo_automodel.components.moe.megatron.moe_utils import MoEAuxLossAutoScale
 
 from _support.cp_spawn import run_on_ranks
 from nemo_dsa.integrations import automodel as integ
-from test_deepseek_v4_plugin import SEQ, VOCAB, build_plugin, randomize_, rel, thd_batch, tiny_config
+from _support.v4_builtin_and_plugin import SEQ, VOCAB, build_plugin, randomize_, rel, thd_batch, tiny_config
 
 CP = 2
 DOCS = [100, 301, 37]  # as the plugin's CP test: the sharder re-pads the row to 768, a document spans both ranks

@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from _support.fp32_linear_emulation import EMULATED, operands, ulp_bf16
 from _support.helpers import stable_seed
 from nemo_dsa.integrations.common import lm_head
 from nemo_dsa.integrations.common.lm_head import Fp32HeadLinear, adopt_fp32_head, called_with_bf16
 from nemo_dsa.ops.fp32_linear import fp32_linear_of_bf16
-from test_fp32_linear import EMULATED, operands, ulp_bf16
 
 
 class Holder(nn.Module):
@@ -105,7 +105,7 @@ def test_gradients_through_the_module_match_fp32_autograd(split_on_cpu):
 
 
 def test_the_plugin_adopts_it():
-    from test_deepseek_v4_plugin import build_plugin, tiny_config  # skips without nemo-automodel
+    from _support.v4_builtin_and_plugin import build_plugin, tiny_config  # skips without nemo-automodel
 
     plugin = build_plugin(tiny_config())
     assert type(plugin.lm_head) is Fp32HeadLinear and plugin.lm_head.weight.dtype == torch.float32
@@ -115,7 +115,7 @@ def test_the_v41_plugin_announces_its_bf16_hidden_state(split_on_cpu):
     """The built-in V4.1 forward casts the bf16 hidden state to the fp32 head's dtype itself: the
     plugin's hook on the backbone announces it, so the head's one call takes the split (fp32 logits,
     as the built-in returns), and nothing stays announced after the forward."""
-    from test_deepseek_v41_plugin import backend, batch, config  # skips without nemo-automodel
+    from _support.v41_builtin_and_plugin import backend, batch, config  # skips without nemo-automodel
 
     from nemo_dsa.integrations.deepseek_v41 import NemoDsaDeepseekV41ForCausalLM
 

@@ -117,7 +117,7 @@ def test_no_probabilities_on_tilelang_or_inside_the_model(monkeypatch):
 
 
 def test_v41_layer_returns_weights_only_when_asked():
-    from test_released_v41_attention import backend as v41_backend, hf_config
+    from _support.tiny_released_v41 import backend as v41_backend, hf_config
 
     config = hf_config()
     layer = NemoDsaDeepseekV41Attention(config, 1, v41_backend()).eval()  # ratio-2 kv and index source

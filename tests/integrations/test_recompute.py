@@ -19,9 +19,8 @@ except ImportError as error:
     skip_without_automodel(error)
 
 from nemo_dsa.integrations.common.recompute import PARTS, is_recomputed, recompute_parts
-from test_activation_checkpointing import step
 from nemo_dsa.integrations import side_by_side as sides
-from _support.tiny_side_by_side import SEQ, TINY, VOCAB, redraw_attention_
+from _support.tiny_side_by_side import SEQ, TINY, VOCAB, redraw_attention_, step
 
 CPU = {"device": "cpu", "dtype": torch.float32, "attn": "sdpa"}
 

@@ -34,7 +34,7 @@ from nemo_automodel.components.models.deepseek_v4.model import DeepseekV4ForCaus
 from nemo_dsa.integrations.common.checkpoint import load_hf_checkpoint
 from nemo_dsa.integrations.common.strict_loading import read_safetensors_header
 from nemo_dsa.integrations.deepseek_v4 import ARCHITECTURE, NemoDsaDeepseekV4ForCausalLM
-from test_deepseek_v4_plugin import backend, build_plugin, randomize_, tiny_config
+from _support.v4_builtin_and_plugin import backend, build_plugin, randomize_, tiny_config
 
 WEIGHT = "layers.1.attn.wq_b.weight"
 
@@ -189,7 +189,7 @@ def test_the_builtin_keeps_nemo_automodels_own_loading(cpu_automodel, good, tmp_
 
 
 def test_the_v41_plugin_loads_strictly(tmp_path):
-    from test_deepseek_v41_plugin import build_models
+    from _support.v41_builtin_and_plugin import build_models
 
     builtin, plugin = build_models()
     tensors = {k: v.contiguous() for k, v in builtin.state_dict_adapter.to_hf(builtin.state_dict()).items()}

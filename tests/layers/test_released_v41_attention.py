@@ -38,7 +38,6 @@ try:
 except ImportError as error:
     skip_without_automodel(error)
 
-from nemo_automodel.components.models.common import BackendConfig
 from nemo_automodel.components.models.deepseek_v41.attention import DeepseekV41Attention, DeepseekV41AttentionState
 from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41TextConfig
 
@@ -48,32 +47,12 @@ from nemo_dsa.layers.shared_state import SharedLayerState
 from nemo_dsa.layers.sparse_attention import DSASparseAttention
 from nemo_dsa.metadata import build_attention_metadata
 from nemo_dsa.models.dsa_lm.configuration import DSAModelConfig
+from _support.tiny_released_v41 import (CANDIDATE_SOURCE, INDEX_SOURCES, KV_SOURCES, RATIOS, ROLES, TOPK, backend,
+                                       hf_config, rel)
 
 RTOL = 1e-5
-TOPK = 6
-RATIOS = [0, 2, 2, 2, 1, 1, 1]
-KV_SOURCES, INDEX_SOURCES, CANDIDATE_SOURCE = [1, 4], [1, 3, 4, 5], 4
-ROLES = ["window", "source", "reuse", "reindex", "source", "reindex", "reuse"]
-YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1}
 ROWS = (2, 96, 80)  # rows, length, the second row's real tokens (right padding after)
 PACK = [40, 30, 26]  # documents start at 0, 40, 70: multiples of 2 (the release's packing rule)
-
-
-def hf_config(index_n_heads: int = 8, index_head_dim: int = 32) -> DeepseekV41TextConfig:
-    return DeepseekV41TextConfig(
-        vocab_size=64, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=len(RATIOS),
-        num_attention_heads=4, head_dim=32, qk_rope_head_dim=16, q_lora_rank=32, o_lora_rank=16, o_groups=2,
-        compress_ratios=list(RATIOS), kv_source_layer_ids=KV_SOURCES, index_source_layer_ids=INDEX_SOURCES,
-        candidate_source_layer_id=CANDIDATE_SOURCE, candidate_topk_blocks=3, candidate_block_size=4,
-        sliding_window=8, index_n_heads=index_n_heads, index_head_dim=index_head_dim, index_topk=TOPK, rope_scaling=dict(YARN),
-        max_position_embeddings=256, engram_layer_ids=[], num_nextn_predict_layers=0, n_routed_experts=2,
-        num_experts_per_tok=1, dspark_noise_token_id=3, rms_norm_eps=1e-6, dtype="float32",
-    )  # fmt: skip
-
-
-def backend() -> BackendConfig:
-    return BackendConfig(attn="eager", linear="torch", rms_norm="torch_fp32", rope_fusion=False,
-                         enable_hf_state_dict_adapter=False, dispatcher="torch", experts="torch_mm")  # fmt: skip
 
 
 def builtin_name(nemo_name: str) -> str:
@@ -146,11 +125,6 @@ def run_nemo(layers, x, meta_kwargs, monkeypatch):
         outs.append(out)
         states.append(shared.source if layer.ratio else None)
     return outs, states, scores, metas
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach(), b.detach()
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
 def as_sets(indices: torch.Tensor) -> list[list[set[int]]]:

@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _support.dsa_layer_runs import make_layer, packed_ids, run
 from _support.helpers import stable_seed, tiny_config
 from nemo_dsa.layers import sparse_attention as layer_module
 from nemo_dsa.ops.sparse_attention import kernels
 from nemo_dsa.ops.sparse_attention.interface import SparseWindowAttentionFunction
 from nemo_dsa.ops.sparse_attention.naive import attend_window_and_compressed
-from test_layers import make_layer, packed_ids, run
 
 
 class OperandsAsGiven:

@@ -11,9 +11,9 @@ import traceback
 import pytest
 import torch
 
+from _support.cp_model_cases import CASES, all_cases, assert_cp_matches, single_process_run
+from _support.cp_primitive_checks import check_gather, check_metadata_without_grad, check_previous_tail
 from _support.cp_spawn import run_on_ranks
-from test_cp_model import CASES, all_cases, assert_cp_matches, single_process_run
-from test_cp_primitives import check_gather, check_metadata_without_grad, check_previous_tail
 
 pytestmark = [
     pytest.mark.gpu,

@@ -12,31 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from _support.fp32_linear_emulation import EMULATED, operands, ulp_bf16
 from _support.helpers import stable_seed
 from nemo_dsa.ops.fp32_linear import bf16_pieces, fp32_linear_of_bf16, fp32_linear_reference, split_applies
 from nemo_dsa.ops.fp32_linear import split
-
-
-def _exact_then_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    assert a.dtype == b.dtype == torch.bfloat16
-    return (a.double() @ b.double()).float()
-
-
-EMULATED = split.Fp32OutProducts(mm=_exact_then_fp32, mm_add_=lambda acc, a, b: acc.add_(_exact_then_fp32(a, b)))
-
-
-def operands(rows, inner, out, seed):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(*rows, inner, generator=gen).to(torch.bfloat16)
-    # Weights over many binades, as trained heads have.
-    weight = torch.randn(out, inner, generator=gen) * torch.exp2(torch.randint(-12, 4, (out, inner), generator=gen).float())
-    return x, weight
-
-
-def ulp_bf16(t: torch.Tensor) -> torch.Tensor:
-    """One bf16 unit in the last place at each |t|."""
-    exponent = torch.floor(torch.log2(t.abs().clamp_min(2.0**-126)))
-    return torch.exp2(exponent - 7)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

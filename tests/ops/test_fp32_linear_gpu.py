@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from _support.fp32_linear_emulation import ulp_bf16
 from _support.helpers import stable_seed
 from nemo_dsa.ops.fp32_linear import fp32_linear_of_bf16, split_applies
-from test_fp32_linear import ulp_bf16
 
 pytestmark = [
     pytest.mark.gpu,
@@ -40,9 +40,9 @@ def test_matches_the_exact_product_and_its_gradients(rows, inner, out):
 def test_the_layers_compressors_on_exact_products_match_their_fp32_gemms(monkeypatch, layer_idx):
     """A V4 layer with its compressors' bf16-token projections on exact products against the same
     layer with the fp32 GEMMs (``split_applies`` off): the same values up to fp32 addition order."""
+    from _support.dsa_layer_runs import make_layer, packed_ids, run
     from _support.helpers import tiny_config
     from nemo_dsa.layers import compressor as compressor_module
-    from test_layers import make_layer, packed_ids, run
 
     cfg = tiny_config(hidden_size=256, num_attention_heads=8, head_dim=128, qk_rope_head_dim=64, q_lora_rank=64,
                       index_head_dim=64, backend="tilelang")  # fmt: skip

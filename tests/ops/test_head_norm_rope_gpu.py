@@ -82,9 +82,9 @@ def test_backward_matches_autograd_of_the_reference(case):
 def test_the_layer_with_the_fused_queries_matches_the_eager_ones(monkeypatch, layer_idx):
     """A V4 layer on the GPU with its queries from the fused kernels against the same layer with
     the eager norm + RoPE in their place (both on the attention kernels)."""
+    from _support.dsa_layer_runs import make_layer, packed_ids, run
     from _support.helpers import tiny_config
     from nemo_dsa.layers import sparse_attention as layer_module
-    from test_layers import make_layer, packed_ids, run
 
     cfg = tiny_config(hidden_size=64, num_attention_heads=8, head_dim=128, qk_rope_head_dim=64, q_lora_rank=32,
                       index_head_dim=64, backend="tilelang")  # fmt: skip

@@ -131,8 +131,8 @@ def test_plugin_forward_reads_the_host_once():
         import nemo_automodel  # noqa: F401
     except ImportError:
         pytest.skip("nemo-automodel is not installed (the DeepSeek-V4 plugin needs it)")
-    from test_deepseek_v4_plugin import VOCAB, build_plugin, thd_batch
-    from test_deepseek_v4_plugin import tiny_config as v4_config
+    from _support.v4_builtin_and_plugin import VOCAB, build_plugin, thd_batch
+    from _support.v4_builtin_and_plugin import tiny_config as v4_config
 
     torch.manual_seed(0)
     model = build_plugin(v4_config(), indexer_kl_coef=0.5)
@@ -158,7 +158,7 @@ def test_v41_plugin_forward_reads_the_host_once_outside_the_references():
         import nemo_automodel  # noqa: F401
     except ImportError:
         pytest.skip("nemo-automodel is not installed (the DeepSeek-V4.1 plugin needs it)")
-    from test_deepseek_v41_plugin import batch, build_models
+    from _support.v41_builtin_and_plugin import batch, build_models
 
     _, model = build_models()
     for kind in ("rows", "packed"):

@@ -18,68 +18,12 @@ import os
 
 import pytest
 import torch
-from _support.helpers import stable_seed
 
+from _support.helpers import stable_seed
+from _support.sparse_attention_cases import CASES, case_inputs, error_stats, sees_nothing
 from nemo_dsa.ops.sparse_attention import kernels, sparse_window_attention, window_compressed_attention_reference
 
 pytestmark = pytest.mark.gpu
-
-# (batch, seq_len, history, heads, dim, window, compressed rows, mode, slots, sink)
-CASES = [
-    (1, 300, 0, 64, 512, 128, 160, "indices", 512, True),
-    (3, 129, 40, 16, 128, 1, 50, "indices", 1, False),
-    (1, 203, 0, 128, 512, 128, 700, "indices", 2048, True),
-    (3, 77, 0, 64, 128, 128, 0, "window", 0, True),
-    (1, 150, 64, 64, 512, 128, 300, "range", 0, True),
-    (2, 97, 0, 20, 96, 1, 40, "range", 0, True),  # sink on a head count padded to 64
-    (1, 65, 3, 128, 128, 128, 90, "indices", 0, False),
-    (3, 111, 17, 16, 512, 128, 64, "indices", 512, True),
-]
-
-
-def _case_inputs(case, gen):
-    batch, seq_len, history, heads, dim, window, num_comp, mode, slots, with_sink = case
-    dev = "cuda"
-    num_raw = seq_len + history
-    q = torch.randn(batch, seq_len, heads, dim, generator=gen).bfloat16().to(dev)
-    raw = torch.randn(batch, num_raw, dim, generator=gen).bfloat16().to(dev)
-    own = torch.arange(seq_len) + history
-    # Packed documents: boundaries anywhere (some before the shard: CP history), a few padding
-    # queries (window_start past their own row) that see no window key.
-    starts = torch.sort(torch.randint(0, num_raw, (batch, 4), generator=gen), dim=1).values
-    ws = torch.zeros(batch, seq_len, dtype=torch.int64)
-    for k in range(4):
-        ws = torch.where(own[None] >= starts[:, k : k + 1], starts[:, k : k + 1], ws)
-    ws[:, :: max(1, seq_len // 5)] = own[:: max(1, seq_len // 5)] + 1
-    kw = {"sink": (torch.randn(heads, generator=gen) * 2).to(dev) if with_sink else None}
-    comp = None
-    if mode != "window":
-        comp = torch.randn(batch, num_comp, dim, generator=gen).bfloat16().to(dev)
-    if mode == "indices":
-        idx = torch.randint(0, num_comp, (batch, seq_len, slots), generator=gen)
-        idx = torch.where(torch.rand(idx.shape, generator=gen) < 0.2, -1, idx)
-        if slots > 1:
-            idx[..., 1] = idx[..., 0]  # repeated slots
-        idx[:, :: max(1, seq_len // 5)] = -1  # padding queries select nothing
-        kw["indices"] = idx.to(torch.int32).to(dev)
-    elif mode == "range":
-        ke = torch.randint(0, num_comp + 1, (batch, seq_len), generator=gen)
-        ks = (ke - torch.randint(0, num_comp + 1, (batch, seq_len), generator=gen)).clamp_min(0)
-        ks[:, :: max(1, seq_len // 5)] = ke[:, :: max(1, seq_len // 5)]
-        kw["ks"], kw["ke"] = ks.to(torch.int32).to(dev), ke.to(torch.int32).to(dev)
-    return q, raw, ws.to(torch.int32).to(dev), window, comp, kw, dim**-0.5
-
-
-def _stats(name, got, want):
-    got, want = got.double(), want.double()
-    err = (got - want).abs()
-    return {
-        "name": name,
-        "rel_norm": float(err.norm() / want.norm().clamp_min(1e-30)),
-        "max_abs": float(err.max()) if err.numel() else 0.0,
-        "mean_abs": float(err.mean()) if err.numel() else 0.0,
-        "max_rel": float((err / want.abs().clamp_min(1e-3)).max()) if err.numel() else 0.0,
-    }
 
 
 def _log(case, rows):
@@ -90,22 +34,10 @@ def _log(case, rows):
                 f.write(json.dumps({"case": list(case), **row}) + "\n")
 
 
-def _sees_nothing(q, raw, ws, window, comp, kw):
-    """[B, S] bool: queries with no visible key (from the reference's own index lists)."""
-    from nemo_dsa.ops.sparse_attention.naive import range_key_indices, window_key_indices
-
-    lists = [window_key_indices(ws, window, q.shape[1], raw.shape[1])]
-    if kw.get("indices") is not None:
-        lists.append(kw["indices"].long())
-    elif kw.get("ks") is not None:
-        lists.append(range_key_indices(kw["ks"], kw["ke"]))
-    return ~(torch.cat(lists, -1) >= 0).any(-1)
-
-
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_forward_and_backward_match_reference(case):
     gen = torch.Generator().manual_seed(stable_seed(case))
-    q, raw, ws, window, comp, kw, scale = _case_inputs(case, gen)
+    q, raw, ws, window, comp, kw, scale = case_inputs(case, gen)
     sink = kw.pop("sink")
     # Forward straight into NaN-poisoned outputs.
     inputs = kernels.KernelInputs(q, raw, ws, window, comp, kw.get("indices"), kw.get("ks"), kw.get("ke"), sink, scale)
@@ -121,16 +53,16 @@ def test_forward_and_backward_match_reference(case):
     grad = torch.randn(q.shape, generator=gen).to(q.device)
     (out_r * grad).sum().backward()
 
-    nothing = _sees_nothing(q, raw, ws, window, comp, kw)
+    nothing = sees_nothing(q, raw, ws, window, comp, kw)
     # Every element of the (head- and dim-padded) buffers is written, padded heads included.
     assert not torch.isnan(out_p).any() and not torch.isnan(lse_p).any(), "an output element was not written"
     assert torch.equal(out_k[nothing], torch.zeros_like(out_k[nothing]))
     if sink is None:
         assert torch.isneginf(lse_k[nothing]).all()
-    rows = [_stats("out", out_k, out_r)]
+    rows = [error_stats("out", out_k, out_r)]
     finite = torch.isfinite(lse_r)
     assert torch.equal(finite, torch.isfinite(lse_k))
-    rows.append(_stats("lse", lse_k[finite], lse_r[finite]))
+    rows.append(error_stats("lse", lse_k[finite], lse_r[finite]))
 
     # Backward through the public op (dq into a poisoned buffer via the kernel wrapper too).
     args = [t.clone().requires_grad_(True) if t is not None else None for t in (q, raw, comp, sink)]
@@ -145,7 +77,7 @@ def test_forward_and_backward_match_reference(case):
         if ref is None:
             continue
         assert got is not None and torch.isfinite(got).all(), f"{name}: missing or not finite"
-        rows.append(_stats(name, got, ref))
+        rows.append(error_stats(name, got, ref))
     _log(case, rows)
     for row in rows:
         if row["name"] == "d_sink":
@@ -164,7 +96,7 @@ def test_forward_and_backward_match_reference(case):
 def test_nan_in_unseen_rows_reaches_nothing():
     gen = torch.Generator().manual_seed(7)
     case = (1, 200, 0, 64, 512, 128, 100, "indices", 64, True)
-    q, raw, ws, window, comp, kw, scale = _case_inputs(case, gen)
+    q, raw, ws, window, comp, kw, scale = case_inputs(case, gen)
     kw["indices"] = torch.where(kw["indices"] >= 90, -1, kw["indices"])
     ws[:, 50] = 51  # query 50 is padding; no other window reaches row 50
     ws[:, 51:] = torch.clamp_min(ws[:, 51:], 51)
@@ -194,7 +126,7 @@ def test_backward_computes_only_what_inputs_need(wanted):
     those of the full backward (up to the order of the fp32 atomic adds)."""
     gen = torch.Generator().manual_seed(23)
     case = (1, 190, 30, 64, 512, 128, 120, "indices", 512, True)
-    q, raw, ws, window, comp, kw, scale = _case_inputs(case, gen)
+    q, raw, ws, window, comp, kw, scale = case_inputs(case, gen)
     sink = kw.pop("sink")
     grad = torch.randn(q.shape, generator=gen).bfloat16().cuda()
     names = ("q", "raw_kv", "compressed_kv", "sink")
@@ -217,7 +149,7 @@ def test_minus_one_tails_are_skipped_exactly():
     included): the kernels stop at each query's last valid slot and agree with the reference."""
     gen = torch.Generator().manual_seed(31)
     case = (2, 160, 0, 64, 512, 128, 400, "indices", 512, True)
-    q, raw, ws, window, comp, kw, scale = _case_inputs(case, gen)
+    q, raw, ws, window, comp, kw, scale = case_inputs(case, gen)
     sink = kw.pop("sink")
     idx = kw["indices"].cpu()
     keep = torch.randint(0, 513, idx.shape[:2], generator=gen)
@@ -233,19 +165,20 @@ def test_minus_one_tails_are_skipped_exactly():
     args = [t.clone().requires_grad_(True) for t in (q, raw, comp, sink)]
     out_a, _ = sparse_window_attention(args[0], args[1], ws, window, args[2], sink=args[3], scale=scale, backend="tilelang", **kw)
     (out_a.float() * grad).sum().backward()
-    rows = [_stats("out", out_a, out_r)] + [_stats(n, a.grad, l.grad) for n, a, l in zip(("dq", "d_raw_kv", "d_compressed_kv", "d_sink"), args, leaves)]
+    rows = [error_stats("out", out_a, out_r)] + [error_stats(n, a.grad, l.grad) for n, a, l in zip(("dq", "d_raw_kv", "d_compressed_kv", "d_sink"), args, leaves)]
     for row in rows:
         assert row["rel_norm"] <= 1e-2, f"{row['name']}: {row}"
 
 
 _FORWARD_CHECK = """
 import json, sys, torch
-import test_sparse_attention_kernels_gpu as t  # on the PYTHONPATH the parent hands down (tests/conftest.py)
+import _support.sparse_attention_cases as cases  # tests/ on the PYTHONPATH the parent hands down
+from _support.helpers import stable_seed
 from nemo_dsa.ops.sparse_attention import kernels, window_compressed_attention_reference
 rows = []
-for case in t.CASES:
-    gen = torch.Generator().manual_seed(t.stable_seed(case, "child"))
-    q, raw, ws, window, comp, kw, scale = t._case_inputs(case, gen)
+for case in cases.CASES:
+    gen = torch.Generator().manual_seed(stable_seed(case, "child"))
+    q, raw, ws, window, comp, kw, scale = cases.case_inputs(case, gen)
     sink = kw.pop("sink")
     inputs = kernels.KernelInputs(q, raw, ws, window, comp, kw.get("indices"), kw.get("ks"), kw.get("ke"), sink, scale)
     out_p = torch.full_like(inputs.q, float("nan"))
@@ -254,12 +187,12 @@ for case in t.CASES:
     torch.cuda.synchronize()
     out_r, lse_r = window_compressed_attention_reference(q.float(), raw.float(), ws, window,
         None if comp is None else comp.float(), sink=sink, scale=scale, **kw)
-    nothing = t._sees_nothing(q, raw, ws, window, comp, kw)
+    nothing = cases.sees_nothing(q, raw, ws, window, comp, kw)
     finite = torch.isfinite(lse_r)
     rows.append(dict(case=list(case), written=not (out_p.isnan().any() or lse_p.isnan().any()).item(),
         zeros=bool(torch.equal(out_k[nothing], torch.zeros_like(out_k[nothing]))),
         same_finite=bool(torch.equal(finite, torch.isfinite(lse_k))),
-        out=t._stats("out", out_k, out_r)["rel_norm"], lse=t._stats("lse", lse_k[finite], lse_r[finite])["max_abs"]))
+        out=cases.error_stats("out", out_k, out_r)["rel_norm"], lse=cases.error_stats("lse", lse_k[finite], lse_r[finite])["max_abs"]))
 print("RESULT " + json.dumps(rows))
 """
 
@@ -271,7 +204,7 @@ def test_forward_in_a_child_process_matches_reference():
     import subprocess
     import sys
 
-    # This module's folder and the shared code's: the path this process imported them from.
+    # tests/ (the shared code's folder) and nemo_dsa: the path this process imported them from.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [*sys.path]))}
     try:
         proc = subprocess.run([sys.executable, "-c", _FORWARD_CHECK], capture_output=True, text=True, timeout=600,

@@ -146,7 +146,7 @@ def test_hf_tokenizer_from_a_local_path(tmp_path):
 def test_packing_hf_tokens_keeps_document_boundaries(tmp_path, seq_len, min_piece):
     """Packed rows of a foreign tokenizer's ids hold each document whole and in order, with
     document-local positions and the tokenizer's pad id on padding."""
-    from test_data import check_row_invariants
+    from _support.packing_invariants import check_row_invariants
 
     texts = _texts(3, 40)
     tok = HFTokenizer(_tokenizer_dir(tmp_path, texts))

@@ -14,14 +14,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from _support.short_recipe_run import ROOT, SHORT
 from nemo_dsa.recipe.files import RunDirLock, RunDirLocked
 from nemo_dsa.recipe.parallel import RanksStopped
 from nemo_dsa.recipe.state import CorruptCheckpoint
 from nemo_dsa.train import load_config, read_metrics, train, warmup_cosine
-
-ROOT = Path(__file__).resolve().parents[2]
-SHORT = ["recipe=smoke", "recipe.seq_len=32", "recipe.batch_size=2", "recipe.max_steps=4", "recipe.ckpt_every=2",
-         "recipe.val_every=2", "recipe.num_threads=1", "recipe.plot=false"]
 
 
 def _run(run_dir, *extra):

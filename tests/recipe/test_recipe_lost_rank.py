@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from test_recipe_faults import ROOT, SHORT
+from _support.short_recipe_run import ROOT, SHORT
 
 DEADLINE_S = 120
 ERROR = "nemo-dsa-train: error: "

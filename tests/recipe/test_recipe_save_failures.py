@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from test_recipe_faults import ROOT, SHORT
+from _support.short_recipe_run import ROOT, SHORT
 
 CHILD_DEADLINE_S = 120  # far past any expected exit: a hung rank fails the test instead of blocking it
 ERROR = "nemo-dsa-train: error: "
