@@ -63,7 +63,6 @@ class Compressor(KeepsFP32Parameters):
         rope_theta: float,
         eps: float,
         rope_scaling: dict | None = None,
-        rope_arithmetic: str = "v4",
         *,
         overlap: bool = True,
         ape: bool = True,
@@ -74,7 +73,6 @@ class Compressor(KeepsFP32Parameters):
         self.rope_dim = rope_dim
         self.rope_theta = rope_theta
         self.rope_scaling = rope_scaling
-        self.rope_arithmetic = rope_arithmetic
         self.overlap = overlap and ratio == OVERLAP_RATIO
         self.gated = ratio > 1  # a one-token group has nothing to weigh
         width = head_dim * (2 if self.overlap else 1)
@@ -155,9 +153,8 @@ class Compressor(KeepsFP32Parameters):
         """``latent [B, G, head_dim]`` rotated at each group's first token's document-local position."""
         groups = latent.shape[1]
         first_token_positions = meta.local_positions[:, : groups * self.ratio : self.ratio]
-        angles = rope_angles(first_token_positions, self.rope_dim, self.rope_theta, self.rope_scaling,
-                             self.rope_arithmetic)  # fmt: skip
-        rotated = apply_rope(latent, angles, arithmetic=self.rope_arithmetic)
+        angles = rope_angles(first_token_positions, self.rope_dim, self.rope_theta, self.rope_scaling)
+        rotated = apply_rope(latent, angles)
         return rotated.masked_fill(~meta.group_valid.bool()[:, :groups].unsqueeze(-1), 0.0)
 
     def _with_previous_group(self, values, logits, meta, ctx):

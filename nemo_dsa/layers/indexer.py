@@ -78,7 +78,6 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
         self.rope_dim = config.qk_rope_head_dim
         self.rope_theta, self.rope_scaling = config.rope_parameters(compressed=True)
-        self.rope_arithmetic = config.rope_arithmetic
         self.keys_from_latent = config.index_keys == "latent"
         self.compressor = None
         if owns_keys and self.keys_from_latent:
@@ -88,7 +87,6 @@ class Indexer(nn.Module):
             self.compressor = Compressor(
                 config.hidden_size, self.head_dim, OVERLAP_RATIO, config.qk_rope_head_dim, self.rope_theta,
                 config.rms_norm_eps, self.rope_scaling, overlap=config.compressor_overlap, ape=config.compressor_ape,
-                rope_arithmetic=config.rope_arithmetic,
             )  # fmt: skip
         self.owns_keys = owns_keys
         if self.scoring == "v41":
@@ -131,9 +129,8 @@ class Indexer(nn.Module):
         """``k_norm(wk(latent))`` rotated at each group's first token's document-local position."""
         groups, ratio = latent.shape[1], meta.compress_ratio
         positions = meta.local_positions[:, : groups * ratio : ratio]
-        arithmetic = self.rope_arithmetic
-        angles = rope_angles(positions, self.rope_dim, self.rope_theta, self.rope_scaling, arithmetic)
-        return apply_rope(self.k_norm(self.wk(latent)), angles, arithmetic=arithmetic)
+        angles = rope_angles(positions, self.rope_dim, self.rope_theta, self.rope_scaling)
+        return apply_rope(self.k_norm(self.wk(latent)), angles)
 
     def forward(
         self,
@@ -174,7 +171,7 @@ class Indexer(nn.Module):
 
     def _queries(self, x, query_latent, angles):
         q = self.wq_b(query_latent).unflatten(-1, (self.n_heads, self.head_dim))
-        q = apply_rope(q, angles, arithmetic=self.rope_arithmetic).to(self.index_dtype(x))
+        q = apply_rope(q, angles).to(self.index_dtype(x))
         weights = self.weights_proj(x).float() * (self.head_dim**-0.5 * self.n_heads**-0.5)
         return q, weights
 

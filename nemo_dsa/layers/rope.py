@@ -19,8 +19,6 @@ from collections.abc import Mapping
 
 import torch
 
-from nemo_dsa.ops.rotary import check_arithmetic, rotate_pairs, rotation
-
 YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0}
 
 
@@ -54,21 +52,10 @@ def yarn_parameters(rope_scaling: Mapping | None) -> dict | None:
     return params
 
 
-def rope_inv_freq(
-    rope_dim: int, theta: float, rope_scaling: Mapping | None = None, arithmetic: str = "v4"
-) -> torch.Tensor:
-    """Per-pair inverse frequencies ``theta^(-2k/rope_dim)`` (YaRN-blended when asked), fp32 ``[rope_dim // 2]``.
-
-    Computed in fp32 as the built-in attention of ``arithmetic``'s model computes them (so the
-    angles, and every rotated value, are bitwise its): the ramp over the pairs is
-    ``clamp((k - low) / (high - low), 0, 1)``; DeepSeek-V4 (``"v4"``) blends
-    ``f / factor * (1 - smooth) + f * smooth`` with ``smooth = 1 - ramp`` (its reference's form),
-    DeepSeek-V4.1 (``"v41"``) ``f / factor * ramp + f * (1 - ramp)``; the two can differ in the
-    last bit where ``1 - (1 - ramp) != ramp``.
-    """
-    check_arithmetic(arithmetic)
+def rope_inv_freq(rope_dim: int, theta: float, rope_scaling: Mapping | None = None) -> torch.Tensor:
+    """Per-pair inverse frequencies ``theta^(-2k/rope_dim)`` (YaRN-blended when asked), fp32 ``[rope_dim // 2]``."""
     half = rope_dim // 2
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
+    inv_freq = 1.0 / theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)
     yarn = yarn_parameters(rope_scaling)
     if yarn is not None and half > 0:
 
@@ -79,33 +66,26 @@ def rope_inv_freq(
 
         low = max(math.floor(pair_index(yarn["beta_fast"])), 0)
         high = min(math.ceil(pair_index(yarn["beta_slow"])), rope_dim - 1)
-        factor = yarn["factor"]
-        pairs = torch.arange(half, dtype=torch.float32)
-        if arithmetic == "v41":
-            ramp = ((pairs - low) / max(high - low, 1e-3)).clamp(0, 1)
-            inv_freq = inv_freq / factor * ramp + inv_freq * (1 - ramp)
-        else:
-            smooth = 1.0 - ((pairs - low) / ((high + 0.001 if high == low else high) - low)).clamp(0, 1)
-            inv_freq = inv_freq / factor * (1.0 - smooth) + inv_freq * smooth
-    return inv_freq
+        span = (high - low) if high != low else 0.001
+        interpolated = ((torch.arange(half, dtype=torch.float64) - low) / span).clamp(0, 1)
+        inv_freq = inv_freq * (1 - interpolated) + inv_freq / yarn["factor"] * interpolated
+    return inv_freq.to(torch.float32)
 
 
 def rope_angles(
-    positions: torch.Tensor, rope_dim: int, theta: float, rope_scaling: Mapping | None = None, arithmetic: str = "v4"
+    positions: torch.Tensor, rope_dim: int, theta: float, rope_scaling: Mapping | None = None
 ) -> torch.Tensor:
     """Angles ``positions * inv_freq`` in fp32, shape ``[*positions.shape, rope_dim // 2]``."""
-    inv_freq = rope_inv_freq(rope_dim, theta, rope_scaling, arithmetic).to(positions.device)
+    inv_freq = rope_inv_freq(rope_dim, theta, rope_scaling).to(positions.device)
     return positions.to(torch.float32).unsqueeze(-1) * inv_freq
 
 
-def apply_rope(x: torch.Tensor, angles: torch.Tensor, *, inverse: bool = False, arithmetic: str = "v4") -> torch.Tensor:
+def apply_rope(x: torch.Tensor, angles: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
     """Rotate the last ``2 * angles.shape[-1]`` channels of ``x`` (``[B, S, ..., D]``).
 
     ``angles`` is ``[B, S, rope_dim // 2]``; it broadcasts over any head axes between S and D.
     ``inverse=True`` applies the opposite rotation (used on the attention output, whose values
-    carry the keys' rotation). The math runs in fp32 in ``arithmetic``'s roundings
-    (``nemo_dsa.ops.rotary``: V4's real cos / sin products or V4.1's complex multiply); the
-    result has ``x``'s dtype.
+    carry the keys' rotation). The math runs in fp32; the result has ``x``'s dtype.
 
     Values are :func:`apply_rope_reference`'s, bit for bit. Its backward under autograd writes the
     whole ``x``-sized gradient several times (each slice's backward fills a zero tensor, then the
@@ -116,46 +96,50 @@ def apply_rope(x: torch.Tensor, angles: torch.Tensor, *, inverse: bool = False, 
     if angles.shape[-1] == 0:
         return x
     if angles.requires_grad:
-        return apply_rope_reference(x, angles, inverse=inverse, arithmetic=arithmetic)
-    return _RopeFunction.apply(x, _turn(x, angles, inverse, arithmetic), arithmetic)
+        return apply_rope_reference(x, angles, inverse=inverse)
+    cos, sin = _cos_sin(x, angles, inverse)
+    return _RopeFunction.apply(x, cos, sin)
 
 
-def apply_rope_reference(
-    x: torch.Tensor, angles: torch.Tensor, *, inverse: bool = False, arithmetic: str = "v4"
-) -> torch.Tensor:
+def apply_rope_reference(x: torch.Tensor, angles: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
     """:func:`apply_rope` as plain torch ops (its autograd is the reference backward)."""
     half = angles.shape[-1]
     if half == 0:
         return x
-    turn = _turn(x, angles, inverse, arithmetic)
+    cos, sin = _cos_sin(x, angles, inverse)
     plain, rotary = x[..., : -2 * half], x[..., -2 * half :]
-    return torch.cat((plain, rotate_pairs(rotary.float(), turn, arithmetic).to(x.dtype)), dim=-1)
+    return torch.cat((plain, _rotate(rotary.float(), cos, sin).to(x.dtype)), dim=-1)
 
 
-def _turn(x: torch.Tensor, angles: torch.Tensor, inverse: bool, arithmetic: str) -> torch.Tensor:
+def _cos_sin(x: torch.Tensor, angles: torch.Tensor, inverse: bool) -> tuple[torch.Tensor, torch.Tensor]:
     while angles.ndim < x.ndim:
         angles = angles.unsqueeze(-2)
-    return rotation(angles, arithmetic, inverse=inverse)
+    cos, sin = angles.cos(), angles.sin()
+    return cos, (-sin if inverse else sin)
+
+
+def _rotate(rotary: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """fp32 interleaved pairs ``(e, o)`` -> ``(e cos - o sin, e sin + o cos)``."""
+    pairs = rotary.unflatten(-1, (cos.shape[-1], 2))
+    even, odd = pairs[..., 0], pairs[..., 1]
+    return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
 
 
 class _RopeFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, turn, arithmetic):
-        width = 2 * turn.shape[-1]
+    def forward(ctx, x, cos, sin):
+        width = 2 * cos.shape[-1]
         out = x.clone(memory_format=torch.contiguous_format)
-        out[..., -width:] = rotate_pairs(x[..., -width:].float(), turn, arithmetic).to(x.dtype)
-        ctx.save_for_backward(turn)
-        ctx.arithmetic = arithmetic
+        out[..., -width:] = _rotate(x[..., -width:].float(), cos, sin).to(x.dtype)
+        ctx.save_for_backward(cos, sin)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        (turn,) = ctx.saved_tensors
-        width = 2 * turn.shape[-1]
+        cos, sin = ctx.saved_tensors
+        width = 2 * cos.shape[-1]
         d_x = grad.clone(memory_format=torch.contiguous_format)
         # The transpose of the rotation, as autograd composes it from the forward's products:
-        # d_even = g_e cos + g_o sin, d_odd = g_o cos - g_e sin (rotating by -angle; V4.1: the
-        # complex multiply by the conjugate, as autograd of its complex product).
-        back = torch.complex(turn.real, -turn.imag)
-        d_x[..., -width:] = rotate_pairs(grad[..., -width:].float(), back, ctx.arithmetic).to(grad.dtype)
+        # d_even = g_e cos + g_o sin, d_odd = g_o cos - g_e sin (rotating by -angle).
+        d_x[..., -width:] = _rotate(grad[..., -width:].float(), cos, -sin).to(grad.dtype)
         return d_x, None, None

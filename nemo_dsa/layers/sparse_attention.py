@@ -152,7 +152,6 @@ class DSASparseAttention(KeepsFP32Parameters):
             Compressor(
                 hidden, self.head_dim, self.ratio, self.rope_dim, self.rope_theta, config.rms_norm_eps,
                 self.rope_scaling, overlap=config.compressor_overlap, ape=config.compressor_ape,
-                rope_arithmetic=config.rope_arithmetic,
             )
             if owns_compressed_kv
             else None
@@ -194,11 +193,10 @@ class DSASparseAttention(KeepsFP32Parameters):
         """
         ctx = ctx if ctx is not None else LocalContext()
         shared = shared if shared is not None else SharedLayerState()
-        arithmetic = self.config.rope_arithmetic
-        angles = rope_angles(meta.local_positions, self.rope_dim, self.rope_theta, self.rope_scaling, arithmetic)
+        angles = rope_angles(meta.local_positions, self.rope_dim, self.rope_theta, self.rope_scaling)
         query_latent = self.q_norm(self.wq_a(x))
         q = self._queries(query_latent, angles)
-        kv = apply_rope(self.kv_norm(self.wkv(x)), angles, arithmetic=arithmetic)
+        kv = apply_rope(self.kv_norm(self.wkv(x)), angles)
         if self.config.window_kv_quant == "fp8":
             kv = fp8_quant_dequant(kv, FP8_BLOCK)
 
@@ -236,8 +234,7 @@ class DSASparseAttention(KeepsFP32Parameters):
         V4-Flash-shaped step). Without the norm nothing keeps that q (RoPE's
         backward needs only its angles), so nothing is recomputed."""
         if not self.config.q_head_rms:
-            q = self.wq_b(query_latent).unflatten(-1, (self.n_heads, self.head_dim))
-            return apply_rope(q, angles, arithmetic=self.config.rope_arithmetic)
+            return apply_rope(self.wq_b(query_latent).unflatten(-1, (self.n_heads, self.head_dim)), angles)
         if torch.is_grad_enabled():
             return checkpoint(
                 self._normalized_queries, query_latent, angles, use_reentrant=False, preserve_rng_state=False
@@ -248,8 +245,8 @@ class DSASparseAttention(KeepsFP32Parameters):
         q = self.wq_b(query_latent).unflatten(-1, (self.n_heads, self.head_dim))
         # On CUDA one TileLang kernel each way (ops/head_norm_rope) instead of ~10 eager passes.
         if q.is_cuda and q.dtype == torch.bfloat16 and kernels_support(self.head_dim, self.rope_dim):
-            return head_rms_rope(q, angles, self.eps, backend="tilelang", arithmetic=self.config.rope_arithmetic)
-        return apply_rope(rms_normalize(q, self.eps), angles, arithmetic=self.config.rope_arithmetic)
+            return head_rms_rope(q, angles, self.eps, backend="tilelang")
+        return apply_rope(rms_normalize(q, self.eps), angles)
 
     def _output_projection(self, out: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
         """The attention output ``[B, S, H, head_dim]``, its rotary channels rotated back, ->
@@ -260,7 +257,7 @@ class DSASparseAttention(KeepsFP32Parameters):
         heads = out.shape[-2:]
 
         def rotate_back(flat: torch.Tensor) -> torch.Tensor:
-            return apply_rope(flat.unflatten(-1, heads), angles, inverse=True, arithmetic=self.config.rope_arithmetic).flatten(2)
+            return apply_rope(flat.unflatten(-1, heads), angles, inverse=True).flatten(2)
 
         if self.config.o_lora_rank > 0 and not angles.requires_grad:
             return self.wo_b(self.wo_a(out.flatten(2), rotate_back))

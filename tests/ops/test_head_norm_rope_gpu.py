@@ -92,9 +92,9 @@ def test_the_layer_with_the_fused_queries_matches_the_eager_ones(monkeypatch, la
     ids = packed_ids([[40, 56], [77]], seq=96).cuda()
     calls = []
 
-    def eager(q, angles, eps, backend, arithmetic):
+    def eager(q, angles, eps, backend):
         calls.append(backend)
-        return layer_module.apply_rope(layer_module.rms_normalize(q, eps), angles, arithmetic=arithmetic)
+        return layer_module.apply_rope(layer_module.rms_normalize(q, eps), angles)
 
     results = {}
     for fused in (False, True):

@@ -202,16 +202,16 @@ class RotaryAngles(nn.Module):
     (YaRN on compressed layers only, as in the release); ``forward(position_ids)`` -> fp32 angles
     ``[..., dim // 2]``. It holds no tensors (nothing to save or shard)."""
 
-    def __init__(self, dim: int, theta: float, scaling, arithmetic: str = "v41") -> None:
+    def __init__(self, dim: int, theta: float, scaling) -> None:
         super().__init__()
-        self.dim, self.theta, self.scaling, self.arithmetic = dim, float(theta), scaling, arithmetic
+        self.dim, self.theta, self.scaling = dim, float(theta), scaling
         yarn = scaling or {}
         self.factor = float(yarn.get("factor", 1.0))
         self.original_length = int(yarn.get("original_max_position_embeddings", 0))
         self.beta_fast, self.beta_slow = float(yarn.get("beta_fast", 32)), float(yarn.get("beta_slow", 1))
 
     def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
-        return rope_angles(position_ids, self.dim, self.theta, self.scaling, self.arithmetic)
+        return rope_angles(position_ids, self.dim, self.theta, self.scaling)
 
 
 class NemoDsaDeepseekV41Attention(CoreAttention):
@@ -241,9 +241,7 @@ class NemoDsaDeepseekV41Attention(CoreAttention):
         self.attention_dropout = float(getattr(text, "attention_dropout", 0.0) or 0.0)
         self.is_kv_source = layer_idx in text.kv_source_layer_ids
         self.is_index_source = layer_idx in text.index_source_layer_ids
-        self.rotary_emb = RotaryAngles(
-            self._core.rope_dim, self._core.rope_theta, self._core.rope_scaling, dsa_config.rope_arithmetic
-        )
+        self.rotary_emb = RotaryAngles(self._core.rope_dim, self._core.rope_theta, self._core.rope_scaling)
         for absent in ("compressor", "indexer"):
             if not hasattr(self, absent):
                 setattr(self, absent, None)  # as the built-in's layers without them

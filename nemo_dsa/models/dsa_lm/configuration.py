@@ -22,7 +22,6 @@ from nemo_dsa.models.dsa_lm.layer_roles import (
     latest_kv_source,
 )
 from nemo_dsa.ops.dispatch import BACKENDS
-from nemo_dsa.ops.rotary import ROPE_ARITHMETICS
 from nemo_dsa.ops.v4_indexer.kernels import kernel_refusal as v4_kernel_refusal
 from nemo_dsa.ops.v41_indexer.heads import kernel_refusal as v41_kernel_refusal
 
@@ -95,9 +94,6 @@ class DSAModelConfig:
     rope_theta: float = 10000.0
     compress_rope_theta: float | None = None
     rope_scaling: dict | None = None
-    # RoPE's fp32 arithmetic (nemo_dsa.ops.rotary): "v4" (DeepSeek-V4's built-in: torch.cos / sin,
-    # real products) or "v41" (DeepSeek-V4.1's: torch.polar and a complex multiply; its YaRN blend).
-    rope_arithmetic: str = "v4"
     max_position_embeddings: int = 4096
     initializer_range: float = 0.02
     tie_word_embeddings: bool = False
@@ -201,7 +197,6 @@ class DSAModelConfig:
             ("index_keys", INDEX_KEY_SOURCES),
             ("window_kv_quant", WINDOW_KV_QUANTS),
             ("compressed_kv_quant", COMPRESSED_KV_QUANTS),
-            ("rope_arithmetic", ROPE_ARITHMETICS),
         ):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")

@@ -56,7 +56,6 @@ compressor_ape                position bias; ratio 1 is ``wkv`` + norm)
 index_keys                    "latent" (``k_norm(wk(compressed latent))``)
 window_kv_quant               "fp8" (blocks of 32)
 compressed_kv_quant           "nvfp4" (blocks of 16)
-rope_arithmetic               "v41" (the release's complex-multiply RoPE, ``nemo_dsa.ops.rotary``)
 ============================  =====================================================================
 """
 
@@ -136,7 +135,6 @@ V41_ATTENTION = {
     "index_keys": "latent",
     "window_kv_quant": "fp8",
     "compressed_kv_quant": "nvfp4",
-    "rope_arithmetic": "v41",
 }
 
 

@@ -12,19 +12,13 @@ import torch
 from nemo_dsa._checks import check_finite_float, check_tensor
 from nemo_dsa.ops.dispatch import resolve_backend
 from nemo_dsa.ops.head_norm_rope.naive import head_rms_rope_reference
-from nemo_dsa.ops.rotary import check_arithmetic, rotation
 
 
-def _rows_and_tables(x: torch.Tensor, angles: torch.Tensor, arithmetic: str = "v4"):
-    """x as rows and the fp32 cos / sin tables ``[tokens, half]``, from ``arithmetic``'s cos and sin
-    (``nemo_dsa.ops.rotary``), so the kernels rotate by the reference's very values."""
+def _rows_and_tables(x: torch.Tensor, angles: torch.Tensor):
     batch, seq, heads, dim = x.shape
     half = angles.shape[-1]
-    if half:
-        turn = rotation(angles, arithmetic).reshape(batch * seq, half)
-        cos, sin = turn.real, turn.imag
-    else:
-        cos = sin = x.new_zeros(batch * seq, 1, dtype=torch.float32)
+    cos = angles.cos().reshape(batch * seq, half) if half else x.new_zeros(batch * seq, 1, dtype=torch.float32)
+    sin = angles.sin().reshape(batch * seq, half) if half else x.new_zeros(batch * seq, 1, dtype=torch.float32)
     return x.reshape(batch * seq * heads, dim), cos.contiguous(), sin.contiguous()
 
 
@@ -40,37 +34,32 @@ class HeadRmsRopeFunction(torch.autograd.Function):
     """The TileLang forward and backward; keeps ``x`` (bf16) and ``rstd`` (fp32, one a row)."""
 
     @staticmethod
-    def forward(ctx, x, angles, eps, arithmetic):
+    def forward(ctx, x, angles, eps):
         x = x.contiguous()
-        rows, cos, sin = _rows_and_tables(x, angles, arithmetic)
+        rows, cos, sin = _rows_and_tables(x, angles)
         q = torch.empty_like(rows)
         rstd = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
         if rows.shape[0]:
             _kernel("forward", x, 2 * angles.shape[-1])(rows, cos, sin, q, rstd, x.shape[2], float(eps))
         ctx.save_for_backward(x, angles, rstd)
-        ctx.arithmetic = arithmetic
         return q.view(x.shape)
 
     @staticmethod
     def backward(ctx, grad):
         x, angles, rstd = ctx.saved_tensors
-        rows, cos, sin = _rows_and_tables(x, angles, ctx.arithmetic)
+        rows, cos, sin = _rows_and_tables(x, angles)
         grad_rows = grad.to(x.dtype).contiguous().view(rows.shape)
         dx = torch.empty_like(rows)
         if rows.shape[0]:
             _kernel("backward", x, 2 * angles.shape[-1])(grad_rows, rows, rstd, cos, sin, dx, x.shape[2])
-        return dx.view(x.shape), None, None, None
+        return dx.view(x.shape), None, None
 
 
-def head_rms_rope(
-    x: torch.Tensor, angles: torch.Tensor, eps: float, *, backend: str = "auto", arithmetic: str = "v4"
-) -> torch.Tensor:
+def head_rms_rope(x: torch.Tensor, angles: torch.Tensor, eps: float, *, backend: str = "auto") -> torch.Tensor:
     """V4's query preparation: per-head RMS norm of ``x [B, S, H, D]`` without a weight, then RoPE on
     its last ``2 * angles.shape[-1]`` channels (interleaved pairs) by ``angles [B, S, half]`` (fp32).
 
     The kernels take bf16 ``x`` on CUDA (the angles are not differentiated); the result has x's dtype.
-    ``arithmetic``: RoPE's fp32 cos / sin and products (``nemo_dsa.ops.rotary``); the kernels
-    compute every product and sum of the rotation as one fp32 rounding each, as the reference does.
     """
     check_tensor("x", x, ndim=4, dtypes=(torch.bfloat16, torch.float16, torch.float32, torch.float64))
     batch, seq, _heads, dim = x.shape
@@ -78,15 +67,14 @@ def head_rms_rope(
     if 2 * angles.shape[-1] > dim:
         raise ValueError(f"angles rotate {2 * angles.shape[-1]} channels, more than x's head dim {dim}")
     check_finite_float("eps", eps)
-    check_arithmetic(arithmetic)
     backend = resolve_backend(backend, x, angles)
     if backend == "torch":
-        return head_rms_rope_reference(x, angles, eps, arithmetic)
+        return head_rms_rope_reference(x, angles, eps)
     if x.dtype != torch.bfloat16:
         raise TypeError(f"x must have dtype bfloat16 for the TileLang kernels, got {str(x.dtype).replace('torch.', '')}")
     if not kernels_support(dim, 2 * angles.shape[-1]):
         raise ValueError(f"the TileLang kernels take head dims that are multiples of 128, got {dim}; use backend='torch'")
-    return HeadRmsRopeFunction.apply(x, angles.detach(), eps, arithmetic)
+    return HeadRmsRopeFunction.apply(x, angles.detach(), eps)
 
 
 def kernels_support(dim: int, rope_dim: int) -> bool:

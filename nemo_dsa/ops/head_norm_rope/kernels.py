@@ -7,11 +7,6 @@ its rotary partner) and writes the rotated row and ``rstd``. The backward reads 
 gradient and x once: the rotary channels' gradient is rotated back in fp32 and rounded to bf16 (the
 reference's rounding), then ``dx = rstd * (g - y * mean(g * y))`` with ``y = x * rstd`` in fp32.
 
-The rotation is the reference's fp32 arithmetic (``nemo_dsa.ops.rotary``; the cos / sin tables are
-the reference's values): each product and each sum of ``(e c - o s, e s + o c)`` rounds once
-(``__fmul_rn`` / ``__fadd_rn`` / ``__fsub_rn``, which nvcc never contracts into an FMA), exactly as
-the eager ops and the release's complex multiply round them.
-
 Counts at S = 16,384, 64 heads of 512 (one V4-Flash layer): the eager ops move ~16 GB in the
 forward and ~30 GB in the backward; these kernels move 2 GB and 3 GB.
 Lowered for sm_90a on the CPU (tests/ops/test_head_norm_rope.py); checked against the reference on
@@ -34,14 +29,6 @@ def supports(dim: int, rope_dim: int) -> bool:
 def block_heads_for(heads: int) -> int:
     """Rows a block takes: the largest of 4, 2, 1 dividing ``heads`` (a block stays in one token)."""
     return next(b for b in (4, 2, 1) if heads % b == 0)
-
-
-def _rotation_terms(T, a, b, c, s, *, first_minus: bool):
-    """``a c - b s`` (``first_minus``) or ``a s + b c``, every product and the sum rounded once."""
-    f32 = T.float32
-    if first_minus:
-        return T.call_extern(f32, "__fsub_rn", T.call_extern(f32, "__fmul_rn", a, c), T.call_extern(f32, "__fmul_rn", b, s))
-    return T.call_extern(f32, "__fadd_rn", T.call_extern(f32, "__fmul_rn", a, s), T.call_extern(f32, "__fmul_rn", b, c))
 
 
 def forward_kernel(dim: int, rope_dim: int, block_heads: int):
@@ -84,11 +71,7 @@ def forward_kernel(dim: int, rope_dim: int, block_heads: int):
                     pair = (j - plain) // 2
                     even, odd = y_s[i, plain + 2 * pair], y_s[i, plain + 2 * pair + 1]
                     c, s = Cos[token, pair], Sin[token, pair]
-                    rotated = T.if_then_else(
-                        (j - plain) % 2 == 0,
-                        _rotation_terms(T, even, odd, c, s, first_minus=True),
-                        _rotation_terms(T, even, odd, c, s, first_minus=False),
-                    )
+                    rotated = T.if_then_else((j - plain) % 2 == 0, even * c - odd * s, even * s + odd * c)
                     Q[first_row + i, j] = T.cast(rotated, T.bfloat16)
             for i in T.Parallel(block_heads):
                 Rstd[first_row + i] = rstd[i]
@@ -133,12 +116,7 @@ def backward_kernel(dim: int, rope_dim: int, block_heads: int):
                     g_even = T.cast(g_s[i, plain + 2 * pair], T.float32)
                     g_odd = T.cast(g_s[i, plain + 2 * pair + 1], T.float32)
                     c, s = Cos[token, pair], Sin[token, pair]
-                    # Rotating back: (g_e c + g_o s, g_o c - g_e s), i.e. by the conjugate (c, -s).
-                    back = T.if_then_else(
-                        (j - plain) % 2 == 0,
-                        _rotation_terms(T, g_odd, g_even, c, s, first_minus=False),
-                        _rotation_terms(T, g_odd, g_even, c, s, first_minus=True),
-                    )
+                    back = T.if_then_else((j - plain) % 2 == 0, g_even * c + g_odd * s, g_odd * c - g_even * s)
                     g_y[i, j] = T.cast(T.cast(back, T.bfloat16), T.float32)  # the reference's rounding
                 normalized[i, j] = T.cast(x_s[i, j], T.float32) * rstd[i]
                 products[i, j] = g_y[i, j] * normalized[i, j]
