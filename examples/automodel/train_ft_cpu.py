@@ -2,15 +2,19 @@
 
     .venv/bin/python examples/automodel/write_tiny_v4_checkpoint.py --output /tmp/nemo_dsa_tiny_v4
     .venv/bin/python examples/automodel/train_ft_cpu.py --config examples/automodel/deepseek_v4_plugin_tiny_ft.yaml
+    .venv/bin/python -m torch.distributed.run --standalone --nproc-per-node 2 examples/automodel/train_ft_cpu.py \
+        --config examples/automodel/deepseek_v41_plugin_tiny_pp.yaml      # 2 pipeline stages
 
 nemo-automodel 0.7.0's recipe assumes CUDA in three calls, which fail on a CPU build of torch
 (``AttributeError: module 'torch._C' has no attribute '_cuda_resetPeakMemoryStats'``): model
 building asks ``torch.cuda.current_device()``, ``setup()`` resets CUDA peak-memory statistics and
-``_build_model`` materialises the model on that CUDA device. Without a GPU this script stands in
-for those three (device 0 as a plain number, no statistics to reset, materialise on the CPU) and
-selects the gloo backend (``--dist_env.backend gloo`` unless given); everything else is
-nemo-automodel's own ``train_ft.main``. With a GPU it changes nothing. Extra arguments are the
-recipe's own overrides, e.g. ``--step_scheduler.max_steps 4``.
+``_build_model`` materialises the model on that CUDA device; with pipeline stages
+(``distributed.pp_size`` > 1) in two more: the stages are placed on ``cuda:<current device>`` and
+their neighbours' warm-up ends in ``torch.cuda.synchronize``. Without a GPU this script stands in
+for those (device 0 as a plain number, no statistics to reset, materialise and place the stages on
+the CPU, nothing to synchronize) and selects the gloo backend (``--dist_env.backend gloo`` unless
+given); everything else is nemo-automodel's own ``train_ft.main``. With a GPU it changes nothing.
+Extra arguments are the recipe's own overrides, e.g. ``--step_scheduler.max_steps 4``.
 
 nemo-automodel appends every run's ``training.jsonl`` / ``validation.jsonl`` to its
 ``checkpoint.checkpoint_dir``: unless ``--checkpoint.checkpoint_dir`` is given, each run here gets its
@@ -40,6 +44,14 @@ def patch_cuda_only_calls() -> None:
         return build(*args, **kwargs)
 
     auto_model.apply_model_infrastructure = on_cpu
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    infrastructure = auto_model.instantiate_infrastructure
+
+    def stages_on_cpu(*args, **kwargs):
+        kwargs["device"] = torch.device("cpu")
+        return infrastructure(*args, **kwargs)
+
+    auto_model.instantiate_infrastructure = stages_on_cpu
 
 
 def own_checkpoint_dir(argv: list[str]) -> list[str]:

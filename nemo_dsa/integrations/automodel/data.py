@@ -19,7 +19,7 @@ from nemo_dsa._checks import check_positive_int
 from nemo_dsa.data import CORPUS_MODULES, ByteTokenizer, split_documents, stdlib_documents
 from nemo_dsa.labels import IGNORE_INDEX
 
-__all__ = ["document_examples", "stdlib_docstring_dataset"]
+__all__ = ["byte_engram_tokenizer", "document_examples", "stdlib_docstring_dataset"]
 
 SPLITS = ("train", "validation")
 
@@ -84,3 +84,20 @@ def stdlib_docstring_dataset(
     if not examples:
         raise ValueError(f"the {split!r} split is empty: adjust val_percent={val_percent} or modules")
     return examples
+
+
+def byte_engram_tokenizer():
+    """A transformers fast tokenizer over ``ByteTokenizer``'s ids, for DeepSeek-V4.1's Engram.
+
+    V4.1's Engram hashes n-grams of token ids after merging ids whose decoded text normalises to
+    the same string (``engram_compressed_vocab_size`` of them), so the model takes the tokenizer
+    (``tokenizer=`` of the model, or the config's checkpoint). Here every id is one word-level
+    token ``<b000>`` .. ``<b258>`` (bytes, then BOS, EOS, PAD), so no two ids merge: a model on this
+    corpus sets ``vocab_size`` and ``engram_compressed_vocab_size`` to 259. Imports transformers.
+    """
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"<b{i:03d}>": i for i in range(ByteTokenizer.vocab_size)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<b258>"))
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<b258>", pad_token="<b258>")

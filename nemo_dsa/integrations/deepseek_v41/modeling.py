@@ -18,11 +18,14 @@ Options (constructor keywords or config attributes): ``indexer_backend`` and ``a
 are given), ``fused_topk`` and ``recompute`` (parts recomputed in the backward instead of kept, as
 for V4: ``nemo_dsa.integrations.common.recompute``). Context
 parallelism runs through the built-in's own CP sharder and forward (``cp_group`` reaches every
-attention; see ``deepseek_v41.attention``).
+attention; see ``deepseek_v41.attention``). Pipeline stages, which the built-in does not build,
+come from nemo-automodel's ``AutoPipeline`` through ``V41PipelineStages`` (``pipeline.py``): the
+forward hands a stage's call to ``stage_forward``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,14 +40,25 @@ from nemo_dsa.integrations.common.lm_head import Fp32HeadLinear, adopt_fp32_head
 from nemo_dsa.integrations.common.hyper_connections import pop_hc_backend_option
 from nemo_dsa.integrations.common.recompute import apply_recompute, pop_recompute_option
 from nemo_dsa.integrations.common.strict_loading import StrictCheckpointLoading
+from nemo_dsa.integrations.deepseek_v41.pipeline import StageCall, V41PipelineStages, stage_forward
 
 __all__ = ["ARCHITECTURE", "NemoDsaDeepseekV41ForCausalLM", "dsa_config_from_deepseek_v41"]
 
 ARCHITECTURE = "NemoDsaDeepseekV41ForCausalLM"
 
 
-class NemoDsaDeepseekV41ForCausalLM(StrictCheckpointLoading, DeepseekV41ForCausalLM):
+class NemoDsaDeepseekV41ForCausalLM(StrictCheckpointLoading, V41PipelineStages, DeepseekV41ForCausalLM):
     """nemo-automodel's DeepSeek-V4.1 whose attention layers run on nemo_dsa (see the module docstring)."""
+
+    @dataclass(frozen=True)
+    class ModelCapabilities:
+        """The built-in's, plus pipeline stages (``pipeline.py``)."""
+
+        supports_tp: bool = False
+        supports_cp: bool = True
+        supports_pp: bool = True
+        supports_ep: bool = True
+        supports_thd: bool = True
 
     @classmethod
     def supports_config(cls, config: Any) -> bool:
@@ -69,6 +83,7 @@ class NemoDsaDeepseekV41ForCausalLM(StrictCheckpointLoading, DeepseekV41ForCausa
         announce_bf16_hidden(self.model, self.lm_head)
         apply_recompute(self.model, self.model.layers.values(), recompute, "v41")
         self._init_strict_loading()
+        self._init_pipeline_stages()
 
     def forward(
         self,
@@ -97,6 +112,14 @@ class NemoDsaDeepseekV41ForCausalLM(StrictCheckpointLoading, DeepseekV41ForCausa
         exact bf16 products (``integrations/common/lm_head.py``); no announcement outlives the forward."""
         if use_cache:
             raise ValueError("use_cache: NemoDsaDeepseekV41ForCausalLM has no KV cache (full-sequence forward); pass False")
+        if isinstance(input_ids, StageCall):  # a pipeline stage (pipeline.py)
+            return stage_forward(
+                self, input_ids, attention_mask, position_ids, labels=labels, pixel_values=pixel_values,
+                image_grid_hws=image_grid_hws, vision_token_types=vision_token_types, logits_to_keep=logits_to_keep,
+                return_hidden_states=return_hidden_states, output_hidden_states=output_hidden_states,
+                cp_group=cp_group, packed_seq_ids=packed_seq_ids, seq_lens=seq_lens, seq_lens_padded=seq_lens_padded,
+                qkv_format=qkv_format,
+            )  # fmt: skip
         try:
             return super().forward(
                 input_ids, attention_mask, position_ids, labels=labels, pixel_values=pixel_values,
