@@ -3,8 +3,8 @@
 A command refusing a crafted folder must end within seconds and stay under 1 GiB of CPU memory;
 without the checks it hangs (a FIFO, ``/dev/zero``) or allocates what a config asks for. Run in a
 child, a hang is killed at ``timeout`` and an allocation is capped by ``RLIMIT_AS`` (so a broken
-check fails its test instead of stalling or exhausting the machine), and the child's own
-``ru_maxrss`` (from ``wait4``) is its peak resident memory.
+check fails its test instead of stalling or exhausting the machine), and the child reports its own
+peak resident memory (``PRINT_PEAK``).
 """
 
 from __future__ import annotations
@@ -33,6 +33,16 @@ class Outcome:
     @property
     def error_lines(self) -> list[str]:
         return [line for line in self.stderr.splitlines() if line.strip()]
+
+
+# The child's own peak resident memory, printed as its last stdout line. Not ru_maxrss: the child is
+# forked from the test process before it execs, and Linux carries the forked image's resident size
+# (the whole test process, over 1 GiB late in a full run) into ru_maxrss; VmHWM is the exec'd
+# program's alone.
+PRINT_PEAK = (
+    "print('peak_kib=%s' % next(line.split()[1] for line in open('/proc/self/status') "
+    "if line.startswith('VmHWM:')), flush=True)\n"
+)
 
 
 def run_python(code: str, *, timeout: float = 60.0, cwd: str | os.PathLike | None = None) -> Outcome:
@@ -64,10 +74,9 @@ def run_python(code: str, *, timeout: float = 60.0, cwd: str | os.PathLike | Non
 
 def run_command(module: str, args: list[str], *, timeout: float = 60.0, cwd=None) -> Outcome:
     """``python -m <module> args`` (an entry point's ``main``), its exit code and peak memory."""
-    code = (f"import resource, sys\nfrom {module} import main\n"
+    code = (f"import sys\nfrom {module} import main\n"
             f"try:\n    code = main({args!r})\nexcept SystemExit as e:\n    code = e.code\n"
-            "print('peak_kib=%d' % resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, flush=True)\n"
-            "sys.exit(code)\n")
+            + PRINT_PEAK + "sys.exit(code)\n")
     return run_python(code, timeout=timeout, cwd=cwd)
 
 

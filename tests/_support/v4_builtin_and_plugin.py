@@ -277,3 +277,14 @@ def assert_gradients_match(ref: dict, got: dict, floor: float) -> dict:
         allowed = hc_bound if hc else RTOL
         assert err <= allowed, f"{name}: rel {err:.3g} > {allowed:.3g}"
     return worst
+
+
+def write_hf_folder(path, tensors: dict, architecture: str) -> None:
+    """An HF-format folder at ``path``: ``tensors`` as model.safetensors and the tiny config naming
+    ``architecture``."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = tiny_config()
+    config.architectures = [architecture]
+    config.save_pretrained(path)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from _support.bounded import assert_refused_on_one_line, run_python
+from _support.bounded import PRINT_PEAK, assert_refused_on_one_line, run_python
 from _support.helpers import skip_without_automodel
 from nemo_dsa.export import main as export_main
 from nemo_dsa.integrations.common.strict_loading import checkpoint_files
@@ -73,11 +73,10 @@ def _copy(exported: Path, tmp_path: Path, *, config=None, tensors=None) -> Path:
 
 def _refuse_in_child(load: str, folder: Path):
     """Run ``load`` (an expression over ``folder``) in a child: ValueError -> its line, exit 2."""
-    code = (f"import resource, sys\n{AUTOMODEL_ON_CPU}\nfolder = {str(folder)!r}\n"
+    code = (f"import sys\n{AUTOMODEL_ON_CPU}\nfolder = {str(folder)!r}\n"
             f"try:\n    {load}\n    code = 0\nexcept ValueError as e:\n"
             "    print(' '.join(str(e).split()), file=sys.stderr)\n    code = 2\n"
-            "print('peak_kib=%d' % resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, flush=True)\n"
-            "sys.exit(code)\n")
+            + PRINT_PEAK + "sys.exit(code)\n")
     return run_python(code, timeout=120)
 
 
@@ -102,12 +101,15 @@ def test_a_config_asking_for_a_huge_model_is_refused_before_allocating(exported,
 
 
 def test_a_plugin_config_asking_for_a_huge_model_is_refused_before_allocating(tmp_path):
-    from test_strict_checkpoint_loading import ARCHITECTURE, DeepseekV4ForCausalLM, backend, tiny_config, write
+    from nemo_automodel.components.models.deepseek_v4.model import DeepseekV4ForCausalLM
+
+    from _support.v4_builtin_and_plugin import backend, tiny_config, write_hf_folder
+    from nemo_dsa.integrations.deepseek_v4 import ARCHITECTURE
 
     model = DeepseekV4ForCausalLM(tiny_config(), backend=backend())
     model.initialize_weights(buffer_device=torch.device("cpu"), dtype=torch.float32)
     tensors = {k: v.contiguous() for k, v in model.state_dict_adapter.to_hf(model.state_dict()).items()}
-    write(tmp_path, tensors, ARCHITECTURE)
+    write_hf_folder(tmp_path, tensors, ARCHITECTURE)
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "vocab_size": 200_000_000}))
     line = assert_refused_on_one_line(_refuse_in_child(AUTOMODEL, tmp_path), after_imports=True)

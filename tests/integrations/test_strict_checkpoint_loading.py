@@ -34,7 +34,7 @@ from nemo_automodel.components.models.deepseek_v4.model import DeepseekV4ForCaus
 from nemo_dsa.integrations.common.checkpoint import load_hf_checkpoint
 from nemo_dsa.integrations.common.strict_loading import read_safetensors_header
 from nemo_dsa.integrations.deepseek_v4 import ARCHITECTURE, NemoDsaDeepseekV4ForCausalLM
-from _support.v4_builtin_and_plugin import backend, build_plugin, randomize_, tiny_config
+from _support.v4_builtin_and_plugin import backend, build_plugin, randomize_, tiny_config, write_hf_folder
 
 WEIGHT = "layers.1.attn.wq_b.weight"
 
@@ -51,22 +51,15 @@ def good(tmp_path_factory):
         for k, v in model.state_dict_adapter.to_hf(model.state_dict()).items()
     }
     path = tmp_path_factory.mktemp("good")
-    write(path, tensors, ARCHITECTURE)
+    write_hf_folder(path, tensors, ARCHITECTURE)
     return path, tensors
-
-
-def write(path, tensors: dict, architecture: str) -> None:
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    config = tiny_config()
-    config.architectures = [architecture]
-    config.save_pretrained(path)
 
 
 def broken_copy(good, tmp_path, edit, architecture=ARCHITECTURE):
     _, tensors = good
     tensors = dict(tensors)
     edit(tensors)
-    write(tmp_path, tensors, architecture)
+    write_hf_folder(tmp_path, tensors, architecture)
     return tmp_path
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _support.bounded import run_python
+from _support.bounded import PRINT_PEAK, run_python
 from _support.helpers import error_v41_inputs, full_visibility
 from nemo_dsa.ops.sparse_attention import sparse_window_attention
 from nemo_dsa.ops.topk import pytorch_extract_topk_scores, select_topk
@@ -59,12 +59,11 @@ def test_a_window_longer_than_raw_kv_attends_as_raw_kvs_length():
 
 def test_a_huge_window_stays_under_a_gibibyte():
     code = """
-import resource, torch
+import torch
 from nemo_dsa.ops.sparse_attention import sparse_window_attention
 q, raw_kv = torch.randn(1, 4, 2, 8), torch.randn(1, 6, 8)
 sparse_window_attention(q, raw_kv, torch.zeros(1, 4, dtype=torch.int32), 2**26, scale=0.3)
-print('peak_kib=%d' % resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
-"""
+""" + PRINT_PEAK
     outcome = run_python(code)
     assert outcome.returncode == 0, outcome.stderr[-2000:]
     assert outcome.peak_bytes < 1 << 30, outcome.peak_bytes
